@@ -1,0 +1,32 @@
+"""Every default the product uses, in one place (target, initiator, CLI and API read these)."""
+
+DISCOVERY_NQN = "nqn.2014-08.org.nvmexpress.discovery"
+DEFAULT_SUBSYSTEM_NQN = "nqn.2026-11.io.nvmeof-toolkit:ramdisk0"
+
+TCP_IO_PORT = 4420          # IANA NVMe-oF port
+TCP_DISCOVERY_PORT = 8009   # NVME_TCP_DISC_PORT
+API_PORT = 8080
+LISTEN_ADDRESS = "127.0.0.1"
+
+ADMIN_QUEUE_SIZE = 32       # NVME_AQ_DEPTH: the Linux host connects the admin queue with sqsize 31
+MAX_QUEUE_SIZE = 128        # MQES + 1 advertised in CAP
+MAX_IO_QUEUES = 64
+ADMIN_INCAPSULE_SIZE = 8192  # NVME_TCP_ADMIN_CCSZ: fabrics/admin in-capsule data
+IO_INCAPSULE_SIZE = 8192     # advertised through IOCCSZ = (64 + this) / 16
+MAXH2CDATA = 128 * 1024      # ICResp maxdata: multiple of 4, >= 4096
+MDTS = 8                     # 2**8 * 4 KiB = 1 MiB per command
+PAGE_SIZE = 4096             # CAP.MPSMIN = 0
+KAS_UNITS_MS = 100           # Identify KAS granularity
+DEFAULT_KATO_MS = 5000       # NVME_DEFAULT_KATO = 5 s
+KATO_GRACE = 1.0             # extra seconds before a silent host's controller is torn down (CTRATT TBKAS off)
+CAP_TO_500MS = 15            # CAP.TO: 7.5 s to become ready
+NVME_VERSION = (1, 3, 0)     # VS: CNS 0x03 is used by the host from 1.3 on
+
+RAMDISK_DEFAULT_SIZE = 1 << 30
+DEFAULT_BLOCK_SIZE = 512
+MODEL = "nvmeof-toolkit"
+FIRMWARE_REVISION = "0.1.0"
+IEEE_OUI = b"\x00\x00\x00"
+MAX_NAMESPACES = 1024
+TCP_MAX_C2H_DATA = 16 * 1024 * 1024  # host side: largest C2HData payload one PDU may carry before TermReq
+FILE_IO_THREADS = 4          # threads for blocking file-backend calls (preadv/pwritev/fdatasync/fallocate)

@@ -1,0 +1,186 @@
+"""NVMe over Fabrics command layouts, Connect data, properties and the Discovery log page.
+
+Layouts: NVMe over Fabrics 1.1 §3 and NVMe Base 2.0 §6; Linux include/linux/nvme.h
+``struct nvmf_connect_command``, ``struct nvmf_connect_data``, ``struct nvmf_property_{get,set}_command``,
+``struct nvmf_disc_rsp_page_hdr`` / ``nvmf_disc_rsp_page_entry``.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from construct import Bytes, Const, Int8ul, Int16ul, Int32ul, Int64ul, PaddedString, Padding, Struct
+
+FABRICS_OPCODE = 0x7F
+CONNECT_DATA_SIZE = 1024
+DISCOVERY_LOG_HEADER_SIZE = 1024
+DISCOVERY_LOG_ENTRY_SIZE = 1024
+NQN_FIELD_SIZE = 256
+NVMF_NQN_SIZE = 223  # longest NQN, bytes of UTF-8
+
+# Connect CATTR bits
+CATTR_PRIORITY_MASK = 0x3
+CATTR_DISABLE_SQFLOW = 1 << 2   # NVME_CONNECT_DISABLE_SQFLOW
+# Property Get/Set ATTRIB: bit 0 selects an 8-byte property
+PROPERTY_SIZE_8 = 1
+CONNECT_ADMIN_CNTLID = 0xFFFF  # dynamic controller model: "allocate one"
+SQHD_DISABLED = 0xFFFF         # SQ flow control disabled (CATTR bit 2)
+
+
+class Property(enum.IntEnum):
+    CAP = 0x00
+    VS = 0x08
+    INTMS = 0x0C
+    INTMC = 0x10
+    CC = 0x14
+    CSTS = 0x1C
+    NSSR = 0x20
+    AQA = 0x24
+    CRTO = 0x68
+
+
+class TrType(enum.IntEnum):
+    RDMA = 1
+    FC = 2
+    TCP = 3
+    LOOP = 254
+
+
+class AdrFam(enum.IntEnum):
+    IPV4 = 1
+    IPV6 = 2
+    IB = 3
+    FC = 4
+    LOOP = 254
+
+
+class SubType(enum.IntEnum):
+    REFERRAL = 1   # NVME_NQN_DISC: another discovery service
+    NVME = 2       # NVME_NQN_NVME: an NVM subsystem
+    CURRENT = 3    # NVME_NQN_CURR: the discovery controller being asked
+
+
+# TREQ: secure channel bits 1:0, SQ flow control disable bit 2
+TREQ_NOT_SPECIFIED = 0
+TREQ_REQUIRED = 1
+TREQ_NOT_REQUIRED = 2
+TREQ_DISABLE_SQFLOW = 1 << 2
+# EFLAGS
+EFLAGS_EPCSD = 1 << 1   # explicit persistent connection support for discovery
+EFLAGS_DUPRETINFO = 1 << 0
+
+# TSAS for TCP: security type
+TCP_SECTYPE_NONE = 0
+# TSAS for RDMA
+RDMA_QPTYPE_CONNECTED = 1
+RDMA_PRTYPE_NOT_SPECIFIED = 1
+RDMA_CMS_RDMA_CM = 1
+
+# Connect response DW0 bits used for IATTR/IPO on INVALID_PARAM: IATTR in bits 23:16 (0 = SQE field,
+# 1 = Connect data field), IPO (byte offset) in bits 15:0 (NVMe-oF 1.1 Figure 23).
+CONNECT_IATTR_SQE = 0
+CONNECT_IATTR_DATA = 1
+
+
+def connect_invalid_param_result(iattr: int, ipo: int) -> int:
+    return ((iattr & 0xFF) << 16) | (ipo & 0xFFFF)
+
+
+ConnectCommand = Struct(
+    "opcode" / Const(FABRICS_OPCODE, Int8ul),
+    "rsvd1" / Int8ul,
+    "cid" / Int16ul,
+    "fctype" / Int8ul,
+    "rsvd2" / Bytes(19),
+    "dptr" / Bytes(16),
+    "recfmt" / Int16ul,
+    "qid" / Int16ul,
+    "sqsize" / Int16ul,
+    "cattr" / Int8ul,
+    "rsvd3" / Int8ul,
+    "kato" / Int32ul,
+    "rsvd4" / Bytes(12),
+)
+
+ConnectData = Struct(
+    "hostid" / Bytes(16),
+    "cntlid" / Int16ul,
+    "rsvd4" / Padding(238),
+    "subsysnqn" / PaddedString(NQN_FIELD_SIZE, "utf8"),
+    "hostnqn" / PaddedString(NQN_FIELD_SIZE, "utf8"),
+    "rsvd5" / Padding(256),
+)
+
+PropertySetCommand = Struct(
+    "opcode" / Const(FABRICS_OPCODE, Int8ul),
+    "rsvd1" / Int8ul,
+    "cid" / Int16ul,
+    "fctype" / Int8ul,
+    "rsvd2" / Bytes(35),
+    "attrib" / Int8ul,
+    "rsvd3" / Bytes(3),
+    "offset" / Int32ul,
+    "value" / Int64ul,
+    "rsvd4" / Bytes(8),
+)
+
+PropertyGetCommand = Struct(
+    "opcode" / Const(FABRICS_OPCODE, Int8ul),
+    "rsvd1" / Int8ul,
+    "cid" / Int16ul,
+    "fctype" / Int8ul,
+    "rsvd2" / Bytes(35),
+    "attrib" / Int8ul,
+    "rsvd3" / Bytes(3),
+    "offset" / Int32ul,
+    "rsvd4" / Bytes(16),
+)
+
+DisconnectCommand = Struct(
+    "opcode" / Const(FABRICS_OPCODE, Int8ul),
+    "rsvd1" / Int8ul,
+    "cid" / Int16ul,
+    "fctype" / Int8ul,
+    "rsvd2" / Bytes(19),
+    "dptr" / Bytes(16),
+    "recfmt" / Int16ul,
+    "rsvd3" / Bytes(22),
+)
+
+DiscoveryLogHeader = Struct(
+    "genctr" / Int64ul,
+    "numrec" / Int64ul,
+    "recfmt" / Int16ul,
+    "rsvd" / Padding(DISCOVERY_LOG_HEADER_SIZE - 18),
+)
+
+TsasTcp = Struct("sectype" / Int8ul, "rsvd" / Padding(255))
+TsasRdma = Struct(
+    "qptype" / Int8ul,
+    "prtype" / Int8ul,
+    "cms" / Int8ul,
+    "rsvd3" / Padding(5),
+    "pkey" / Int16ul,
+    "rsvd10" / Padding(246),
+)
+
+DiscoveryLogEntry = Struct(
+    "trtype" / Int8ul,
+    "adrfam" / Int8ul,
+    "subtype" / Int8ul,
+    "treq" / Int8ul,
+    "portid" / Int16ul,
+    "cntlid" / Int16ul,
+    "asqsz" / Int16ul,
+    "eflags" / Int16ul,
+    "rsvd12" / Padding(20),
+    "trsvcid" / PaddedString(32, "ascii"),
+    "rsvd64" / Padding(192),
+    "subnqn" / PaddedString(NQN_FIELD_SIZE, "utf8"),
+    "traddr" / PaddedString(256, "ascii"),
+    "tsas" / Bytes(256),
+)
+
+# Compiled parsers for structures read per connection (Connect data) or per discovery entry.
+ConnectDataCompiled = ConnectData.compile()
+DiscoveryLogEntryCompiled = DiscoveryLogEntry.compile()
