@@ -1,0 +1,771 @@
+"""Sans-IO NVMe/TCP connection: bytes in, events out, bytes to send drained by the adapter.
+
+One class serves both ends of a queue (``Role.HOST`` and ``Role.CONTROLLER``). Nothing here touches
+a socket, a clock or asyncio; the adapters in target/transports/tcp.py and initiator/queue.py feed
+``receive_data`` and write ``data_to_send()`` with ``writelines``.
+
+Framing rules follow the NVMe/TCP transport specification and what the Linux host and nvmet check
+(drivers/nvme/host/tcp.c ``nvme_tcp_recv_pdu``, drivers/nvme/target/tcp.c ``nvmet_tcp_try_recv_pdu``):
+each PDU header is checked (type legal for role and state, hlen, digest flags, pdo, plen) from its
+first 8 bytes and then its full header, before any of its data is waited for, so a bad length never
+makes us buffer more than one PDU header. A framing violation yields a ``ProtocolError`` event, queues
+a TermReq of our role and closes the connection. A data digest mismatch is not fatal: the event
+carries ``digest_ok=False`` and the command fails with a transport status instead.
+
+Memoryviews in events point into the received bytes and stay valid until the next ``receive_data``
+call; a consumer keeping data longer copies it.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+from nvmeof import defaults
+from nvmeof.crc32c import crc32c, digest_bytes
+from nvmeof.spec import tcp as spec
+from nvmeof.spec.tcp import FatalErrorStatus as Fes
+from nvmeof.spec.tcp import PduType
+
+__all__ = [
+    "C2HDataReceived",
+    "CommandReceived",
+    "Event",
+    "H2CDataReceived",
+    "ICReqReceived",
+    "ICRespReceived",
+    "ProtocolError",
+    "R2TReceived",
+    "ResponseReceived",
+    "Role",
+    "State",
+    "TcpConnection",
+    "TermReqReceived",
+]
+
+
+class Role(enum.Enum):
+    HOST = "host"
+    CONTROLLER = "controller"
+
+
+class State(enum.Enum):
+    AWAIT_IC = "await-ic"      # nothing exchanged yet
+    IC_PENDING = "ic-pending"  # host: ICReq sent, ICResp awaited; controller: ICReq in, ICResp not sent
+    READY = "ready"
+    CLOSED = "closed"
+
+
+# ---------------------------------------------------------------------------------------------- events
+
+
+@dataclass(slots=True)
+class ICReqReceived:
+    pfv: int
+    hpda: int
+    hdgst: bool
+    ddgst: bool
+    maxr2t: int
+
+
+@dataclass(slots=True)
+class ICRespReceived:
+    pfv: int
+    cpda: int
+    hdgst: bool
+    ddgst: bool
+    maxh2cdata: int
+
+
+@dataclass(slots=True)
+class CommandReceived:
+    sqe: memoryview                 # 64 bytes
+    data: memoryview | None         # in-capsule data
+    digest_ok: bool = True          # False: in-capsule data failed its data digest
+
+
+@dataclass(slots=True)
+class ResponseReceived:
+    cqe: memoryview                 # 16 bytes
+
+
+@dataclass(slots=True)
+class H2CDataReceived:
+    cccid: int
+    ttag: int
+    offset: int
+    data: memoryview
+    last: bool
+    digest_ok: bool
+
+
+@dataclass(slots=True)
+class C2HDataReceived:
+    cccid: int
+    offset: int
+    data: memoryview
+    last: bool
+    success: bool
+    digest_ok: bool
+
+
+@dataclass(slots=True)
+class R2TReceived:
+    cccid: int
+    ttag: int
+    offset: int
+    length: int
+
+
+@dataclass(slots=True)
+class TermReqReceived:
+    fes: int
+    fei: int
+    raw: bytes                      # the TermReq's data: the peer's copy of the PDU header it rejected
+
+
+@dataclass(slots=True)
+class ProtocolError:
+    fes: Fes
+    fei: int
+    reason: str
+
+
+Event = (
+    ICReqReceived | ICRespReceived | CommandReceived | ResponseReceived | H2CDataReceived
+    | C2HDataReceived | R2TReceived | TermReqReceived | ProtocolError
+)
+
+# ----------------------------------------------------------------------------------------- tables
+
+_ICREQ = PduType.ICREQ.value
+_ICRESP = PduType.ICRESP.value
+_H2C_TERM = PduType.H2C_TERM_REQ.value
+_C2H_TERM = PduType.C2H_TERM_REQ.value
+_CMD = PduType.CAPSULE_CMD.value
+_RSP = PduType.CAPSULE_RESP.value
+_H2C = PduType.H2C_DATA.value
+_C2H = PduType.C2H_DATA.value
+_R2T = PduType.R2T.value
+
+_HLEN = {
+    _ICREQ: spec.IC_PDU_SIZE,
+    _ICRESP: spec.IC_PDU_SIZE,
+    _H2C_TERM: spec.TERM_REQ_HEADER_SIZE,
+    _C2H_TERM: spec.TERM_REQ_HEADER_SIZE,
+    _CMD: spec.CAPSULE_CMD_HEADER_SIZE,
+    _RSP: spec.CAPSULE_RESP_SIZE,
+    _H2C: spec.DATA_PDU_HEADER_SIZE,
+    _C2H: spec.DATA_PDU_HEADER_SIZE,
+    _R2T: spec.R2T_SIZE,
+}
+
+# PDU types each end may receive, per state. The host's own ICReq moves it to IC_PENDING; the
+# controller's ICResp moves it to READY. A TermReq is legal at any time before CLOSED.
+_LEGAL: dict[tuple[Role, State], frozenset[int]] = {
+    (Role.CONTROLLER, State.AWAIT_IC): frozenset({_ICREQ, _H2C_TERM}),
+    (Role.CONTROLLER, State.IC_PENDING): frozenset({_H2C_TERM}),
+    (Role.CONTROLLER, State.READY): frozenset({_CMD, _H2C, _H2C_TERM}),
+    (Role.CONTROLLER, State.CLOSED): frozenset(),
+    (Role.HOST, State.AWAIT_IC): frozenset({_C2H_TERM}),
+    (Role.HOST, State.IC_PENDING): frozenset({_ICRESP, _C2H_TERM}),
+    (Role.HOST, State.READY): frozenset({_RSP, _C2H, _R2T, _C2H_TERM}),
+    (Role.HOST, State.CLOSED): frozenset(),
+}
+
+_COMMON = spec.COMMON_HDR
+_IC = spec.IC_HDR
+_TERM = spec.TERM_REQ_HDR
+_CMD_HDR = spec.CAPSULE_CMD_HDR
+_RSP_HDR = spec.CAPSULE_RESP_HDR
+_DATA_HDR = spec.DATA_PDU_HDR
+_unpack_common = _COMMON.unpack_from
+_unpack_data_hdr = _DATA_HDR.unpack_from
+_unpack_le32 = struct.Struct("<I").unpack_from
+_unpack_le64 = struct.Struct("<Q").unpack_from
+
+_HDGSTF = spec.HDGSTF
+_DDGSTF = spec.DDGSTF
+_LAST = spec.DATA_LAST
+_SUCCESS = spec.DATA_SUCCESS
+_DGST_LEN = spec.DIGEST_LENGTH
+_TERM_DATA_MAX = spec.TERM_REQ_MAX_DATA
+
+
+def _pdu_name(ptype: int) -> str:
+    try:
+        return PduType(ptype).name
+    except ValueError:
+        return f"type {ptype:#04x}"
+
+
+class _Fatal(Exception):
+    """Internal: a framing violation found while checking one PDU header."""
+
+    def __init__(self, fes: Fes, fei: int, reason: str) -> None:
+        super().__init__(reason)
+        self.fes = fes
+        self.fei = fei
+        self.reason = reason
+
+
+# ------------------------------------------------------------------------------------- connection
+
+
+class TcpConnection:
+    """One NVMe/TCP queue's PDU layer (see the module docstring)."""
+
+    def __init__(
+        self,
+        role: Role,
+        *,
+        maxh2cdata: int = defaults.MAXH2CDATA,
+        max_incapsule: int = defaults.ADMIN_INCAPSULE_SIZE,
+        max_data: int = defaults.TCP_MAX_C2H_DATA,
+    ) -> None:
+        if not isinstance(role, Role):
+            raise TypeError(f"role must be a Role, not {role!r}")
+        _check_maxh2cdata(maxh2cdata)
+        if max_incapsule < 0:
+            raise ValueError(f"max_incapsule must be >= 0, got {max_incapsule}")
+        if max_data <= 0:
+            raise ValueError(f"max_data must be > 0, got {max_data}")
+        self.role = role
+        self.state = State.AWAIT_IC
+        # Controller: the MAXH2CDATA it advertises and enforces. Host: the ICResp's value once READY.
+        self.maxh2cdata = maxh2cdata
+        self.max_incapsule = max_incapsule  # controller: in-capsule bytes accepted per CapsuleCmd
+        self.max_data = max_data            # host: largest C2HData payload accepted per PDU
+        self.hdgst = False
+        self.ddgst = False
+        self.maxr2t = 0
+        self.hpda = 0
+        self.cpda = 0
+        self._req_hdgst = False   # digests asked for in the ICReq (sent by us or received)
+        self._req_ddgst = False
+        self._legal = _LEGAL[(role, State.AWAIT_IC)]
+        self._out: list[bytes | memoryview] = []
+        # Receive buffer: unparsed bytes are self._buf[self._pos:]. Once events have handed out
+        # views into it, it is never resized again (a resize would fail with exported buffers);
+        # a new bytearray takes over the leftover bytes instead.
+        self._buf = bytearray()
+        self._pos = 0
+        self._exported = False
+        # The PDU at self._pos has passed its header checks; these are its parsed lengths.
+        self._pending: tuple[int, int, int, int, int, int, int] | None = None
+        # Fast path for the commonest PDU once READY (controller: CapsuleCmd without data; host:
+        # CapsuleResp): its whole 8-byte common header as one integer, and its plen.
+        self._fast_key = -1
+        self._fast_hlen = 0
+        self._fast_plen = 0
+
+    # ------------------------------------------------------------------------------------ state
+
+    def _set_state(self, state: State) -> None:
+        self.state = state
+        self._legal = _LEGAL[(self.role, state)]
+        self._fast_key = -1
+        if state is State.READY:
+            hd = _DGST_LEN if self.hdgst else 0
+            flags = _HDGSTF if hd else 0
+            if self.role is Role.CONTROLLER:
+                ptype, hlen = _CMD, spec.CAPSULE_CMD_HEADER_SIZE
+            else:
+                ptype, hlen = _RSP, spec.CAPSULE_RESP_SIZE
+            self._fast_hlen = hlen
+            self._fast_plen = hlen + hd
+            self._fast_key = _unpack_le64(_COMMON.pack(ptype, flags, hlen, 0, hlen + hd))[0]
+
+    @property
+    def closed(self) -> bool:
+        return self.state is State.CLOSED
+
+    # ---------------------------------------------------------------------------------- receive
+
+    def receive_data(self, data: bytes | bytearray | memoryview) -> list[Event]:
+        """Feed received bytes; return the events of every PDU completed by them (never raises)."""
+        if self.state is State.CLOSED or not data:
+            return []
+        buf = self._buf
+        pos = self._pos
+        if pos == len(buf):
+            # Nothing buffered: parse the caller's bytes in place (no copy on the common path).
+            mv = data if isinstance(data, memoryview) else memoryview(data)
+            if mv.format != "B" or mv.ndim != 1:
+                mv = mv.cast("B")
+            events: list[Event] = []
+            consumed = self._parse(mv, 0, events)
+            if consumed == len(mv) or self.state is State.CLOSED:
+                if self._buf:
+                    self._buf = bytearray()
+                self._pos = 0
+            else:
+                self._buf = bytearray(mv[consumed:])
+                self._pos = 0
+                self._exported = False
+            return events
+        if self._exported:
+            buf = self._buf = buf[pos:]  # slicing a bytearray copies: the old one keeps its views
+            self._exported = False
+        elif pos:
+            del buf[:pos]
+        self._pos = 0
+        buf += data
+        events = []
+        mv = memoryview(buf)
+        consumed = self._parse(mv, 0, events)
+        del mv
+        if self.state is State.CLOSED:
+            self._buf = bytearray()
+            self._pos = 0
+        else:
+            self._pos = consumed
+            if events:
+                self._exported = True
+        return events
+
+    def _parse(self, mv: memoryview, pos: int, events: list[Event]) -> int:
+        end = len(mv)
+        fast_key = self._fast_key
+        fast_hlen = self._fast_hlen
+        fast_plen = self._fast_plen
+        fast_cmd = self.role is Role.CONTROLLER
+        while self.state is not State.CLOSED:
+            avail = end - pos
+            pending = self._pending
+            if pending is None:
+                if avail < 8:
+                    break
+                if avail >= fast_plen and _unpack_le64(mv, pos)[0] == fast_key:
+                    # Same checks as the general path, which a bad header digest falls back to.
+                    hlen = fast_hlen
+                    if hlen == fast_plen or crc32c(mv[pos:pos + hlen]) == _unpack_le32(mv, pos + hlen)[0]:
+                        if fast_cmd:
+                            events.append(CommandReceived(mv[pos + 8:pos + hlen], None, True))
+                        else:
+                            events.append(ResponseReceived(mv[pos + 8:pos + hlen]))
+                        pos += fast_plen
+                        continue
+                try:
+                    pending = self._check_header(mv, pos, avail)
+                except _Fatal as err:
+                    self._fail(events, mv, pos, avail, err)
+                    break
+                if pending is None:
+                    break
+                self._pending = pending
+            ptype, flags, hlen, pdo, plen, hd, dd = pending
+            if avail < plen:
+                break
+            self._pending = None
+            try:
+                self._dispatch(mv, pos, ptype, flags, hlen, pdo, plen, hd, dd, events)
+            except _Fatal as err:
+                self._fail(events, mv, pos, avail, err)
+                break
+            pos += plen
+        return pos
+
+    def _check_header(self, mv: memoryview, pos: int, avail: int):
+        """Check one PDU header; return its lengths, or None until the whole header is here."""
+        ptype, flags, hlen, pdo, plen = _unpack_common(mv, pos)
+        exp_hlen = _HLEN.get(ptype)
+        if exp_hlen is None:
+            raise _Fatal(Fes.INVALID_HEADER_FIELD, spec.OFF_TYPE, f"unknown PDU type {ptype:#04x}")
+        if ptype not in self._legal:
+            raise _Fatal(
+                Fes.PDU_SEQUENCE_ERROR, 0,
+                f"{_pdu_name(ptype)} is not expected by the {self.role.value} in state {self.state.value}",
+            )
+        if hlen != exp_hlen:
+            raise _Fatal(
+                Fes.INVALID_HEADER_FIELD, spec.OFF_HLEN,
+                f"{_pdu_name(ptype)} hlen {hlen}, expected {exp_hlen}",
+            )
+        hd = dd = 0
+        if ptype == _ICREQ or ptype == _ICRESP:
+            if plen != spec.IC_PDU_SIZE:
+                raise _Fatal(
+                    Fes.INVALID_HEADER_FIELD, spec.OFF_PLEN,
+                    f"{_pdu_name(ptype)} plen {plen}, expected {spec.IC_PDU_SIZE}",
+                )
+        elif ptype == _H2C_TERM or ptype == _C2H_TERM:
+            # TermReqs never carry digests: the error may be the digest itself.
+            if not spec.TERM_REQ_MIN_PLEN <= plen <= spec.TERM_REQ_MAX_PLEN:
+                raise _Fatal(
+                    Fes.INVALID_HEADER_FIELD, spec.OFF_PLEN,
+                    f"{_pdu_name(ptype)} plen {plen} outside "
+                    f"{spec.TERM_REQ_MIN_PLEN}..{spec.TERM_REQ_MAX_PLEN}",
+                )
+        else:
+            if self.hdgst:
+                if not flags & _HDGSTF:
+                    raise _Fatal(
+                        Fes.INVALID_HEADER_FIELD, spec.OFF_FLAGS,
+                        f"{_pdu_name(ptype)} without HDGSTF although header digest was negotiated",
+                    )
+                hd = _DGST_LEN
+            elif flags & _HDGSTF:
+                raise _Fatal(
+                    Fes.INVALID_HEADER_FIELD, spec.OFF_FLAGS,
+                    f"{_pdu_name(ptype)} has HDGSTF but header digest was not negotiated",
+                )
+            hdr_end = hlen + hd
+            if plen < hdr_end:
+                raise _Fatal(
+                    Fes.INVALID_HEADER_FIELD, spec.OFF_PLEN,
+                    f"{_pdu_name(ptype)} plen {plen} shorter than its header ({hdr_end})",
+                )
+            if ptype == _RSP or ptype == _R2T or (ptype == _CMD and plen == hdr_end):
+                if plen != hdr_end:
+                    raise _Fatal(
+                        Fes.INVALID_HEADER_FIELD, spec.OFF_PLEN,
+                        f"{_pdu_name(ptype)} plen {plen}, expected {hdr_end}",
+                    )
+                if pdo and pdo < hdr_end:
+                    raise _Fatal(
+                        Fes.INVALID_HEADER_FIELD, spec.OFF_PDO,
+                        f"{_pdu_name(ptype)} pdo {pdo} inside its header ({hdr_end})",
+                    )
+            else:
+                # CapsuleCmd with in-capsule data, H2CData, C2HData: data starts right after the
+                # header (we advertise cpda 0 and accept only hpda 0).
+                if pdo != hdr_end:
+                    raise _Fatal(
+                        Fes.INVALID_HEADER_FIELD, spec.OFF_PDO,
+                        f"{_pdu_name(ptype)} pdo {pdo}, expected {hdr_end}",
+                    )
+                if self.ddgst:
+                    if not flags & _DDGSTF:
+                        raise _Fatal(
+                            Fes.INVALID_HEADER_FIELD, spec.OFF_FLAGS,
+                            f"{_pdu_name(ptype)} carries data without DDGSTF although data digest "
+                            "was negotiated",
+                        )
+                    dd = _DGST_LEN
+                elif flags & _DDGSTF:
+                    raise _Fatal(
+                        Fes.INVALID_HEADER_FIELD, spec.OFF_FLAGS,
+                        f"{_pdu_name(ptype)} has DDGSTF but data digest was not negotiated",
+                    )
+                datal = plen - hdr_end - dd
+                if datal <= 0:
+                    raise _Fatal(
+                        Fes.INVALID_HEADER_FIELD, spec.OFF_PLEN,
+                        f"{_pdu_name(ptype)} plen {plen} leaves no room for data",
+                    )
+                if ptype == _CMD and datal > self.max_incapsule:
+                    raise _Fatal(
+                        Fes.DATA_LIMIT_EXCEEDED, 0,
+                        f"CAPSULE_CMD carries {datal} bytes of in-capsule data, more than "
+                        f"{self.max_incapsule}",
+                    )
+        if avail < hlen + hd:
+            return None
+        if hd:
+            expected = crc32c(mv[pos:pos + hlen])
+            got = _unpack_le32(mv, pos + hlen)[0]
+            if got != expected:
+                raise _Fatal(
+                    Fes.HEADER_DIGEST_ERROR, 0,
+                    f"{_pdu_name(ptype)} header digest {got:#010x}, expected {expected:#010x}",
+                )
+        if ptype == _H2C or ptype == _C2H:
+            self._check_data_header(mv, pos, ptype, flags, pdo, plen, dd)
+        elif ptype == _R2T:
+            r2tl = _unpack_le32(mv, pos + spec.OFF_R2TL)[0]
+            if r2tl == 0:
+                raise _Fatal(Fes.INVALID_HEADER_FIELD, spec.OFF_R2TL, "R2T with r2tl 0")
+        return ptype, flags, hlen, pdo, plen, hd, dd
+
+    def _check_data_header(
+        self, mv: memoryview, pos: int, ptype: int, flags: int, pdo: int, plen: int, dd: int
+    ) -> None:
+        datal = _unpack_le32(mv, pos + spec.OFF_DATAL)[0]
+        name = _pdu_name(ptype)
+        if datal == 0:
+            raise _Fatal(Fes.INVALID_HEADER_FIELD, spec.OFF_DATAL, f"{name} with datal 0")
+        limit = self.maxh2cdata if ptype == _H2C else self.max_data
+        if datal > limit:
+            raise _Fatal(
+                Fes.DATA_LIMIT_EXCEEDED, 0,
+                f"{name} datal {datal} exceeds {'MAXH2CDATA' if ptype == _H2C else 'max_data'} {limit}",
+            )
+        if plen != pdo + datal + dd:
+            raise _Fatal(
+                Fes.INVALID_HEADER_FIELD, spec.OFF_DATAL,
+                f"{name} datal {datal} disagrees with plen {plen} (pdo {pdo}, data digest {dd})",
+            )
+        if ptype == _C2H and flags & _SUCCESS and not flags & _LAST:
+            # The Linux host rejects this combination too (nvme_tcp_handle_c2h_data).
+            raise _Fatal(Fes.INVALID_HEADER_FIELD, spec.OFF_FLAGS, "C2H_DATA with SUCCESS but not LAST")
+
+    def _dispatch(
+        self, mv: memoryview, pos: int, ptype: int, flags: int, hlen: int, pdo: int, plen: int,
+        hd: int, dd: int, events: list[Event],
+    ) -> None:
+        if ptype == _CMD:
+            sqe = mv[pos + 8:pos + 72]
+            if pdo:
+                dstart = pos + pdo
+                dend = pos + plen - dd
+                data = mv[dstart:dend]
+                ok = True
+                if dd:
+                    ok = crc32c(data) == _unpack_le32(mv, dend)[0]
+                events.append(CommandReceived(sqe, data, ok))
+            else:
+                events.append(CommandReceived(sqe, None, True))
+        elif ptype == _RSP:
+            events.append(ResponseReceived(mv[pos + 8:pos + 24]))
+        elif ptype == _H2C or ptype == _C2H:
+            _t, _f, _h, _p, _l, cccid, ttag, datao, datal = _unpack_data_hdr(mv, pos)
+            dstart = pos + pdo
+            dend = dstart + datal
+            data = mv[dstart:dend]
+            ok = True
+            if dd:
+                ok = crc32c(data) == _unpack_le32(mv, dend)[0]
+            if ptype == _H2C:
+                events.append(H2CDataReceived(cccid, ttag, datao, data, bool(flags & _LAST), ok))
+            else:
+                events.append(
+                    C2HDataReceived(cccid, datao, data, bool(flags & _LAST), bool(flags & _SUCCESS), ok)
+                )
+        elif ptype == _R2T:
+            _t, _f, _h, _p, _l, cccid, ttag, r2to, r2tl = _unpack_data_hdr(mv, pos)
+            events.append(R2TReceived(cccid, ttag, r2to, r2tl))
+        elif ptype == _ICREQ:
+            self._on_icreq(mv, pos, events)
+        elif ptype == _ICRESP:
+            self._on_icresp(mv, pos, events)
+        else:  # a TermReq
+            _t, _f, _h, _p, _l, fes, fei = _TERM.unpack_from(mv, pos)
+            raw = bytes(mv[pos + spec.TERM_REQ_HEADER_SIZE:pos + plen])
+            events.append(TermReqReceived(fes, fei, raw))
+            self._set_state(State.CLOSED)
+
+    def _on_icreq(self, mv: memoryview, pos: int, events: list[Event]) -> None:
+        _t, _f, _h, _p, _l, pfv, hpda, dgst, maxr2t = _IC.unpack_from(mv, pos)
+        if pfv != spec.PFV_1_0:
+            raise _Fatal(Fes.UNSUPPORTED_PARAMETER, spec.OFF_PFV, f"ICREQ pfv {pfv} is not supported")
+        if hpda != 0:
+            # A nonzero HPDA asks us to pad C2H data; like nvmet, we only do HPDA 0.
+            raise _Fatal(Fes.UNSUPPORTED_PARAMETER, spec.OFF_PDA, f"ICREQ hpda {hpda} is not supported")
+        self.hpda = hpda
+        self.maxr2t = maxr2t
+        self._req_hdgst = bool(dgst & spec.HDR_DIGEST_ENABLE)
+        self._req_ddgst = bool(dgst & spec.DATA_DIGEST_ENABLE)
+        self._set_state(State.IC_PENDING)
+        events.append(ICReqReceived(pfv, hpda, self._req_hdgst, self._req_ddgst, maxr2t))
+
+    def _on_icresp(self, mv: memoryview, pos: int, events: list[Event]) -> None:
+        _t, _f, _h, _p, _l, pfv, cpda, dgst, maxh2cdata = _IC.unpack_from(mv, pos)
+        if pfv != spec.PFV_1_0:
+            raise _Fatal(Fes.UNSUPPORTED_PARAMETER, spec.OFF_PFV, f"ICRESP pfv {pfv} is not supported")
+        if cpda != 0:
+            raise _Fatal(Fes.UNSUPPORTED_PARAMETER, spec.OFF_PDA, f"ICRESP cpda {cpda} is not supported")
+        hdgst = bool(dgst & spec.HDR_DIGEST_ENABLE)
+        ddgst = bool(dgst & spec.DATA_DIGEST_ENABLE)
+        if hdgst != self._req_hdgst or ddgst != self._req_ddgst:
+            raise _Fatal(
+                Fes.INVALID_HEADER_FIELD, spec.OFF_DGST,
+                f"ICRESP digests hdgst={hdgst} ddgst={ddgst} do not echo the ICREQ's "
+                f"hdgst={self._req_hdgst} ddgst={self._req_ddgst}",
+            )
+        if maxh2cdata % 4 or maxh2cdata < spec.MIN_MAXH2CDATA:
+            raise _Fatal(
+                Fes.INVALID_HEADER_FIELD, spec.OFF_MAXH2CDATA,
+                f"ICRESP maxh2cdata {maxh2cdata} is not a multiple of 4 >= {spec.MIN_MAXH2CDATA}",
+            )
+        self.cpda = cpda
+        self.hdgst = hdgst
+        self.ddgst = ddgst
+        self.maxh2cdata = maxh2cdata
+        self._set_state(State.READY)
+        events.append(ICRespReceived(pfv, cpda, hdgst, ddgst, maxh2cdata))
+
+    def _fail(self, events: list[Event], mv: memoryview, pos: int, avail: int, err: _Fatal) -> None:
+        hlen = mv[pos + 2] if avail > 2 else 8
+        copy_len = min(avail, max(hlen, 8), _TERM_DATA_MAX)
+        self._pending = None
+        events.append(ProtocolError(err.fes, err.fei, err.reason))
+        self._queue_term_req(err.fes, err.fei, bytes(mv[pos:pos + copy_len]))
+
+    # ------------------------------------------------------------------------------------- send
+
+    def data_to_send(self) -> list[bytes | memoryview]:
+        """Return and forget the buffers queued for the peer (header and data kept apart)."""
+        out = self._out
+        self._out = []
+        return out
+
+    def _require(self, role: Role, what: str) -> bool:
+        """Check a send call is legal; False means the connection is closed and it is dropped."""
+        if self.role is not role:
+            raise RuntimeError(f"{what} is a {role.value} PDU; this connection is the {self.role.value}")
+        if self.state is State.CLOSED:
+            return False
+        if self.state is not State.READY:
+            raise RuntimeError(f"{what} before the connection is initialized (state {self.state.value})")
+        return True
+
+    def _header(self, hdr: bytes) -> bytes:
+        return hdr + digest_bytes(hdr) if self.hdgst else hdr
+
+    # host role
+
+    def send_icreq(self, hdgst: bool = False, ddgst: bool = False, hpda: int = 0, maxr2t: int = 0) -> None:
+        if self.role is not Role.HOST:
+            raise RuntimeError("ICREQ is sent by the host")
+        if self.state is not State.AWAIT_IC:
+            raise RuntimeError(f"ICREQ already sent (state {self.state.value})")
+        if not 0 <= hpda <= 31:
+            raise ValueError(f"hpda must be 0..31, got {hpda}")
+        if not 0 <= maxr2t <= 0xFFFFFFFF:
+            raise ValueError(f"maxr2t must fit 32 bits, got {maxr2t}")
+        self._req_hdgst = bool(hdgst)
+        self._req_ddgst = bool(ddgst)
+        self.hpda = hpda
+        self.maxr2t = maxr2t
+        dgst = (spec.HDR_DIGEST_ENABLE if hdgst else 0) | (spec.DATA_DIGEST_ENABLE if ddgst else 0)
+        size = spec.IC_PDU_SIZE
+        self._out.append(_IC.pack(_ICREQ, 0, size, 0, size, spec.PFV_1_0, hpda, dgst, maxr2t))
+        self._set_state(State.IC_PENDING)
+
+    def send_command(self, sqe: bytes | memoryview, incapsule: bytes | memoryview | None = None) -> None:
+        if not self._require(Role.HOST, "CAPSULE_CMD"):
+            return
+        if len(sqe) != 64:
+            raise ValueError(f"an SQE is 64 bytes, got {len(sqe)}")
+        hd = _DGST_LEN if self.hdgst else 0
+        flags = _HDGSTF if hd else 0
+        hlen = spec.CAPSULE_CMD_HEADER_SIZE
+        if incapsule:
+            dlen = len(incapsule)
+            dd = _DGST_LEN if self.ddgst else 0
+            if dd:
+                flags |= _DDGSTF
+            out = self._out
+            out.append(self._header(_CMD_HDR.pack(_CMD, flags, hlen, hlen + hd, hlen + hd + dlen + dd, sqe)))
+            out.append(incapsule)
+            if dd:
+                out.append(digest_bytes(incapsule))
+        else:
+            self._out.append(self._header(_CMD_HDR.pack(_CMD, flags, hlen, 0, hlen + hd, sqe)))
+
+    def send_h2c_data(
+        self, cccid: int, ttag: int, offset: int, data: bytes | memoryview, last: bool
+    ) -> None:
+        if not self._require(Role.HOST, "H2C_DATA"):
+            return
+        dlen = len(data)
+        if not 0 < dlen <= self.maxh2cdata:
+            raise ValueError(f"H2C_DATA carries 1..MAXH2CDATA ({self.maxh2cdata}) bytes, got {dlen}")
+        self._send_data(_H2C, _LAST if last else 0, cccid, ttag, offset, data, dlen)
+
+    # controller role
+
+    def send_icresp(self, maxh2cdata: int | None = None, cpda: int = 0) -> None:
+        if self.role is not Role.CONTROLLER:
+            raise RuntimeError("ICRESP is sent by the controller")
+        if self.state is State.CLOSED:
+            return
+        if self.state is not State.IC_PENDING:
+            raise RuntimeError(f"ICRESP answers an ICREQ (state {self.state.value})")
+        if maxh2cdata is not None:
+            _check_maxh2cdata(maxh2cdata)
+            self.maxh2cdata = maxh2cdata
+        if cpda != 0:
+            raise ValueError(f"cpda {cpda} is not supported (the Linux host requires 0)")
+        self.hdgst = self._req_hdgst
+        self.ddgst = self._req_ddgst
+        dgst = (spec.HDR_DIGEST_ENABLE if self.hdgst else 0) | (spec.DATA_DIGEST_ENABLE if self.ddgst else 0)
+        size = spec.IC_PDU_SIZE
+        self._out.append(_IC.pack(_ICRESP, 0, size, 0, size, spec.PFV_1_0, cpda, dgst, self.maxh2cdata))
+        self.cpda = cpda
+        self._set_state(State.READY)
+
+    def send_response(self, cqe: bytes | memoryview) -> None:
+        if not self._require(Role.CONTROLLER, "CAPSULE_RESP"):
+            return
+        if len(cqe) != 16:
+            raise ValueError(f"a CQE is 16 bytes, got {len(cqe)}")
+        if self.hdgst:
+            hdr = _RSP_HDR.pack(_RSP, _HDGSTF, 24, 0, 24 + _DGST_LEN, cqe)
+            self._out.append(hdr + digest_bytes(hdr))
+        else:
+            self._out.append(_RSP_HDR.pack(_RSP, 0, 24, 0, 24, cqe))
+
+    def send_c2h_data(
+        self, cccid: int, offset: int, data: bytes | memoryview, *, last: bool, success: bool
+    ) -> None:
+        if not self._require(Role.CONTROLLER, "C2H_DATA"):
+            return
+        if success and not last:
+            raise ValueError("C2H_DATA with SUCCESS must also be LAST")
+        dlen = len(data)
+        if dlen == 0:
+            raise ValueError("C2H_DATA must carry data")
+        flags = (_LAST if last else 0) | (_SUCCESS if success else 0)
+        self._send_data(_C2H, flags, cccid, 0, offset, data, dlen)
+
+    def send_c2h_data_split(
+        self, cccid: int, data: bytes | memoryview, max_pdu: int, *, offset: int = 0, success: bool
+    ) -> None:
+        """Send ``data`` as C2H_DATA PDUs of at most ``max_pdu`` bytes; LAST (and SUCCESS) on the last."""
+        if max_pdu <= 0:
+            raise ValueError(f"max_pdu must be > 0, got {max_pdu}")
+        view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
+        total = len(view)
+        for start in range(0, total, max_pdu):
+            stop = min(start + max_pdu, total)
+            final = stop == total
+            self.send_c2h_data(cccid, offset + start, view[start:stop], last=final, success=success and final)
+
+    def send_r2t(self, cccid: int, ttag: int, offset: int, length: int) -> None:
+        if not self._require(Role.CONTROLLER, "R2T"):
+            return
+        if length <= 0:
+            raise ValueError(f"R2T length must be > 0, got {length}")
+        hd = _DGST_LEN if self.hdgst else 0
+        hdr = _DATA_HDR.pack(_R2T, _HDGSTF if hd else 0, 24, 0, 24 + hd, cccid, ttag, offset, length)
+        self._out.append(self._header(hdr))
+
+    # both roles
+
+    def send_term_req(self, fes: int, fei: int = 0, data: bytes = b"") -> None:
+        """Queue a TermReq of our role (H2C from the host, C2H from the controller) and close."""
+        if self.state is State.CLOSED:
+            return
+        self._queue_term_req(fes, fei, data)
+
+    def _queue_term_req(self, fes: int, fei: int, data: bytes) -> None:
+        data = bytes(data[:_TERM_DATA_MAX])
+        ptype = _H2C_TERM if self.role is Role.HOST else _C2H_TERM
+        hlen = spec.TERM_REQ_HEADER_SIZE
+        self._out.append(_TERM.pack(ptype, 0, hlen, 0, hlen + len(data), fes, fei & 0xFFFFFFFF) + data)
+        self._set_state(State.CLOSED)
+
+    def _send_data(
+        self, ptype: int, flags: int, cccid: int, ttag: int, offset: int, data: bytes | memoryview, dlen: int
+    ) -> None:
+        hd = _DGST_LEN if self.hdgst else 0
+        dd = _DGST_LEN if self.ddgst else 0
+        if hd:
+            flags |= _HDGSTF
+        if dd:
+            flags |= _DDGSTF
+        pdo = 24 + hd
+        hdr = _DATA_HDR.pack(ptype, flags, 24, pdo, pdo + dlen + dd, cccid, ttag, offset, dlen)
+        out = self._out
+        out.append(hdr + digest_bytes(hdr) if hd else hdr)
+        out.append(data)
+        if dd:
+            out.append(digest_bytes(data))
+
+
+def _check_maxh2cdata(value: int) -> None:
+    if value % 4 or value < spec.MIN_MAXH2CDATA:
+        raise ValueError(f"maxh2cdata must be a multiple of 4 and >= {spec.MIN_MAXH2CDATA}, got {value}")
