@@ -1,0 +1,78 @@
+"""The storage interface every namespace backend implements.
+
+Offsets and lengths are bytes. Callers (the I/O command set) check LBA ranges first and answer
+LBA Out of Range; a backend still refuses anything past its end, so a caller bug cannot read or
+write outside the namespace.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+
+class BackendError(Exception):
+    """A backend operation failed; the message names the object and what to do about it."""
+
+
+class Backend(ABC):
+    kind: str = "abstract"
+
+    @property
+    @abstractmethod
+    def size(self) -> int:
+        """Capacity in bytes."""
+
+    @property
+    @abstractmethod
+    def read_only(self) -> bool: ...
+
+    @abstractmethod
+    async def read_into(self, offset: int, buf: memoryview) -> None:
+        """Fill ``buf`` with ``len(buf)`` bytes starting at ``offset``."""
+
+    @abstractmethod
+    async def read(self, offset: int, length: int) -> memoryview | bytes:
+        """Return ``length`` bytes at ``offset``; the result stays valid after later writes only
+        where the backend says so (RAM returns a live view of its memory)."""
+
+    @abstractmethod
+    async def write(self, offset: int, data: bytes | bytearray | memoryview, *, fua: bool = False) -> None:
+        """Write ``data`` at ``offset``; with ``fua`` it is durable when this returns."""
+
+    @abstractmethod
+    async def flush(self) -> None:
+        """Make every completed write durable."""
+
+    @abstractmethod
+    async def write_zeroes(self, offset: int, length: int) -> None: ...
+
+    @abstractmethod
+    async def discard(self, offset: int, length: int) -> None:
+        """Deallocate the range; it reads back as zeros afterwards."""
+
+    @abstractmethod
+    async def resize(self, new_size: int) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    @abstractmethod
+    def describe(self) -> dict[str, Any]: ...
+
+    # shared checks -----------------------------------------------------------------------------
+
+    def _check_range(self, offset: int, length: int) -> None:
+        if offset < 0 or length < 0:
+            raise BackendError(f"{self._name()}: negative offset {offset} or length {length}")
+        if offset + length > self.size:
+            raise BackendError(
+                f"{self._name()}: range {offset}+{length} ends past the end ({self.size} bytes)"
+            )
+
+    def _check_writable(self) -> None:
+        if self.read_only:
+            raise BackendError(f"{self._name()} is read-only; writes are refused")
+
+    def _name(self) -> str:
+        return f"{self.kind} backend"

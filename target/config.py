@@ -1,0 +1,518 @@
+"""The persisted target configuration (JSON, version 1) and the Linux nvmetcli format.
+
+Our format::
+
+    {"version": 1,
+     "subsystems": [{"nqn", "serial", "model", "allow_any_host", "hosts": [...], "max_namespaces",
+                     "namespaces": [{"nsid", "backend", "path" | "size", "block_size", "uuid",
+                                     "nguid", "eui64", "read_only", "enabled"}]}],
+     "listeners": [{"trtype", "adrfam", "traddr", "trsvcid", "portid", "discovery"}],
+     "referrals": [{"trtype", "adrfam", "traddr", "trsvcid", "subnqn", "portid"}]}
+
+Saving is atomic (temp file in the same folder, fsync, rename, fsync the folder), so a crash
+leaves either the old or the new file. Loading checks structure and names every problem;
+TargetService checks meaning (valid NQNs, free NSIDs, readable files) when it replays the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import tempfile
+import uuid
+from typing import Any
+
+from nvmeof import defaults
+
+CONFIG_VERSION = 1
+
+_INT = "integer"
+_STR = "string"
+_BOOL = "boolean"
+_LIST = "list"
+
+TOP_KEYS: dict[str, str] = {"version": _INT, "subsystems": _LIST, "listeners": _LIST, "referrals": _LIST}
+SUBSYSTEM_KEYS: dict[str, str] = {
+    "nqn": _STR,
+    "serial": _STR,
+    "model": _STR,
+    "allow_any_host": _BOOL,
+    "hosts": _LIST,
+    "max_namespaces": _INT,
+    "namespaces": _LIST,
+}
+NAMESPACE_KEYS: dict[str, str] = {
+    "nsid": _INT,
+    "backend": _STR,
+    "path": _STR,
+    "size": _INT,
+    "block_size": _INT,
+    "uuid": _STR,
+    "nguid": _STR,
+    "eui64": _STR,
+    "read_only": _BOOL,
+    "enabled": _BOOL,
+}
+LISTENER_KEYS: dict[str, str] = {
+    "trtype": _STR,
+    "adrfam": _STR,
+    "traddr": _STR,
+    "trsvcid": _INT,
+    "portid": _INT,
+    "discovery": _BOOL,
+}
+REFERRAL_KEYS: dict[str, str] = {
+    "trtype": _STR,
+    "adrfam": _STR,
+    "traddr": _STR,
+    "trsvcid": _INT,
+    "subnqn": _STR,
+    "portid": _INT,
+}
+REQUIRED: dict[str, tuple[str, ...]] = {
+    "subsystem": ("nqn",),
+    "namespace": ("backend",),
+    "listener": ("traddr", "trsvcid"),
+    "referral": ("traddr", "trsvcid"),
+}
+ITEM_KEYS: dict[str, dict[str, str]] = {
+    "subsystem": SUBSYSTEM_KEYS,
+    "namespace": NAMESPACE_KEYS,
+    "listener": LISTENER_KEYS,
+    "referral": REFERRAL_KEYS,
+}
+
+
+class ConfigError(Exception):
+    """A configuration file that cannot be read, parsed or written; the message names the place."""
+
+
+def _type_ok(value: Any, kind: str) -> bool:
+    if kind == _INT:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == _STR:
+        return isinstance(value, str)
+    if kind == _BOOL:
+        return isinstance(value, bool)
+    return isinstance(value, list)
+
+
+def item_problems(kind: str, item: Any, where: str) -> list[str]:
+    """Structural problems of one config item (``kind`` in ITEM_KEYS): unknown keys, wrong types,
+    missing required keys. Nested namespaces are not checked here."""
+    if not isinstance(item, dict):
+        return [f"{where}: expected an object, got {type(item).__name__}"]
+    allowed = ITEM_KEYS[kind]
+    problems = []
+    for key, value in item.items():
+        if key not in allowed:
+            problems.append(f"{where}: unknown key {key!r} (a {kind} takes {', '.join(allowed)})")
+        elif value is not None and not _type_ok(value, allowed[key]):
+            problems.append(f"{where}.{key}: expected {allowed[key]}, got {type(value).__name__} {value!r}")
+    for key in REQUIRED[kind]:
+        if item.get(key) is None:
+            problems.append(f"{where}: missing required key {key!r}")
+    if kind == "subsystem":
+        for i, host in enumerate(item.get("hosts") or []):
+            if not isinstance(host, str):
+                problems.append(f"{where}.hosts[{i}]: expected a host NQN string, got {host!r}")
+    return problems
+
+
+def validate_config(data: Any, source: str = "config") -> dict[str, Any]:
+    """Check the structure of a version-1 config; return it with absent lists filled in.
+
+    Raises ConfigError listing every problem, each with its place (``subsystems[0].namespaces[1]``).
+    """
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a JSON object, got {type(data).__name__}")
+    problems: list[str] = []
+    if "ports" in data or "hosts" in data:
+        problems.append(
+            f"{source}: keys 'ports'/'hosts' belong to the Linux nvmetcli format; "
+            "convert it with import-nvmetcli instead of loading it directly"
+        )
+    for key in data:
+        if key not in TOP_KEYS and key not in ("ports", "hosts"):
+            problems.append(f"{source}: unknown top-level key {key!r} (known: {', '.join(TOP_KEYS)})")
+    version = data.get("version")
+    if version is None:
+        problems.append(f'{source}: missing "version"; add "version": {CONFIG_VERSION}')
+    elif version != CONFIG_VERSION:
+        problems.append(
+            f"{source}: version {version!r} is not supported; this program reads version {CONFIG_VERSION}"
+        )
+    for key in ("subsystems", "listeners", "referrals"):
+        value = data.get(key, [])
+        if not isinstance(value, list):
+            problems.append(f"{source}: {key!r} must be a list, got {type(value).__name__}")
+            continue
+        kind = key[:-1]
+        for i, item in enumerate(value):
+            where = f"{key}[{i}]"
+            problems.extend(item_problems(kind, item, where))
+            if kind == "subsystem" and isinstance(item, dict):
+                namespaces = item.get("namespaces") or []
+                if isinstance(namespaces, list):
+                    for j, ns in enumerate(namespaces):
+                        problems.extend(item_problems("namespace", ns, f"{where}.namespaces[{j}]"))
+    if problems:
+        raise ConfigError("\n".join(problems))
+    out = dict(data)
+    for key in ("subsystems", "listeners", "referrals"):
+        out.setdefault(key, [])
+    return out
+
+
+def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{path}: no such file; check the path or save a configuration there first"
+        ) from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path} is a directory; give the JSON file inside it") from None
+    except PermissionError:
+        raise ConfigError(f"{path}: permission denied; make it readable by this user") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}); is this the right file?") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+    return validate_config(data, source=path)
+
+
+def save_config(path: str | os.PathLike[str], data: dict[str, Any]) -> None:
+    """Write ``data`` as JSON atomically; ConfigError (with the OS reason) if it cannot."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    text = json.dumps(data, indent=2) + "\n"
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        mode = 0o600
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fchmod(f.fileno(), mode)
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        tmp = None
+        dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError as exc:
+        where = exc.filename or folder
+        raise ConfigError(f"cannot save the configuration to {path}: {where}: {exc.strerror or exc}") from exc
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+
+# --- Linux nvmetcli (configfs dump) format ---------------------------------------------------------
+
+
+class Converted(dict):
+    """A converted configuration (a plain dict to serialise) plus ``warnings``: what did not carry over."""
+
+    def __init__(self, data: dict[str, Any], warnings: list[str]) -> None:
+        super().__init__(data)
+        self.warnings = warnings
+
+
+def _kernel_id(raw: bytes) -> str:
+    """nvmet configfs prints uuid and nguid with %pUb: 16 bytes as 8-4-4-4-12 hex."""
+    return str(uuid.UUID(bytes=raw))
+
+
+def _parse_kernel_id(text: str, where: str) -> bytes:
+    digits = text.replace("-", "").replace(":", "").strip()
+    if len(digits) != 32:
+        raise ValueError(f"{where}: {text!r} is not 16 bytes of hexadecimal")
+    return bytes.fromhex(digits)
+
+
+def _default_block_size(path: str, warnings: list[str], where: str) -> int:
+    """The block size the kernel target presented for ``path``, so the host sees the same LBA size.
+
+    nvmet uses the device's logical block size for a block device and the file system block
+    size (at most 4096) for a file.
+    """
+    try:
+        st = os.stat(path)
+    except OSError:
+        warnings.append(f"{where}: {path} is not present here; assuming 512-byte blocks")
+        return 512
+    if stat.S_ISBLK(st.st_mode):
+        sysfs = f"/sys/dev/block/{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}/queue/logical_block_size"
+        try:
+            with open(sysfs) as f:
+                size = int(f.read().strip())
+        except (OSError, ValueError):
+            return 512
+        return 4096 if size >= 4096 else 512
+    return 4096 if st.st_blksize >= 4096 else 512
+
+
+def _flag(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.strip() not in ("", "0")
+    return bool(value)
+
+
+def import_nvmetcli(data: Any) -> Converted:
+    """Convert an nvmetcli ``saveconfig`` dump into our version-1 config.
+
+    Each nvmetcli port becomes a listener (a port linked to no subsystem becomes a discovery
+    listener); namespaces become file backends on their device path; referrals are collected
+    from every port. ``.warnings`` lists what has no equivalent here.
+    """
+    if not isinstance(data, dict):
+        raise ConfigError(f"nvmetcli config: the top level must be an object, got {type(data).__name__}")
+    warnings: list[str] = []
+    subsystems: list[dict[str, Any]] = []
+    all_nqns: list[str] = []
+    for i, sub in enumerate(data.get("subsystems") or []):
+        where = f"subsystems[{i}]"
+        if not isinstance(sub, dict) or not isinstance(sub.get("nqn"), str):
+            warnings.append(f"{where}: no 'nqn', skipped")
+            continue
+        attr = sub.get("attr") or {}
+        out: dict[str, Any] = {"nqn": sub["nqn"]}
+        hosts = [h for h in sub.get("allowed_hosts") or [] if isinstance(h, str)]
+        out["allow_any_host"] = _flag(attr.get("allow_any_host", "0" if hosts else "1"))
+        out["hosts"] = hosts
+        if attr.get("serial"):
+            out["serial"] = str(attr["serial"])
+        if attr.get("model"):
+            out["model"] = str(attr["model"])
+        if sub.get("passthru"):
+            warnings.append(f"{where} ({sub['nqn']}): passthru controllers are not supported, dropped")
+        namespaces = []
+        for j, ns in enumerate(sub.get("namespaces") or []):
+            nswhere = f"{where}.namespaces[{j}]"
+            converted = _import_namespace(ns, nswhere, warnings)
+            if converted is not None:
+                namespaces.append(converted)
+        out["namespaces"] = namespaces
+        subsystems.append(out)
+        all_nqns.append(sub["nqn"])
+
+    listeners: list[dict[str, Any]] = []
+    referrals: list[dict[str, Any]] = []
+    seen_referrals: set[tuple[Any, ...]] = set()
+    for i, port in enumerate(data.get("ports") or []):
+        where = f"ports[{i}]"
+        if not isinstance(port, dict):
+            warnings.append(f"{where}: not an object, skipped")
+            continue
+        addr = port.get("addr") or {}
+        trtype = addr.get("trtype")
+        if trtype not in ("tcp", "rdma"):
+            warnings.append(f"{where}: transport {trtype!r} is not served here (tcp and rdma are), skipped")
+            continue
+        try:
+            listener = {
+                "trtype": trtype,
+                "adrfam": addr.get("adrfam") or "ipv4",
+                "traddr": str(addr["traddr"]),
+                "trsvcid": int(addr["trsvcid"]),
+                "portid": int(port["portid"]),
+                "discovery": not port.get("subsystems"),
+            }
+        except (KeyError, TypeError, ValueError) as exc:
+            warnings.append(f"{where}: incomplete address ({exc}), skipped")
+            continue
+        linked = set(port.get("subsystems") or [])
+        if linked and linked != set(all_nqns):
+            warnings.append(
+                f"{where} ({trtype} {listener['traddr']}:{listener['trsvcid']}) exported only "
+                f"{', '.join(sorted(linked))}; listeners here serve every subsystem"
+            )
+        listeners.append(listener)
+        for k, ref in enumerate(port.get("referrals") or []):
+            refwhere = f"{where}.referrals[{k}]"
+            raddr = (ref or {}).get("addr") or {}
+            if not _flag(ref.get("enable", 1)):
+                warnings.append(f"{refwhere}: disabled referral, skipped")
+                continue
+            try:
+                referral = {
+                    "trtype": raddr["trtype"],
+                    "adrfam": raddr.get("adrfam") or "ipv4",
+                    "traddr": str(raddr["traddr"]),
+                    "trsvcid": int(raddr["trsvcid"]),
+                    "subnqn": defaults.DISCOVERY_NQN,
+                    "portid": int(raddr.get("portid") or 0),
+                }
+            except (KeyError, TypeError, ValueError) as exc:
+                warnings.append(f"{refwhere}: incomplete address ({exc}), skipped")
+                continue
+            key = (referral["trtype"], referral["traddr"], referral["trsvcid"])
+            if key not in seen_referrals:
+                seen_referrals.add(key)
+                referrals.append(referral)
+    return Converted(
+        {"version": CONFIG_VERSION, "subsystems": subsystems, "listeners": listeners, "referrals": referrals},
+        warnings,
+    )
+
+
+def _import_namespace(ns: Any, where: str, warnings: list[str]) -> dict[str, Any] | None:
+    if not isinstance(ns, dict) or not isinstance(ns.get("nsid"), int):
+        warnings.append(f"{where}: no 'nsid', skipped")
+        return None
+    device = ns.get("device") or {}
+    path = device.get("path")
+    if not path:
+        warnings.append(f"{where} (nsid {ns['nsid']}): no device path, skipped")
+        return None
+    out: dict[str, Any] = {
+        "nsid": ns["nsid"],
+        "backend": "file",
+        "path": path,
+        "block_size": _default_block_size(path, warnings, where),
+        "enabled": _flag(ns.get("enable", 1)),
+    }
+    for key in ("uuid", "nguid"):
+        text = device.get(key)
+        if not text:
+            continue
+        try:
+            raw = _parse_kernel_id(str(text), f"{where}.device.{key}")
+        except ValueError as exc:
+            warnings.append(f"{exc}; a new one will be generated")
+            continue
+        if raw == bytes(16):
+            continue  # all zeros is how configfs shows "not set"
+        out[key] = str(uuid.UUID(bytes=raw)) if key == "uuid" else raw.hex()
+    return out
+
+
+def export_nvmetcli(config: dict[str, Any]) -> Converted:
+    """Convert our version-1 config into an nvmetcli dump the kernel target can restore.
+
+    ``.warnings`` names what the kernel target cannot express: RAM and null namespaces, EUI-64
+    values, read-only namespaces, referrals to anything but a discovery subsystem.
+    """
+    config = validate_config(config)
+    warnings: list[str] = []
+    hosts: set[str] = set()
+    subsystems = []
+    nvm_nqns = []
+    eui64_dropped = False
+    for sub in config["subsystems"]:
+        nqn = sub["nqn"]
+        allowed = sorted(sub.get("hosts") or [])
+        hosts.update(allowed)
+        attr = {
+            "allow_any_host": "1" if sub.get("allow_any_host", not allowed) else "0",
+            "model": sub.get("model") or defaults.MODEL,
+            "version": ".".join(str(part) for part in defaults.NVME_VERSION[:2]),
+        }
+        if sub.get("serial"):
+            attr["serial"] = sub["serial"]
+        namespaces = []
+        for ns in sub.get("namespaces") or []:
+            label = f"namespace {ns.get('nsid')} of {nqn}"
+            if ns["backend"] != "file":
+                warnings.append(f"{label}: {ns['backend']} backend has no nvmetcli equivalent, left out")
+                continue
+            device = {"path": ns["path"]}
+            if ns.get("uuid"):
+                device["uuid"] = str(uuid.UUID(ns["uuid"]))
+            if ns.get("nguid"):
+                device["nguid"] = _kernel_id(_parse_kernel_id(ns["nguid"], f"{label}.nguid"))
+            if ns.get("eui64"):
+                eui64_dropped = True
+            if ns.get("read_only"):
+                warnings.append(
+                    f"{label}: the kernel target has no read-only namespaces; it is exported writable"
+                )
+            block_size = ns.get("block_size", defaults.DEFAULT_BLOCK_SIZE)
+            if block_size != _default_block_size(ns["path"], [], label):
+                warnings.append(
+                    f"{label}: block size {block_size} is not carried; the kernel target uses the "
+                    "device's logical block size (the file system's block size for a file)"
+                )
+            namespaces.append(
+                {"device": device, "enable": 1 if ns.get("enabled", True) else 0, "nsid": ns["nsid"]}
+            )
+        subsystems.append({"allowed_hosts": allowed, "attr": attr, "namespaces": namespaces, "nqn": nqn})
+        nvm_nqns.append(nqn)
+    if eui64_dropped:
+        warnings.append(
+            "EUI-64 values are not part of the nvmetcli format; the kernel target will not report them"
+        )
+
+    ref_entries = []
+    for k, ref in enumerate(config["referrals"]):
+        if ref.get("subnqn", defaults.DISCOVERY_NQN) != defaults.DISCOVERY_NQN:
+            warnings.append(
+                f"referral to {ref['traddr']}:{ref['trsvcid']}: the kernel target only refers to discovery "
+                f"subsystems; the subsystem {ref['subnqn']} is dropped"
+            )
+        ref_entries.append(
+            {
+                "addr": {
+                    "adrfam": ref.get("adrfam") or _adrfam(ref["traddr"]),
+                    "portid": str(ref.get("portid", 0)),
+                    "traddr": ref["traddr"],
+                    "treq": "not specified",
+                    "trsvcid": str(ref["trsvcid"]),
+                    "trtype": ref.get("trtype", "tcp"),
+                },
+                "enable": 1,
+                "name": f"referral{k + 1}",
+            }
+        )
+    ports = []
+    used_portids = {lst["portid"] for lst in config["listeners"] if lst.get("portid")}
+    next_portid = 1
+    for lst in config["listeners"]:
+        portid = lst.get("portid")
+        if not portid:
+            while next_portid in used_portids:
+                next_portid += 1
+            portid = next_portid
+            used_portids.add(portid)
+        ports.append(
+            {
+                "addr": {
+                    "adrfam": lst.get("adrfam") or _adrfam(lst["traddr"]),
+                    "traddr": lst["traddr"],
+                    "treq": "not specified",
+                    "trsvcid": str(lst["trsvcid"]),
+                    "trtype": lst.get("trtype", "tcp"),
+                },
+                "portid": portid,
+                "referrals": [dict(r, addr=dict(r["addr"])) for r in ref_entries],
+                # The kernel serves discovery on every port; a port linked to nothing is a discovery port.
+                "subsystems": [] if lst.get("discovery") else list(nvm_nqns),
+            }
+        )
+    if ref_entries and not ports:
+        warnings.append("referrals need a port to live on in nvmetcli; with no listener they are left out")
+    return Converted(
+        {"hosts": [{"nqn": h} for h in sorted(hosts)], "ports": ports, "subsystems": subsystems},
+        warnings,
+    )
+
+
+def _adrfam(traddr: str) -> str:
+    return "ipv6" if ":" in traddr else "ipv4"

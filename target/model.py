@@ -1,0 +1,132 @@
+"""The target's objects: subsystems, namespaces, listeners, referrals. No protocol code here.
+
+Identity: a subsystem by its NQN, a namespace by (subsystem NQN, NSID), a listener by
+``trtype:traddr:trsvcid``, a referral by the same address form. TargetService is the only writer.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from nvmeof import defaults
+from target.backends.base import Backend
+
+TrType = Literal["tcp", "rdma"]
+AdrFam = Literal["ipv4", "ipv6"]
+TRTYPES = ("tcp", "rdma")
+ADRFAMS = ("ipv4", "ipv6")
+BLOCK_SIZES = (512, 4096)
+
+
+@dataclass(slots=True)
+class NamespaceStats:
+    reads: int = 0
+    writes: int = 0
+    read_bytes: int = 0
+    write_bytes: int = 0
+    errors: int = 0
+    read_latency_ns: int = 0  # sum over all reads; divide by reads for the mean
+    write_latency_ns: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "reads": self.reads,
+            "writes": self.writes,
+            "read_bytes": self.read_bytes,
+            "write_bytes": self.write_bytes,
+            "errors": self.errors,
+            "read_latency_ns": self.read_latency_ns,
+            "write_latency_ns": self.write_latency_ns,
+        }
+
+
+@dataclass(eq=False)
+class Namespace:
+    nsid: int
+    backend: Backend
+    block_size: int = defaults.DEFAULT_BLOCK_SIZE
+    uuid: uuid.UUID = field(default_factory=uuid.uuid4)
+    nguid: bytes = bytes(16)
+    eui64: bytes = bytes(8)
+    read_only: bool = False
+    enabled: bool = True
+    spec: dict[str, Any] = field(default_factory=dict)  # the creation request, persisted as given
+    stats: NamespaceStats = field(default_factory=NamespaceStats)
+
+    @property
+    def nsze(self) -> int:
+        """Namespace size in logical blocks (Identify Namespace NSZE = NCAP = NUSE)."""
+        return self.backend.size // self.block_size
+
+    @property
+    def lba_shift(self) -> int:
+        return self.block_size.bit_length() - 1
+
+    @property
+    def writable(self) -> bool:
+        return not (self.read_only or self.backend.read_only)
+
+
+@dataclass(eq=False)
+class Subsystem:
+    nqn: str
+    serial: str
+    model: str = defaults.MODEL
+    allow_any_host: bool = True
+    hosts: set[str] = field(default_factory=set)
+    max_namespaces: int = defaults.MAX_NAMESPACES
+    namespaces: dict[int, Namespace] = field(default_factory=dict)
+    subtype: Literal["nvm", "discovery"] = "nvm"
+
+    def active_nsids(self) -> list[int]:
+        return sorted(nsid for nsid, ns in self.namespaces.items() if ns.enabled)
+
+    def host_allowed(self, hostnqn: str) -> bool:
+        return self.allow_any_host or hostnqn in self.hosts
+
+
+def format_address(traddr: str, trsvcid: int | str) -> str:
+    """``host:port`` with IPv6 literals bracketed, so the string splits unambiguously."""
+    if ":" in traddr and not traddr.startswith("["):
+        return f"[{traddr}]:{trsvcid}"
+    return f"{traddr}:{trsvcid}"
+
+
+def address_family(traddr: str) -> AdrFam:
+    """``ipv4`` or ``ipv6`` for an IP literal; ValueError if it is not one."""
+    return "ipv6" if ipaddress.ip_address(traddr).version == 6 else "ipv4"
+
+
+def endpoint_id(trtype: str, traddr: str, trsvcid: int | str) -> str:
+    return f"{trtype}:{format_address(traddr, trsvcid)}"
+
+
+@dataclass(eq=False)
+class Listener:
+    trtype: TrType
+    adrfam: AdrFam
+    traddr: str
+    trsvcid: int
+    portid: int
+    discovery: bool = False  # serves the discovery subsystem (usually port 8009)
+
+    @property
+    def id(self) -> str:
+        return endpoint_id(self.trtype, self.traddr, self.trsvcid)
+
+
+@dataclass(eq=False)
+class Referral:
+    trtype: TrType
+    adrfam: AdrFam
+    traddr: str
+    trsvcid: int
+    subnqn: str = defaults.DISCOVERY_NQN
+    portid: int = 0
+
+    @property
+    def id(self) -> str:
+        return endpoint_id(self.trtype, self.traddr, self.trsvcid)

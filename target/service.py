@@ -1,0 +1,911 @@
+"""TargetService: every management change, validated, serialized, persisted, then applied live.
+
+Daemon start-up, config restore, the REST API and the CLI all come through here. Each mutation:
+1. takes the one asyncio.Lock, so changes never interleave;
+2. validates everything before touching anything, so a refused request changes nothing;
+3. applies the change in memory and saves the whole configuration atomically (when a config path
+   is set); if the save fails the change is undone and the caller gets a 500;
+4. calls the Target's live hooks (namespace_changed, discovery_changed, disconnects).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import ipaddress
+import os
+import secrets
+import uuid as uuidlib
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, Protocol
+
+from nvmeof import defaults
+from target import config as configmod
+from target.backends import KINDS, BackendError, open_backend
+from target.model import (
+    ADRFAMS,
+    BLOCK_SIZES,
+    TRTYPES,
+    Listener,
+    Namespace,
+    Referral,
+    Subsystem,
+    endpoint_id,
+)
+from target.nqn import NqnError, generate_nqn, validate_nqn
+
+SERIAL_MAX = 20  # Identify Controller SN, bytes
+MODEL_MAX = 40  # Identify Controller MN, bytes
+NSID_MAX = 0xFFFFFFFE  # 0xFFFFFFFF is the broadcast NSID
+PORTID_MAX = 0xFFFE
+
+Undo = Callable[[], Awaitable[None]]
+
+
+class TargetHooks(Protocol):
+    """What TargetService needs from target.core.Target."""
+
+    subsystems: dict[str, Subsystem]
+    listeners: dict[str, Listener]
+    referrals: list[Referral]
+
+    def namespace_changed(self, subnqn: str, nsid: int) -> None: ...
+    def discovery_changed(self) -> None: ...
+    async def start_listener(self, listener: Listener) -> None: ...
+    async def stop_listener(self, listener: Listener) -> None: ...
+    def disconnect_subsystem(self, subnqn: str) -> None: ...
+    def controllers_info(self) -> list[dict[str, Any]]: ...
+    def disconnect_controller(self, cntlid: int) -> bool: ...
+
+
+class ServiceError(Exception):
+    """A refused or failed management request. ``status`` follows HTTP: 400 bad input, 404 no such
+    object, 409 conflicts with the current state, 500 the change could not be applied or saved."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def _bad(message: str) -> ServiceError:
+    return ServiceError(400, message)
+
+
+def _int(value: Any, name: str, low: int, high: int) -> int:
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _bad(f"{name} must be an integer, got {value!r}")
+    if not low <= value <= high:
+        raise _bad(f"{name} {value} is out of range; use {low}..{high}")
+    return value
+
+
+def _bool(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise _bad(f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def _ascii_field(value: Any, name: str, limit: int) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise _bad(f"{name} must be a non-empty string, got {value!r}")
+    if any(not (0x20 <= ord(ch) <= 0x7E) for ch in value):
+        raise _bad(f"{name} {value!r} must be printable ASCII (it goes into a fixed ASCII field)")
+    if len(value) > limit:
+        raise _bad(f"{name} {value!r} is {len(value)} characters; the limit is {limit}")
+    return value
+
+
+def _hex_id(value: Any, name: str, length: int) -> bytes:
+    """Parse an NGUID/EUI-64 given as bytes or hex text (with optional '-' or ':' separators)."""
+    if isinstance(value, bytes | bytearray):
+        raw = bytes(value)
+    elif isinstance(value, str):
+        digits = value.replace("-", "").replace(":", "").strip()
+        try:
+            raw = bytes.fromhex(digits)
+        except ValueError:
+            raise _bad(f"{name} {value!r} is not hexadecimal") from None
+    else:
+        raise _bad(f"{name} must be hex text, got {value!r}")
+    if len(raw) != length:
+        raise _bad(f"{name} {value!r} is {len(raw)} bytes; it must be {length} ({2 * length} hex digits)")
+    if raw == bytes(length):
+        raise _bad(f"{name} is all zeros, which tells the host there is none; leave it out to generate one")
+    return raw
+
+
+def _uuid(value: Any) -> uuidlib.UUID:
+    if isinstance(value, uuidlib.UUID):
+        parsed = value
+    else:
+        try:
+            parsed = uuidlib.UUID(str(value))
+        except ValueError:
+            raise _bad(f"uuid {value!r} is not a UUID (8-4-4-4-12 hex digits)") from None
+    if parsed.int == 0:
+        raise _bad("uuid is all zeros, which tells the host there is none; leave it out to generate one")
+    return parsed
+
+
+def _nqn(value: Any, what: str) -> str:
+    try:
+        return validate_nqn(value, what=what)
+    except NqnError as exc:
+        raise _bad(str(exc)) from None
+
+
+def _address(trtype: Any, traddr: Any, trsvcid: Any, adrfam: Any) -> tuple[str, str, str, int]:
+    if trtype not in TRTYPES:
+        raise _bad(f"transport type {trtype!r} is not supported; use one of {', '.join(TRTYPES)}")
+    try:
+        ip = ipaddress.ip_address(str(traddr).strip("[]"))
+    except ValueError:
+        raise _bad(f"address {traddr!r} is not an IPv4 or IPv6 address") from None
+    family = "ipv6" if ip.version == 6 else "ipv4"
+    if adrfam is not None and adrfam != family:
+        if adrfam not in ADRFAMS:
+            raise _bad(f"address family {adrfam!r} is not supported; use one of {', '.join(ADRFAMS)}")
+        raise _bad(f"address {traddr} is {family}, but the address family given is {adrfam}")
+    return trtype, family, str(ip), _int(trsvcid, "port (trsvcid)", 1, 65535)
+
+
+async def _nothing() -> None:
+    return None
+
+
+class TargetService:
+    def __init__(self, target: TargetHooks, *, config_path: str | os.PathLike[str] | None = None) -> None:
+        self.target = target
+        self.config_path = os.fspath(config_path) if config_path is not None else None
+        self._lock = asyncio.Lock()
+
+    # --- reads ---------------------------------------------------------------------------------
+
+    def list_subsystems(self) -> list[Subsystem]:
+        return [s for s in self.target.subsystems.values() if s.subtype == "nvm"]
+
+    def get_subsystem(self, nqn: str) -> Subsystem:
+        sub = self.target.subsystems.get(nqn)
+        if sub is None or sub.subtype != "nvm":
+            raise ServiceError(404, f"no subsystem {nqn!r}; list them to see the NQNs")
+        return sub
+
+    def list_namespaces(self, subnqn: str) -> list[Namespace]:
+        sub = self.get_subsystem(subnqn)
+        return [sub.namespaces[nsid] for nsid in sorted(sub.namespaces)]
+
+    def get_namespace(self, subnqn: str, nsid: int) -> Namespace:
+        sub = self.get_subsystem(subnqn)
+        ns = sub.namespaces.get(nsid)
+        if ns is None:
+            have = ", ".join(str(n) for n in sorted(sub.namespaces)) or "none"
+            raise ServiceError(404, f"subsystem {subnqn} has no namespace {nsid} (it has: {have})")
+        return ns
+
+    def list_listeners(self) -> list[Listener]:
+        return list(self.target.listeners.values())
+
+    def get_listener(self, listener_id: str) -> Listener:
+        listener = self.target.listeners.get(listener_id)
+        if listener is None:
+            have = ", ".join(self.target.listeners) or "none"
+            raise ServiceError(404, f"no listener {listener_id!r} (listeners: {have})")
+        return listener
+
+    def list_referrals(self) -> list[Referral]:
+        return list(self.target.referrals)
+
+    def controllers(self) -> list[dict[str, Any]]:
+        return self.target.controllers_info()
+
+    # --- commit machinery ----------------------------------------------------------------------
+
+    async def _commit(self, persist: bool, undo: Undo) -> None:
+        if not persist or self.config_path is None:
+            return
+        try:
+            await asyncio.to_thread(configmod.save_config, self.config_path, self.snapshot())
+        except configmod.ConfigError as exc:
+            await undo()
+            raise ServiceError(500, f"{exc}; the change was undone") from exc
+
+    # --- subsystems ----------------------------------------------------------------------------
+
+    async def add_subsystem(
+        self,
+        nqn: str | None = None,
+        serial: str | None = None,
+        model: str = defaults.MODEL,
+        allow_any_host: bool | None = None,
+        hosts: Iterable[str] = (),
+        max_namespaces: int = defaults.MAX_NAMESPACES,
+    ) -> Subsystem:
+        """Create a subsystem. ``allow_any_host`` defaults to True when no hosts are listed."""
+        async with self._lock:
+            return await self._add_subsystem(nqn, serial, model, allow_any_host, hosts, max_namespaces, persist=True)
+
+    async def _add_subsystem(
+        self,
+        nqn: str | None,
+        serial: str | None,
+        model: str,
+        allow_any_host: bool | None,
+        hosts: Iterable[str],
+        max_namespaces: int,
+        *,
+        persist: bool,
+    ) -> Subsystem:
+        nqn = generate_nqn() if nqn is None else _nqn(nqn, "subsystem NQN")
+        if nqn in self.target.subsystems:
+            raise ServiceError(409, f"subsystem {nqn} already exists")
+        serial = secrets.token_hex(SERIAL_MAX // 2) if serial is None else _ascii_field(serial, "serial", SERIAL_MAX)
+        model = _ascii_field(model, "model", MODEL_MAX)
+        if isinstance(hosts, str):
+            raise _bad("hosts must be a list of host NQNs, not a single string")
+        host_set = {_nqn(h, "host NQN") for h in hosts}
+        if allow_any_host is None:
+            allow_any_host = not host_set
+        elif _bool(allow_any_host, "allow_any_host") and host_set:
+            raise _bad(
+                "give either allow_any_host or a list of hosts, not both: "
+                "with allow_any_host every host may connect and the list would mean nothing"
+            )
+        max_namespaces = _int(max_namespaces, "max_namespaces", 1, NSID_MAX)
+        sub = Subsystem(
+            nqn=nqn,
+            serial=serial,
+            model=model,
+            allow_any_host=allow_any_host,
+            hosts=host_set,
+            max_namespaces=max_namespaces,
+        )
+        self.target.subsystems[nqn] = sub
+
+        async def undo() -> None:
+            self.target.subsystems.pop(nqn, None)
+
+        await self._commit(persist, undo)
+        self.target.discovery_changed()
+        return sub
+
+    async def remove_subsystem(self, nqn: str, force: bool = False) -> None:
+        async with self._lock:
+            sub = self.get_subsystem(nqn)
+            if sub.namespaces and not force:
+                raise ServiceError(
+                    409,
+                    f"subsystem {nqn} still has namespaces {sorted(sub.namespaces)}; remove them first or pass force",
+                )
+            del self.target.subsystems[nqn]
+
+            async def undo() -> None:
+                self.target.subsystems[nqn] = sub
+
+            await self._commit(True, undo)
+            self.target.disconnect_subsystem(nqn)
+            for ns in sub.namespaces.values():
+                ns.backend.close()
+            self.target.discovery_changed()
+
+    async def set_allow_any_host(self, nqn: str, allow: bool) -> Subsystem:
+        async with self._lock:
+            sub = self.get_subsystem(nqn)
+            allow = _bool(allow, "allow_any_host")
+            if allow and sub.hosts:
+                raise ServiceError(
+                    409,
+                    f"subsystem {nqn} lists allowed hosts {sorted(sub.hosts)}; deny them first, then allow any host",
+                )
+            old = sub.allow_any_host
+            sub.allow_any_host = allow
+
+            async def undo() -> None:
+                sub.allow_any_host = old
+
+            await self._commit(True, undo)
+            self.target.discovery_changed()
+            return sub
+
+    async def allow_host(self, subnqn: str, hostnqn: str) -> Subsystem:
+        async with self._lock:
+            hostnqn = _nqn(hostnqn, "host NQN")
+            sub = self.get_subsystem(subnqn)
+            if sub.allow_any_host:
+                raise ServiceError(
+                    409,
+                    f"subsystem {subnqn} allows any host; turn allow_any_host off "
+                    "first so that the list of hosts takes effect",
+                )
+            if hostnqn in sub.hosts:
+                raise ServiceError(409, f"host {hostnqn} is already allowed on {subnqn}")
+            sub.hosts.add(hostnqn)
+
+            async def undo() -> None:
+                sub.hosts.discard(hostnqn)
+
+            await self._commit(True, undo)
+            self.target.discovery_changed()
+            return sub
+
+    async def deny_host(self, subnqn: str, hostnqn: str) -> Subsystem:
+        async with self._lock:
+            sub = self.get_subsystem(subnqn)
+            if hostnqn not in sub.hosts:
+                raise ServiceError(404, f"host {hostnqn} is not in the allowed hosts of {subnqn}")
+            sub.hosts.discard(hostnqn)
+
+            async def undo() -> None:
+                sub.hosts.add(hostnqn)
+
+            await self._commit(True, undo)
+            self.target.discovery_changed()
+            return sub
+
+    # --- namespaces ----------------------------------------------------------------------------
+
+    def _all_namespaces(self) -> Iterable[tuple[Subsystem, Namespace]]:
+        for sub in self.target.subsystems.values():
+            for ns in sub.namespaces.values():
+                yield sub, ns
+
+    def _id_owner(self, attr: str, value: Any) -> str | None:
+        for sub, ns in self._all_namespaces():
+            if getattr(ns, attr) == value:
+                return f"namespace {ns.nsid} of {sub.nqn}"
+        return None
+
+    def _unique_id(self, attr: str, name: str, given: Any, make: Callable[[], Any]) -> Any:
+        if given is not None:
+            owner = self._id_owner(attr, given)
+            if owner:
+                raise ServiceError(
+                    409,
+                    f"{name} {_show(given)} is already used by {owner}; "
+                    "the Linux host ignores duplicate identifiers, leave it out to generate one",
+                )
+            return given
+        while True:
+            value = make()
+            if self._id_owner(attr, value) is None:
+                return value
+
+    async def add_namespace(
+        self,
+        subnqn: str,
+        *,
+        backend: str,
+        path: str | None = None,
+        size: int | None = None,
+        block_size: int = defaults.DEFAULT_BLOCK_SIZE,
+        nsid: int | None = None,
+        uuid: uuidlib.UUID | str | None = None,
+        nguid: bytes | str | None = None,
+        eui64: bytes | str | None = None,
+        read_only: bool = False,
+        enabled: bool = True,
+        create: bool = False,
+    ) -> Namespace:
+        async with self._lock:
+            return await self._add_namespace(
+                subnqn,
+                backend=backend,
+                path=path,
+                size=size,
+                block_size=block_size,
+                nsid=nsid,
+                uuid=uuid,
+                nguid=nguid,
+                eui64=eui64,
+                read_only=read_only,
+                enabled=enabled,
+                create=create,
+                persist=True,
+            )
+
+    async def _add_namespace(
+        self,
+        subnqn: str,
+        *,
+        backend: str,
+        path: str | None,
+        size: int | None,
+        block_size: int,
+        nsid: int | None,
+        uuid: Any,
+        nguid: Any,
+        eui64: Any,
+        read_only: bool,
+        enabled: bool,
+        create: bool,
+        persist: bool,
+    ) -> Namespace:
+        sub = self.get_subsystem(subnqn)
+        if backend not in KINDS:
+            raise _bad(f"backend {backend!r} is not one of {', '.join(KINDS)}")
+        if block_size not in BLOCK_SIZES:
+            raise _bad(f"block size {block_size!r} is not supported; use 512 or 4096")
+        read_only = _bool(read_only, "read_only")
+        enabled = _bool(enabled, "enabled")
+        create = _bool(create, "create")
+        if size is not None:
+            size = _int(size, "size", 1, 1 << 63)
+            if size % block_size:
+                raise _bad(
+                    f"size {size} is not a multiple of the block size {block_size}; "
+                    f"try {size // block_size * block_size or block_size}"
+                )
+        if backend == "file":
+            if not path or not isinstance(path, str):
+                raise _bad("a file namespace needs a path (a regular file or a block device)")
+            if create and size is None:
+                raise _bad(f"creating {path} needs a size")
+            real = os.path.realpath(path)
+            for other_sub, other in self._all_namespaces():
+                other_path = other.spec.get("path")
+                if other_path and os.path.realpath(other_path) == real:
+                    raise ServiceError(
+                        409,
+                        f"{path} already backs namespace {other.nsid} of {other_sub.nqn}; "
+                        "two namespaces on one file would corrupt each other",
+                    )
+        else:
+            if path is not None:
+                raise _bad(f"a {backend} namespace takes a size, not a path")
+            if create:
+                raise _bad("create applies to file namespaces only")
+            if size is None:
+                raise _bad(f"a {backend} namespace needs a size in bytes (a multiple of {block_size})")
+        if nsid is None:
+            nsid = next((n for n in range(1, sub.max_namespaces + 1) if n not in sub.namespaces), None)
+            if nsid is None:
+                raise ServiceError(
+                    409, f"subsystem {subnqn} already has its maximum of {sub.max_namespaces} namespaces"
+                )
+        else:
+            nsid = _int(nsid, "nsid", 1, sub.max_namespaces)
+            if nsid in sub.namespaces:
+                free = next((n for n in range(1, sub.max_namespaces + 1) if n not in sub.namespaces), None)
+                hint = f"; NSID {free} is free" if free else ""
+                raise ServiceError(409, f"NSID {nsid} is already in use in {subnqn}{hint}")
+        ns_uuid = self._unique_id("uuid", "UUID", None if uuid is None else _uuid(uuid), uuidlib.uuid4)
+        ns_nguid = self._unique_id(
+            "nguid",
+            "NGUID",
+            None if nguid is None else _hex_id(nguid, "nguid", 16),
+            lambda: secrets.token_bytes(16),
+        )
+        ns_eui64 = self._unique_id(
+            "eui64",
+            "EUI-64",
+            None if eui64 is None else _hex_id(eui64, "eui64", 8),
+            lambda: defaults.IEEE_OUI + secrets.token_bytes(5),
+        )
+
+        # Everything else is checked; opening the backend is the last step that can fail.
+        try:
+            store = await asyncio.to_thread(
+                open_backend, backend, path=path, size=size, read_only=read_only, create=create
+            )
+        except BackendError as exc:
+            raise _bad(str(exc)) from None
+        if store.size % block_size:
+            self._discard_backend(store)
+            raise _bad(
+                f"{path} is {store.size} bytes, not a multiple of the block size {block_size}; "
+                f"give a size such as {store.size // block_size * block_size}"
+            )
+        spec: dict[str, Any] = {"backend": backend}
+        if path is not None:
+            spec["path"] = path
+        if size is not None:
+            spec["size"] = size
+        ns = Namespace(
+            nsid=nsid,
+            backend=store,
+            block_size=block_size,
+            uuid=ns_uuid,
+            nguid=ns_nguid,
+            eui64=ns_eui64,
+            read_only=read_only or store.read_only,
+            enabled=enabled,
+            spec=spec,
+        )
+        sub.namespaces[nsid] = ns
+
+        async def undo() -> None:
+            sub.namespaces.pop(nsid, None)
+            self._discard_backend(store)
+
+        await self._commit(persist, undo)
+        self.target.namespace_changed(subnqn, nsid)
+        return ns
+
+    @staticmethod
+    def _discard_backend(store: Any) -> None:
+        store.close()
+        if getattr(store, "created", False):
+            try:
+                os.unlink(store.path)
+            except OSError:
+                pass
+
+    async def resize_namespace(self, subnqn: str, nsid: int, size: int) -> Namespace:
+        async with self._lock:
+            ns = self.get_namespace(subnqn, nsid)
+            size = _int(size, "size", 1, 1 << 63)
+            if size % ns.block_size:
+                raise _bad(f"size {size} is not a multiple of the block size {ns.block_size}")
+            old_size = ns.backend.size
+            if size == old_size:
+                return ns
+            try:
+                await ns.backend.resize(size)
+            except BackendError as exc:
+                raise _bad(str(exc)) from None
+            old_spec_size = ns.spec.get("size")
+            ns.spec["size"] = size
+
+            async def undo() -> None:
+                if old_spec_size is None:
+                    ns.spec.pop("size", None)
+                else:
+                    ns.spec["size"] = old_spec_size
+                try:
+                    await ns.backend.resize(old_size)
+                except BackendError:
+                    pass
+
+            await self._commit(True, undo)
+            self.target.namespace_changed(subnqn, nsid)
+            return ns
+
+    async def set_namespace_enabled(self, subnqn: str, nsid: int, enabled: bool) -> Namespace:
+        async with self._lock:
+            ns = self.get_namespace(subnqn, nsid)
+            enabled = _bool(enabled, "enabled")
+            if ns.enabled == enabled:
+                return ns
+            ns.enabled = enabled
+
+            async def undo() -> None:
+                ns.enabled = not enabled
+
+            await self._commit(True, undo)
+            self.target.namespace_changed(subnqn, nsid)
+            return ns
+
+    async def remove_namespace(self, subnqn: str, nsid: int) -> None:
+        async with self._lock:
+            ns = self.get_namespace(subnqn, nsid)
+            sub = self.target.subsystems[subnqn]
+            del sub.namespaces[nsid]
+
+            async def undo() -> None:
+                sub.namespaces[nsid] = ns
+
+            await self._commit(True, undo)
+            self.target.namespace_changed(subnqn, nsid)
+            ns.backend.close()
+
+    # --- listeners and referrals ---------------------------------------------------------------
+
+    async def add_listener(
+        self,
+        trtype: str,
+        traddr: str,
+        trsvcid: int | str,
+        adrfam: str | None = None,
+        discovery: bool = False,
+        portid: int | None = None,
+    ) -> Listener:
+        async with self._lock:
+            return await self._add_listener(trtype, traddr, trsvcid, adrfam, discovery, portid, persist=True)
+
+    async def _add_listener(
+        self,
+        trtype: str,
+        traddr: str,
+        trsvcid: int | str,
+        adrfam: str | None,
+        discovery: bool,
+        portid: int | None,
+        *,
+        persist: bool,
+    ) -> Listener:
+        trtype, adrfam, traddr, port = _address(trtype, traddr, trsvcid, adrfam)
+        discovery = _bool(discovery, "discovery")
+        lid = endpoint_id(trtype, traddr, port)
+        if lid in self.target.listeners:
+            raise ServiceError(409, f"listener {lid} already exists")
+        used = {lst.portid for lst in self.target.listeners.values()}
+        if portid is None:
+            portid = next(p for p in range(1, PORTID_MAX + 2) if p not in used)
+        else:
+            portid = _int(portid, "portid", 1, PORTID_MAX)
+            if portid in used:
+                raise ServiceError(
+                    409,
+                    f"port id {portid} is already used by another listener; leave it out to get a free one",
+                )
+        listener = Listener(
+            trtype=trtype, adrfam=adrfam, traddr=traddr, trsvcid=port, portid=portid, discovery=discovery
+        )
+        try:
+            await self.target.start_listener(listener)
+        except OSError as exc:
+            raise _listen_error(lid, exc) from None
+        except (NotImplementedError, RuntimeError, ValueError) as exc:
+            raise _bad(f"cannot listen on {lid}: {exc}") from None
+        self.target.listeners[lid] = listener
+
+        async def undo() -> None:
+            self.target.listeners.pop(lid, None)
+            await self.target.stop_listener(listener)
+
+        await self._commit(persist, undo)
+        self.target.discovery_changed()
+        return listener
+
+    async def remove_listener(self, listener_id: str) -> None:
+        async with self._lock:
+            listener = self.get_listener(listener_id)
+            del self.target.listeners[listener_id]
+
+            async def undo() -> None:
+                self.target.listeners[listener_id] = listener
+
+            await self._commit(True, undo)
+            await self.target.stop_listener(listener)
+            self.target.discovery_changed()
+
+    async def add_referral(
+        self,
+        traddr: str,
+        trsvcid: int | str = defaults.TCP_DISCOVERY_PORT,
+        trtype: str = "tcp",
+        adrfam: str | None = None,
+        subnqn: str = defaults.DISCOVERY_NQN,
+        portid: int = 0,
+    ) -> Referral:
+        async with self._lock:
+            return await self._add_referral(traddr, trsvcid, trtype, adrfam, subnqn, portid, persist=True)
+
+    async def _add_referral(
+        self,
+        traddr: str,
+        trsvcid: int | str,
+        trtype: str,
+        adrfam: str | None,
+        subnqn: str,
+        portid: int,
+        *,
+        persist: bool,
+    ) -> Referral:
+        trtype, adrfam, traddr, port = _address(trtype, traddr, trsvcid, adrfam)
+        if subnqn != defaults.DISCOVERY_NQN:
+            subnqn = _nqn(subnqn, "referral subsystem NQN")
+        portid = _int(portid, "portid", 0, PORTID_MAX)
+        rid = endpoint_id(trtype, traddr, port)
+        if any(r.id == rid for r in self.target.referrals):
+            raise ServiceError(409, f"a referral to {rid} already exists")
+        if rid in self.target.listeners:
+            raise ServiceError(409, f"{rid} is one of this target's own listeners; a referral points elsewhere")
+        referral = Referral(trtype=trtype, adrfam=adrfam, traddr=traddr, trsvcid=port, subnqn=subnqn, portid=portid)
+        self.target.referrals.append(referral)
+
+        async def undo() -> None:
+            self.target.referrals.remove(referral)
+
+        await self._commit(persist, undo)
+        self.target.discovery_changed()
+        return referral
+
+    async def remove_referral(self, referral_id: str) -> None:
+        async with self._lock:
+            index = next((i for i, r in enumerate(self.target.referrals) if r.id == referral_id), None)
+            if index is None:
+                have = ", ".join(r.id for r in self.target.referrals) or "none"
+                raise ServiceError(404, f"no referral {referral_id!r} (referrals: {have})")
+            referral = self.target.referrals.pop(index)
+
+            async def undo() -> None:
+                self.target.referrals.insert(index, referral)
+
+            await self._commit(True, undo)
+            self.target.discovery_changed()
+
+    # --- controllers ---------------------------------------------------------------------------
+
+    async def disconnect_controller(self, cntlid: int) -> None:
+        cntlid = _int(cntlid, "cntlid", 0, 0xFFFF)
+        if not self.target.disconnect_controller(cntlid):
+            raise ServiceError(404, f"no connected controller with cntlid {cntlid}")
+
+    # --- whole configuration -------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """The whole configuration in config-file form (version 1)."""
+        return {
+            "version": configmod.CONFIG_VERSION,
+            "subsystems": [_subsystem_entry(s) for s in self.list_subsystems()],
+            "listeners": [
+                {
+                    "trtype": lst.trtype,
+                    "adrfam": lst.adrfam,
+                    "traddr": lst.traddr,
+                    "trsvcid": lst.trsvcid,
+                    "portid": lst.portid,
+                    "discovery": lst.discovery,
+                }
+                for lst in self.target.listeners.values()
+            ],
+            "referrals": [
+                {
+                    "trtype": r.trtype,
+                    "adrfam": r.adrfam,
+                    "traddr": r.traddr,
+                    "trsvcid": r.trsvcid,
+                    "subnqn": r.subnqn,
+                    "portid": r.portid,
+                }
+                for r in self.target.referrals
+            ],
+        }
+
+    async def restore(self, config: dict[str, Any]) -> list[str]:
+        """Replay a configuration through the same steps as live calls, in reference order
+        (subsystems with their hosts, namespaces, listeners, referrals). An item that fails is
+        reported and skipped; the rest is restored. Nothing is saved: the file being replayed stays
+        as it is."""
+        errors: list[str] = []
+        if not isinstance(config, dict):
+            return [f"configuration must be an object, got {type(config).__name__}"]
+        if config.get("version", configmod.CONFIG_VERSION) != configmod.CONFIG_VERSION:
+            return [
+                f"configuration version {config.get('version')!r} is not supported; "
+                f"this program reads version {configmod.CONFIG_VERSION}"
+            ]
+        async with self._lock:
+            created: list[tuple[str, str, list[Any]]] = []
+            for i, item in enumerate(_items(config, "subsystems", errors)):
+                where = f"subsystems[{i}]" + (f" ({item['nqn']})" if isinstance(item, dict) and "nqn" in item else "")
+                problems = configmod.item_problems("subsystem", item, where)
+                if problems:
+                    errors.extend(problems)
+                    continue
+                try:
+                    await self._add_subsystem(
+                        item["nqn"],
+                        item.get("serial"),
+                        _given(item, "model", defaults.MODEL),
+                        item.get("allow_any_host"),
+                        _given(item, "hosts", ()),
+                        _given(item, "max_namespaces", defaults.MAX_NAMESPACES),
+                        persist=False,
+                    )
+                except ServiceError as exc:
+                    errors.append(f"{where}: {exc.message}; skipped with its namespaces")
+                    continue
+                created.append((item["nqn"], where, item.get("namespaces") or []))
+            for nqn, where, namespaces in created:
+                for j, item in enumerate(namespaces):
+                    nswhere = f"{where}.namespaces[{j}]"
+                    problems = configmod.item_problems("namespace", item, nswhere)
+                    if problems:
+                        errors.extend(problems)
+                        continue
+                    args = {key: item.get(key) for key in ("nsid", "path", "size", "uuid", "nguid", "eui64")}
+                    try:
+                        await self._add_namespace(
+                            nqn,
+                            backend=item["backend"],
+                            block_size=_given(item, "block_size", defaults.DEFAULT_BLOCK_SIZE),
+                            read_only=_given(item, "read_only", False),
+                            enabled=_given(item, "enabled", True),
+                            create=False,
+                            persist=False,
+                            **args,
+                        )
+                    except ServiceError as exc:
+                        errors.append(f"{nswhere}: {exc.message}; skipped")
+            for i, item in enumerate(_items(config, "listeners", errors)):
+                where = f"listeners[{i}]"
+                problems = configmod.item_problems("listener", item, where)
+                if problems:
+                    errors.extend(problems)
+                    continue
+                try:
+                    await self._add_listener(
+                        _given(item, "trtype", "tcp"),
+                        item["traddr"],
+                        item["trsvcid"],
+                        item.get("adrfam"),
+                        _given(item, "discovery", False),
+                        item.get("portid"),
+                        persist=False,
+                    )
+                except ServiceError as exc:
+                    errors.append(f"{where}: {exc.message}; skipped")
+            for i, item in enumerate(_items(config, "referrals", errors)):
+                where = f"referrals[{i}]"
+                problems = configmod.item_problems("referral", item, where)
+                if problems:
+                    errors.extend(problems)
+                    continue
+                try:
+                    await self._add_referral(
+                        item["traddr"],
+                        item["trsvcid"],
+                        _given(item, "trtype", "tcp"),
+                        item.get("adrfam"),
+                        _given(item, "subnqn", defaults.DISCOVERY_NQN),
+                        _given(item, "portid", 0),
+                        persist=False,
+                    )
+                except ServiceError as exc:
+                    errors.append(f"{where}: {exc.message}; skipped")
+        return errors
+
+
+def _items(config: dict[str, Any], key: str, errors: list[str]) -> list[Any]:
+    value = config.get(key, [])
+    if not isinstance(value, list):
+        errors.append(f"{key!r} must be a list, got {type(value).__name__}; none restored")
+        return []
+    return value
+
+
+def _given(item: dict[str, Any], key: str, default: Any) -> Any:
+    """The item's value for ``key``, or ``default`` when absent or null (a 0 or "" stays, to be refused)."""
+    value = item.get(key)
+    return default if value is None else value
+
+
+def _show(value: Any) -> str:
+    return value.hex() if isinstance(value, bytes) else str(value)
+
+
+def _listen_error(lid: str, exc: OSError) -> ServiceError:
+    reason = exc.strerror or str(exc)
+    if exc.errno == errno.EADDRINUSE:
+        return ServiceError(
+            409,
+            f"cannot listen on {lid}: the address is already in use; stop whatever holds that port or pick another one",
+        )
+    if exc.errno in (errno.EADDRNOTAVAIL, errno.EACCES, errno.EPERM):
+        return ServiceError(400, f"cannot listen on {lid}: {reason}")
+    return ServiceError(500, f"cannot listen on {lid}: {reason}")
+
+
+def _subsystem_entry(sub: Subsystem) -> dict[str, Any]:
+    return {
+        "nqn": sub.nqn,
+        "serial": sub.serial,
+        "model": sub.model,
+        "allow_any_host": sub.allow_any_host,
+        "hosts": sorted(sub.hosts),
+        "max_namespaces": sub.max_namespaces,
+        "namespaces": [_namespace_entry(sub.namespaces[nsid]) for nsid in sorted(sub.namespaces)],
+    }
+
+
+def _namespace_entry(ns: Namespace) -> dict[str, Any]:
+    entry: dict[str, Any] = {"nsid": ns.nsid, "backend": ns.spec.get("backend", ns.backend.kind)}
+    if "path" in ns.spec:
+        entry["path"] = ns.spec["path"]
+    if "size" in ns.spec:
+        entry["size"] = ns.spec["size"]
+    entry.update(
+        {
+            "block_size": ns.block_size,
+            "uuid": str(ns.uuid),
+            "nguid": ns.nguid.hex(),
+            "eui64": ns.eui64.hex(),
+            "read_only": ns.read_only,
+            "enabled": ns.enabled,
+        }
+    )
+    return entry
