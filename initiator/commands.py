@@ -1,0 +1,165 @@
+"""Submission queue entries the host sends, built from their NVMe field names.
+
+Fabrics SQEs are built with the construct layouts in nvmeof/spec/fabrics.py; admin and I/O commands
+set the CDWs as NVMe Base 2.0 §5 and the NVM Command Set 1.0 §3 define them (Linux
+include/linux/nvme.h ``struct nvme_rw_command``, ``nvme_get_log_page_command``, ...).
+"""
+
+from __future__ import annotations
+
+from nvmeof.spec.fabrics import (
+    CATTR_DISABLE_SQFLOW,
+    CONNECT_DATA_SIZE,
+    NVMF_NQN_SIZE,
+    PROPERTY_SIZE_8,
+    ConnectCommand,
+    ConnectData,
+    PropertyGetCommand,
+    PropertySetCommand,
+)
+from nvmeof.spec.nvme import (
+    DSM_AD,
+    RW_FUA,
+    WZ_DEAC,
+    AdminOpcode,
+    Command,
+    FabricsType,
+    IoOpcode,
+)
+
+# Controller Configuration and Status properties (NVMe Base 2.0 §3.1.3.5/6; include/linux/nvme.h).
+CC_EN = 1 << 0
+CC_CSS_NVM = 0 << 4
+CC_CSS_CSI = 6 << 4
+CC_MPS_SHIFT = 7
+CC_AMS_RR = 0 << 11
+CC_SHN_MASK = 3 << 14
+CC_SHN_NORMAL = 1 << 14
+CC_IOSQES = 6 << 16      # 64-byte SQEs
+CC_IOCQES = 4 << 20      # 16-byte CQEs
+CSTS_RDY = 1 << 0
+CSTS_CFS = 1 << 1
+CSTS_SHST_MASK = 3 << 2
+CSTS_SHST_CMPLT = 2 << 2
+# CAP fields
+CAP_CSS_NVM = 1 << 37
+CAP_CSS_CSI = 1 << 43
+
+
+def cap_mqes(cap: int) -> int:
+    return cap & 0xFFFF
+
+
+def cap_timeout_s(cap: int) -> float:
+    """Ready timeout as the Linux host computes it: (CAP.TO + 1) * 500 ms."""
+    return (((cap >> 24) & 0xFF) + 1) * 0.5
+
+
+def cap_mpsmin(cap: int) -> int:
+    return (cap >> 48) & 0xF
+
+
+# Connect response DW0
+CONNECT_AUTHREQ_ATR = 1 << 17
+CONNECT_AUTHREQ_ASCR = 1 << 18
+
+NSID_ALL = 0xFFFFFFFF
+
+
+def check_nqn(name: str, nqn: str) -> None:
+    raw = nqn.encode("utf-8")
+    if not raw or len(raw) > NVMF_NQN_SIZE:
+        raise ValueError(f"{name} {nqn!r} must be 1..{NVMF_NQN_SIZE} bytes of UTF-8, got {len(raw)}")
+
+
+def connect(qid: int, sqsize: int, *, kato_ms: int = 0, disable_sqflow: bool = False) -> Command:
+    raw = ConnectCommand.build({
+        "rsvd1": 0, "cid": 0, "fctype": FabricsType.CONNECT, "rsvd2": bytes(19), "dptr": bytes(16),
+        "recfmt": 0, "qid": qid, "sqsize": sqsize, "cattr": CATTR_DISABLE_SQFLOW if disable_sqflow else 0,
+        "rsvd3": 0, "kato": kato_ms, "rsvd4": bytes(12),
+    })
+    return Command.from_bytes(raw)
+
+
+def connect_data(hostid: bytes, cntlid: int, subnqn: str, hostnqn: str) -> bytes:
+    check_nqn("subsystem NQN", subnqn)
+    check_nqn("host NQN", hostnqn)
+    if len(hostid) != 16:
+        raise ValueError(f"hostid must be 16 bytes, got {len(hostid)}")
+    data = ConnectData.build({"hostid": hostid, "cntlid": cntlid, "subsysnqn": subnqn, "hostnqn": hostnqn})
+    assert len(data) == CONNECT_DATA_SIZE
+    return data
+
+
+def property_get(offset: int, size: int) -> Command:
+    raw = PropertyGetCommand.build({
+        "rsvd1": 0, "cid": 0, "fctype": FabricsType.PROPERTY_GET, "rsvd2": bytes(35),
+        "attrib": PROPERTY_SIZE_8 if size == 8 else 0, "rsvd3": bytes(3), "offset": offset,
+        "rsvd4": bytes(16),
+    })
+    return Command.from_bytes(raw)
+
+
+def property_set(offset: int, value: int, size: int) -> Command:
+    raw = PropertySetCommand.build({
+        "rsvd1": 0, "cid": 0, "fctype": FabricsType.PROPERTY_SET, "rsvd2": bytes(35),
+        "attrib": PROPERTY_SIZE_8 if size == 8 else 0, "rsvd3": bytes(3), "offset": offset,
+        "value": value, "rsvd4": bytes(8),
+    })
+    return Command.from_bytes(raw)
+
+
+def identify(cns: int, *, nsid: int = 0, cntid: int = 0, csi: int = 0) -> Command:
+    return Command(AdminOpcode.IDENTIFY, nsid=nsid, cdw10=cns | (cntid << 16), cdw11=csi << 24)
+
+
+def get_log_page(lid: int, length: int, *, offset: int = 0, nsid: int = NSID_ALL, rae: bool = False,
+                 lsp: int = 0, lsi: int = 0, csi: int = 0) -> Command:
+    if length <= 0 or length % 4:
+        raise ValueError(f"log page length must be a positive multiple of 4, got {length}")
+    if offset % 4:
+        raise ValueError(f"log page offset must be dword aligned, got {offset}")
+    numd = length // 4 - 1
+    return Command(
+        AdminOpcode.GET_LOG_PAGE, nsid=nsid,
+        cdw10=lid | ((lsp & 0x7F) << 8) | (int(rae) << 15) | ((numd & 0xFFFF) << 16),
+        cdw11=(numd >> 16) | (lsi << 16),
+        cdw12=offset & 0xFFFFFFFF, cdw13=offset >> 32, cdw14=csi << 24,
+    )
+
+
+def get_features(fid: int, *, sel: int = 0, cdw11: int = 0, nsid: int = 0) -> Command:
+    return Command(AdminOpcode.GET_FEATURES, nsid=nsid, cdw10=fid | ((sel & 7) << 8), cdw11=cdw11)
+
+
+def set_features(fid: int, cdw11: int = 0, *, save: bool = False, nsid: int = 0, cdw12: int = 0,
+                 cdw13: int = 0, cdw14: int = 0, cdw15: int = 0) -> Command:
+    return Command(AdminOpcode.SET_FEATURES, nsid=nsid, cdw10=fid | (int(save) << 31), cdw11=cdw11,
+                   cdw12=cdw12, cdw13=cdw13, cdw14=cdw14, cdw15=cdw15)
+
+
+def keep_alive() -> Command:
+    return Command(AdminOpcode.KEEP_ALIVE)
+
+
+def async_event_request() -> Command:
+    return Command(AdminOpcode.ASYNC_EVENT_REQUEST)
+
+
+def rw(opcode: int, nsid: int, slba: int, nlb: int, *, fua: bool = False) -> Command:
+    """Read, Write or Compare of ``nlb`` blocks (1..65536) at ``slba``."""
+    return Command(opcode, nsid=nsid, cdw10=slba & 0xFFFFFFFF, cdw11=slba >> 32,
+                   cdw12=(nlb - 1) | (RW_FUA if fua else 0))
+
+
+def write_zeroes(nsid: int, slba: int, nlb: int, *, deallocate: bool = False) -> Command:
+    return Command(IoOpcode.WRITE_ZEROES, nsid=nsid, cdw10=slba & 0xFFFFFFFF, cdw11=slba >> 32,
+                   cdw12=(nlb - 1) | (WZ_DEAC if deallocate else 0))
+
+
+def flush(nsid: int) -> Command:
+    return Command(IoOpcode.FLUSH, nsid=nsid)
+
+
+def dataset_management(nsid: int, nr: int, *, attributes: int = DSM_AD) -> Command:
+    return Command(IoOpcode.DATASET_MANAGEMENT, nsid=nsid, cdw10=nr - 1, cdw11=attributes)

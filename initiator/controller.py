@@ -1,0 +1,628 @@
+"""HostController: one NVMe-oF controller seen from the host (admin queue + I/O queues).
+
+The connect sequence follows the Linux host (drivers/nvme/host/tcp.c ``nvme_tcp_setup_ctrl``,
+core.c ``nvme_enable_ctrl`` / ``nvme_init_ctrl_finish``, fabrics.c ``nvmf_connect_*``): ICReq,
+Fabrics Connect on the admin queue, CAP / CC / CSTS.RDY, Identify Controller, Set Features Number
+of Queues, one TCP connection and Connect per I/O queue, then keep-alive and AER.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from construct import Container
+
+from initiator import commands as c
+from initiator.nvm import Buffer, NamespaceGeometry, NvmIo, check_nsid
+from initiator.queue import DEFAULT_TIMEOUT, HostQueue, TransportError, open_queue
+from nvmeof import defaults
+from nvmeof.spec.fabrics import CONNECT_ADMIN_CNTLID, CONNECT_IATTR_DATA, Property
+from nvmeof.spec.identify import (
+    CNTRLTYPE_DISCOVERY,
+    IDENTIFY_DATA_SIZE,
+    OAES_DISC_CHANGE,
+    OAES_NS_ATTR,
+    IdentifyController,
+    IdentifyNamespace,
+    parse_active_ns_list,
+    parse_ns_descriptor_list,
+)
+from nvmeof.spec.logs import parse_changed_ns_list
+from nvmeof.spec.nvme import (
+    AsyncEventNotice,
+    AsyncEventType,
+    Cns,
+    Command,
+    Completion,
+    FeatureId,
+    LogPageId,
+)
+from nvmeof.status import NvmeError, Status
+
+log = logging.getLogger(__name__)
+
+
+SHUTDOWN_TIMEOUT = 5.0       # Linux nvme_core shutdown_timeout
+CHANGED_NS_LOG_SIZE = 4096
+AEN_MASK = OAES_NS_ATTR | OAES_DISC_CHANGE   # the notices this host acts on
+MAX_QUEUED_EVENTS = 1024
+
+
+HOSTNQN_FILE = "/etc/nvme/hostnqn"
+HOSTID_FILE = "/etc/nvme/hostid"
+_UUID_NQN_PREFIX = "nqn.2014-08.org.nvmexpress:uuid:"
+
+
+def default_hostnqn(hostid: uuid.UUID | None = None) -> str:
+    """A host NQN in the form nvme-cli generates (``nvme gen-hostnqn``)."""
+    return f"{_UUID_NQN_PREFIX}{hostid or uuid.uuid4()}"
+
+
+@functools.cache
+def default_host_identity() -> tuple[str, uuid.UUID]:
+    """(hostnqn, hostid) for this process: /etc/nvme/hostnqn and hostid as nvme-cli reads them, else one
+    generated pair kept for the process, so every controller it connects presents the same host."""
+    nqn = _read_first_line(HOSTNQN_FILE)
+    hostid = None
+    text = _read_first_line(HOSTID_FILE)
+    if text:
+        with contextlib.suppress(ValueError):
+            hostid = uuid.UUID(text)
+    if hostid is None and nqn and nqn.startswith(_UUID_NQN_PREFIX):
+        # libnvme derives the host ID from a UUID-based host NQN when no hostid file exists.
+        with contextlib.suppress(ValueError):
+            hostid = uuid.UUID(nqn[len(_UUID_NQN_PREFIX):])
+    hostid = hostid or uuid.uuid4()
+    return nqn or default_hostnqn(hostid), hostid
+
+
+def _read_first_line(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.readline().strip() or None
+    except OSError:
+        return None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AsyncEvent:
+    """One Asynchronous Event completion (AER CQE DW0), plus what the host read because of it."""
+
+    type: int                      # AsyncEventType: bits 2:0
+    info: int                      # bits 15:8
+    lid: int                       # log page to read: bits 23:16
+    dw0: int
+    changed_nsids: tuple[int, ...] = ()   # for a namespace-attribute notice: log 04h's content
+
+    @property
+    def description(self) -> str:
+        try:
+            kind = AsyncEventType(self.type).name
+        except ValueError:
+            kind = f"type {self.type:#x}"
+        if self.type == AsyncEventType.NOTICE:
+            try:
+                return f"{kind} {AsyncEventNotice(self.info).name}"
+            except ValueError:
+                pass
+        return f"{kind} info {self.info:#x}"
+
+
+# Connect Invalid Parameter offsets the host names (nvmf_log_connect_error): IPO is a byte offset
+# into the Connect data (IATTR 1) or the SQE (IATTR 0).
+_CONNECT_SQE_FIELDS = {40: "recfmt", 42: "qid", 44: "sqsize", 46: "cattr", 48: "kato"}
+_CONNECT_DATA_FIELDS = {0: "hostid", 16: "cntlid", 256: "subsysnqn", 512: "hostnqn"}
+
+
+class HostController(NvmIo):
+    """The public async API of one connected controller; see :func:`connect`."""
+
+    def __init__(self, traddr: str, trsvcid: int | str = defaults.TCP_IO_PORT,
+                 subnqn: str = defaults.DEFAULT_SUBSYSTEM_NQN, *, hostnqn: str | None = None,
+                 hostid: str | uuid.UUID | bytes | None = None, transport: str = "tcp",
+                 nr_io_queues: int = 1, queue_size: int = defaults.MAX_QUEUE_SIZE,
+                 hdr_digest: bool = False, data_digest: bool = False, kato: int = defaults.DEFAULT_KATO_MS,
+                 timeout: float = 30.0, target: Any = None, disable_sqflow: bool = False,
+                 event_callback: Callable[[AsyncEvent], Any] | None = None,
+                 event_queue: asyncio.Queue[AsyncEvent | None] | None = None) -> None:
+        if transport not in ("tcp", "loop"):
+            raise ValueError(f"transport {transport!r} is not supported by the Python host (tcp or loop)")
+        if transport == "loop" and target is None:
+            raise ValueError("transport 'loop' needs target=<target.core.Target>")
+        if nr_io_queues < 0 or nr_io_queues > 0xFFFE:
+            raise ValueError(f"nr_io_queues must be 0..65534, got {nr_io_queues}")
+        if not 2 <= queue_size <= 65536:
+            raise ValueError(f"queue_size must be 2..65536, got {queue_size}")
+        if not 0 <= kato <= 0xFFFFFFFF:
+            raise ValueError(f"kato must be 0..2**32-1 ms, got {kato}")
+        self.traddr = traddr
+        self.trsvcid = int(trsvcid)
+        self.subnqn = subnqn
+        default_nqn, default_id = default_host_identity()
+        self.hostid = _parse_hostid(hostid) if hostid is not None else default_id
+        self.hostnqn = hostnqn or default_nqn
+        c.check_nqn("subsystem NQN", subnqn)
+        c.check_nqn("host NQN", self.hostnqn)
+        self.transport = transport
+        self.nr_io_queues = nr_io_queues
+        self.queue_size = queue_size
+        self.hdr_digest = hdr_digest
+        self.data_digest = data_digest
+        self.kato = kato
+        self.timeout = timeout
+        self.target = target
+        self.disable_sqflow = disable_sqflow
+        self.event_callback = event_callback
+        self.cntlid = 0
+        self.cap = 0
+        self.vs = 0
+        self.identity: Container | None = None
+        self.mdts_bytes = 0          # 0: no MDTS limit
+        self.io_incapsule_size = 0
+        self.admin: HostQueue | None = None
+        self.io_queues: list[HostQueue] = []
+        self._rr = 0
+        self._ns_cache: dict[int, NamespaceGeometry] = {}
+        self._owns_events = event_queue is None
+        self._events: asyncio.Queue[AsyncEvent | None] = event_queue or asyncio.Queue()
+        # Called once with the TransportError when any queue breaks while connected (reconnect hook).
+        self.on_transport_error: Callable[[TransportError], Any] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closed = False
+
+    # ---- connect and disconnect ----------------------------------------------------------------
+
+    @property
+    def is_discovery(self) -> bool:
+        return self.subnqn == defaults.DISCOVERY_NQN
+
+    def _queue_name(self, qid: int) -> str:
+        return f"{self.transport}://{self.traddr}:{self.trsvcid} {self.subnqn} qid {qid}"
+
+    async def _open_queue(self, qid: int, size: int, incapsule: int) -> HostQueue:
+        queue = HostQueue(qid, queue_size=size, name=self._queue_name(qid), hdr_digest=self.hdr_digest,
+                          data_digest=self.data_digest, incapsule_size=incapsule, timeout=self.timeout)
+        if self.transport == "loop":
+            from target.transports.loop import create_loop_connection
+
+            def factory(pf: Any) -> Any:
+                return create_loop_connection(self.target, pf)
+        else:
+            loop = asyncio.get_running_loop()
+
+            def factory(pf: Any) -> Any:
+                return loop.create_connection(pf, self.traddr, self.trsvcid)
+        queue.on_broken = self._queue_broken
+        return await open_queue(factory, queue, self.timeout)
+
+    def _queue_broken(self, err: TransportError) -> None:
+        if self._closed:
+            return
+        log.warning("%s", err)
+        callback, self.on_transport_error = self.on_transport_error, None
+        if callback is not None:
+            callback(err)
+
+    async def _connect_queue(self, queue: HostQueue, sqsize: int, cntlid: int, kato: int) -> int:
+        cmd = c.connect(queue.qid, sqsize, kato_ms=kato, disable_sqflow=self.disable_sqflow)
+        data = c.connect_data(self.hostid.bytes, cntlid, self.subnqn, self.hostnqn)
+        try:
+            cqe = await queue.submit(cmd, data_out=data)
+        except NvmeError as err:
+            raise self._connect_error(err, queue.qid) from None
+        if cqe.dw0 & (c.CONNECT_AUTHREQ_ATR | c.CONNECT_AUTHREQ_ASCR):
+            raise NvmeError(Status.AUTH_REQUIRED, f"{queue.name}: the target requires DH-HMAC-CHAP "
+                            "authentication, which this host does not implement")
+        return cqe.dw0 & 0xFFFF
+
+    def _connect_error(self, err: NvmeError, qid: int) -> NvmeError:
+        what = f"Connect (qid {qid}) to {self.traddr}:{self.trsvcid}"
+        if err.status == Status.CONNECT_INVALID_PARAM:
+            iattr, ipo = (err.result >> 16) & 0xFF, err.result & 0xFFFF
+            if iattr & CONNECT_IATTR_DATA:
+                field = _CONNECT_DATA_FIELDS.get(ipo, f"byte {ipo}")
+                if field == "subsysnqn":
+                    detail = f"target rejected subsystem NQN {self.subnqn!r} (no such subsystem here)"
+                elif field == "hostnqn":
+                    detail = f"target rejected host NQN {self.hostnqn!r}"
+                elif field == "cntlid":
+                    detail = f"target rejected controller ID {self.cntlid:#x}"
+                else:
+                    detail = f"target rejected Connect data field {field}"
+            else:
+                field = _CONNECT_SQE_FIELDS.get(ipo, f"byte {ipo}")
+                detail = f"target rejected Connect command field {field}"
+        elif err.status == Status.CONNECT_INVALID_HOST:
+            detail = f"host NQN {self.hostnqn!r} is not allowed to access subsystem {self.subnqn!r}"
+        elif err.status == Status.CONNECT_CTRL_BUSY:
+            detail = "the controller is busy (controller ID in use or no controller free)"
+        elif err.status == Status.CONNECT_FORMAT:
+            detail = "the target does not support this Connect format (RECFMT)"
+        else:
+            detail = "Connect failed"
+        return NvmeError(err.status, f"{what}: {detail}", dnr=err.dnr, more=err.more, result=err.result)
+
+    async def open(self) -> HostController:
+        """Run the whole connect sequence; on any failure every queue opened so far is closed."""
+        try:
+            await self._open()
+        except BaseException:
+            self._abort_queues()
+            raise
+        return self
+
+    async def _open(self) -> None:
+        kato = 0 if self.is_discovery and self.kato == defaults.DEFAULT_KATO_MS else self.kato
+        self.kato = kato
+        self.admin = await self._open_queue(0, defaults.ADMIN_QUEUE_SIZE, defaults.ADMIN_INCAPSULE_SIZE)
+        self.cntlid = await self._connect_queue(self.admin, defaults.ADMIN_QUEUE_SIZE - 1,
+                                                CONNECT_ADMIN_CNTLID, kato)
+        await self._enable()
+        self.identity = ident = await self.identify_controller()
+        self._check_identity(ident)
+        self.vs = await self.get_property(Property.VS)
+        if not self.is_discovery and self.nr_io_queues:
+            await self._create_io_queues(ident)
+        if kato:
+            self._tasks.append(asyncio.create_task(self._keep_alive_loop(kato / 2000.0)))
+        aen = ident.oaes & AEN_MASK
+        if aen:
+            try:
+                await self.set_features(FeatureId.ASYNC_EVENT, aen)
+            except NvmeError as err:
+                # nvme_enable_aen only warns: the controller works, it just sends no events.
+                log.warning("%s: Set Features Async Event Configuration failed: %s", self._queue_name(0), err)
+            else:
+                self._tasks.append(asyncio.create_task(self._aer_loop()))
+
+    async def _enable(self) -> None:
+        """nvme_enable_ctrl: CAP, CC without EN, CC with EN, then CSTS.RDY within CAP.TO."""
+        self.cap = cap = await self.get_property(Property.CAP, 8)
+        if c.cap_mpsmin(cap) > 0:
+            raise RuntimeError(f"{self._queue_name(0)}: controller minimum page size "
+                               f"{1 << (12 + c.cap_mpsmin(cap))} exceeds the host's 4096")
+        css = c.CC_CSS_CSI if cap & c.CAP_CSS_CSI else c.CC_CSS_NVM
+        cc = css | c.CC_AMS_RR | c.CC_IOSQES | c.CC_IOCQES
+        await self.set_property(Property.CC, cc)
+        self.cap = await self.get_property(Property.CAP, 8)
+        await self.set_property(Property.CC, cc | c.CC_EN)
+        deadline = time.monotonic() + c.cap_timeout_s(cap)
+        while True:
+            csts = await self.get_property(Property.CSTS)
+            if csts & c.CSTS_CFS:
+                raise RuntimeError(f"{self._queue_name(0)}: controller fatal status (CSTS.CFS) "
+                                   "while enabling")
+            if csts & c.CSTS_RDY:
+                return
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{self._queue_name(0)}: CSTS.RDY not set within "
+                                   f"{c.cap_timeout_s(cap)} s (CAP.TO) of CC.EN=1")
+            await asyncio.sleep(0.01)
+
+    def _check_identity(self, ident: Container) -> None:
+        """The checks the Linux host applies to a fabrics controller's Identify data."""
+        where = self._queue_name(0)
+        if ident.cntlid != self.cntlid:
+            raise RuntimeError(f"{where}: Identify CNTLID {ident.cntlid:#x} does not match the Connect "
+                               f"CNTLID {self.cntlid:#x}")
+        if ident.icdoff != 0:
+            raise RuntimeError(f"{where}: ICDOFF {ident.icdoff} is not supported (must be 0)")
+        if self.is_discovery:
+            if ident.cntrltype not in (0, CNTRLTYPE_DISCOVERY):
+                raise RuntimeError(f"{where}: not a discovery controller (CNTRLTYPE {ident.cntrltype})")
+        else:
+            if ident.kas == 0:
+                raise RuntimeError(f"{where}: KAS is 0; keep-alive support is mandatory for fabrics")
+            if ident.ioccsz < 4:
+                raise RuntimeError(f"{where}: IOCCSZ {ident.ioccsz} is below the minimum of 4 (64 bytes)")
+        self.mdts_bytes = (1 << ident.mdts) * defaults.PAGE_SIZE if ident.mdts else 0
+        self.io_incapsule_size = max(ident.ioccsz * 16 - 64, 0)
+
+    async def _create_io_queues(self, ident: Container) -> None:
+        n = self.nr_io_queues
+        try:
+            granted = await self.set_features(FeatureId.NUM_QUEUES, (n - 1) | ((n - 1) << 16))
+        except NvmeError as err:
+            # Like nvme_set_queue_count: an NVMe status leaves an admin-only controller.
+            log.warning("%s: Set Features Number of Queues failed (%s); no I/O queues",
+                        self._queue_name(0), err)
+            return
+        n = min(n, (granted & 0xFFFF) + 1, (granted >> 16) + 1)
+        size = min(self.queue_size, c.cap_mqes(self.cap) + 1)
+        if ident.maxcmd:
+            size = min(size, ident.maxcmd)
+        size = max(size, 2)
+        queues = await asyncio.gather(
+            *(self._open_queue(qid, size, self.io_incapsule_size) for qid in range(1, n + 1)),
+            return_exceptions=True)
+        errors = [q for q in queues if isinstance(q, BaseException)]
+        self.io_queues = [q for q in queues if isinstance(q, HostQueue)]
+        if errors:
+            raise errors[0]
+        results = await asyncio.gather(
+            *(self._connect_queue(q, size - 1, self.cntlid, 0) for q in self.io_queues),
+            return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+
+    async def disconnect(self) -> None:
+        """Shut the controller down (CC.SHN normal, wait for CSTS.SHST complete) and close every queue."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._stop_tasks()
+        if self.admin is not None and self.admin.broken is None:
+            try:
+                await self._shutdown()
+            except (NvmeError, TransportError, TimeoutError) as err:
+                log.warning("%s: shutdown incomplete: %s", self._queue_name(0), err)
+        self._abort_queues()
+        await self._wait_queues_closed()
+        if self._owns_events:
+            self._events.put_nowait(None)
+
+    async def close(self) -> None:
+        """Drop every connection without the CC.SHN shutdown (the target sees the host vanish)."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._stop_tasks()
+        self._abort_queues()
+        await self._wait_queues_closed()
+        if self._owns_events:
+            self._events.put_nowait(None)
+
+    async def _shutdown(self) -> None:
+        cc = await self.get_property(Property.CC)
+        await self.set_property(Property.CC, (cc & ~c.CC_SHN_MASK) | c.CC_SHN_NORMAL)
+        rtd3e = (self.identity.rtd3e / 1e6) if self.identity is not None else 0.0
+        limit = max(SHUTDOWN_TIMEOUT, min(rtd3e, 60.0))
+        deadline = time.monotonic() + limit
+        while True:
+            csts = await self.get_property(Property.CSTS)
+            if csts & c.CSTS_SHST_MASK == c.CSTS_SHST_CMPLT:
+                return
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"CSTS.SHST did not report shutdown complete within {limit} s")
+            await asyncio.sleep(0.01)
+
+    async def _stop_tasks(self) -> None:
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    def _abort_queues(self) -> None:
+        for q in self.io_queues:
+            q.close()
+        if self.admin is not None:
+            self.admin.close()
+
+    async def _wait_queues_closed(self) -> None:
+        queues = [*self.io_queues, *([self.admin] if self.admin else [])]
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*(q.wait_closed() for q in queues)), 5.0)
+
+    async def __aenter__(self) -> HostController:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.disconnect()
+
+    # ---- background work ---------------------------------------------------------------------
+
+    async def _keep_alive_loop(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.keep_alive()
+            except NvmeError as err:
+                log.warning("%s: Keep Alive failed: %s", self._queue_name(0), err)
+            except TransportError as err:
+                log.warning("%s: keep-alive stopped: %s", self._queue_name(0), err)
+                return
+
+    async def _aer_loop(self) -> None:
+        """Keep one AER outstanding; deliver each event, reading the Changed NS log for NS notices."""
+        assert self.admin is not None
+        while True:
+            try:
+                cqe = await self.admin.submit(c.async_event_request(), timeout=None)
+            except TransportError:
+                return
+            except NvmeError as err:
+                log.warning("%s: Asynchronous Event Request failed: %s", self._queue_name(0), err)
+                return
+            dw0 = cqe.dw0
+            ev = AsyncEvent(dw0 & 0x7, (dw0 >> 8) & 0xFF, (dw0 >> 16) & 0xFF, dw0)
+            if ev.type == AsyncEventType.NOTICE and ev.info == AsyncEventNotice.NS_ATTR_CHANGED:
+                self._ns_cache.clear()
+                try:
+                    page = await self.get_log_page(LogPageId.CHANGED_NS, CHANGED_NS_LOG_SIZE)
+                    ev = dataclasses.replace(ev, changed_nsids=tuple(parse_changed_ns_list(page)))
+                except (NvmeError, ValueError) as err:
+                    log.warning("%s: reading the Changed Namespace List failed: %s", self._queue_name(0), err)
+                except TransportError:
+                    return
+            if self._events.qsize() >= MAX_QUEUED_EVENTS:
+                self._events.get_nowait()  # nobody is reading events(): keep the newest ones only
+            self._events.put_nowait(ev)
+            if self.event_callback is not None:
+                try:
+                    result = self.event_callback(ev)
+                    if asyncio.iscoroutine(result):
+                        await result
+                except Exception:
+                    log.exception("%s: event callback failed", self._queue_name(0))
+
+    async def events(self) -> AsyncIterator[AsyncEvent]:
+        """Asynchronous events as they arrive; the iteration ends when the controller is closed."""
+        while True:
+            ev = await self._events.get()
+            if ev is None:
+                self._events.put_nowait(None)  # let every other iterator end as well
+                return
+            yield ev
+
+    # ---- admin commands ----------------------------------------------------------------------
+
+    def _admin(self) -> HostQueue:
+        if self.admin is None:
+            raise RuntimeError("controller is not connected")
+        return self.admin
+
+    async def admin_command(self, cmd: Command, *, data_out: Buffer | None = None,
+                            data_in: bytearray | memoryview | None = None,
+                            timeout: Any = DEFAULT_TIMEOUT) -> Completion:
+        """Send any admin command (passthrough); raises NvmeError on a non-success status."""
+        return await self._admin().submit(cmd, data_out=data_out, data_in=data_in, timeout=timeout)
+
+    async def get_property(self, offset: int, size: int | None = None) -> int:
+        """Property Get; ``size`` 4 or 8 (default: 8 for CAP, 4 otherwise)."""
+        size = size or (8 if offset == Property.CAP else 4)
+        if size not in (4, 8):
+            raise ValueError(f"property size must be 4 or 8, got {size}")
+        cqe = await self._admin().submit(c.property_get(offset, size))
+        return cqe.result if size == 8 else cqe.dw0
+
+    async def set_property(self, offset: int, value: int, size: int = 4) -> None:
+        if size not in (4, 8):
+            raise ValueError(f"property size must be 4 or 8, got {size}")
+        if not 0 <= value < 1 << (8 * size):
+            raise ValueError(f"property value {value:#x} does not fit {size} bytes")
+        await self._admin().submit(c.property_set(offset, value, size))
+
+    async def identify(self, cns: int, *, nsid: int = 0, cntid: int = 0, csi: int = 0) -> bytearray:
+        buf = bytearray(IDENTIFY_DATA_SIZE)
+        await self._admin().submit(c.identify(cns, nsid=nsid, cntid=cntid, csi=csi), data_in=buf)
+        return buf
+
+    async def identify_controller(self) -> Container:
+        return IdentifyController.parse(bytes(await self.identify(Cns.CONTROLLER)))
+
+    async def identify_namespace(self, nsid: int) -> Container:
+        check_nsid(nsid)
+        return IdentifyNamespace.parse(bytes(await self.identify(Cns.NAMESPACE, nsid=nsid)))
+
+    async def namespace_descriptors(self, nsid: int) -> dict[str, bytes | int]:
+        check_nsid(nsid)
+        return parse_ns_descriptor_list(await self.identify(Cns.NS_DESC_LIST, nsid=nsid))
+
+    async def namespaces(self) -> list[int]:
+        """Active NSIDs (Identify CNS 02h), following the list past 1024 entries."""
+        out: list[int] = []
+        start = 0
+        while True:
+            page = parse_active_ns_list(await self.identify(Cns.ACTIVE_NS_LIST, nsid=start))
+            out.extend(page)
+            if len(page) < IDENTIFY_DATA_SIZE // 4 or page[-1] >= 0xFFFFFFFE:
+                return out
+            start = page[-1]
+
+    async def get_log_page(self, lid: int, length: int, *, offset: int = 0, nsid: int = c.NSID_ALL,
+                           rae: bool = False, lsp: int = 0, lsi: int = 0) -> bytes:
+        """Get Log Page, split into MDTS-sized pieces; RAE stays set on all but the last piece."""
+        if length <= 0 or length % 4:
+            raise ValueError(f"log page length must be a positive multiple of 4, got {length}")
+        buf = bytearray(length)
+        view = memoryview(buf)
+        chunk = self.mdts_bytes or length
+        pos = 0
+        while pos < length:
+            n = min(chunk, length - pos)
+            last = pos + n == length
+            cmd = c.get_log_page(lid, n, offset=offset + pos, nsid=nsid, rae=rae or not last, lsp=lsp,
+                                 lsi=lsi)
+            await self._admin().submit(cmd, data_in=view[pos:pos + n])
+            pos += n
+        return bytes(buf)
+
+    async def get_features(self, fid: int, *, sel: int = 0, cdw11: int = 0, nsid: int = 0,
+                           data_len: int = 0) -> int | tuple[int, bytes]:
+        """Get Features: DW0 of the completion, or (DW0, data) when ``data_len`` is given."""
+        cmd = c.get_features(fid, sel=sel, cdw11=cdw11, nsid=nsid)
+        if data_len:
+            buf = bytearray(data_len)
+            cqe = await self._admin().submit(cmd, data_in=buf)
+            return cqe.dw0, bytes(buf)
+        return (await self._admin().submit(cmd)).dw0
+
+    async def set_features(self, fid: int, cdw11: int = 0, *, save: bool = False, nsid: int = 0,
+                           cdw12: int = 0, data: Buffer | None = None) -> int:
+        """Set Features; returns DW0 of the completion (e.g. the queues granted for FID 07h)."""
+        cmd = c.set_features(fid, cdw11, save=save, nsid=nsid, cdw12=cdw12)
+        return (await self._admin().submit(cmd, data_out=data)).dw0
+
+    async def keep_alive(self) -> None:
+        await self._admin().submit(c.keep_alive())
+
+def _parse_hostid(hostid: str | uuid.UUID | bytes) -> uuid.UUID:
+    if isinstance(hostid, uuid.UUID):
+        return hostid
+    if isinstance(hostid, bytes | bytearray):
+        if len(hostid) != 16:
+            raise ValueError(f"hostid must be 16 bytes, got {len(hostid)}")
+        return uuid.UUID(bytes=bytes(hostid))
+    try:
+        return uuid.UUID(hostid)
+    except ValueError:
+        raise ValueError(f"hostid {hostid!r} is not a UUID") from None
+
+
+class _Connecting:
+    """What :func:`connect` returns: await it for the controller, or use it with ``async with``."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self._make = make
+        self._ctrl: Any = None
+
+    def __await__(self) -> Any:
+        return self._make().__await__()
+
+    async def __aenter__(self) -> Any:
+        self._ctrl = await self._make()
+        return self._ctrl
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._ctrl.disconnect()
+
+
+def connect(traddr: str, trsvcid: int | str = defaults.TCP_IO_PORT,
+            subnqn: str = defaults.DEFAULT_SUBSYSTEM_NQN, hostnqn: str | None = None,
+            hostid: str | uuid.UUID | bytes | None = None, transport: str = "tcp",
+            nr_io_queues: int = 1, queue_size: int = defaults.MAX_QUEUE_SIZE, hdr_digest: bool = False,
+            data_digest: bool = False, kato: int = defaults.DEFAULT_KATO_MS, timeout: float = 30.0, *,
+            target: Any = None, disable_sqflow: bool = False,
+            event_callback: Callable[[AsyncEvent], Any] | None = None, reconnect: bool = False,
+            max_reconnect_delay: float = 30.0, reconnect_attempts: int | None = None) -> _Connecting:
+    """Connect to an NVMe-oF controller: ``ctrl = await connect(...)`` or ``async with connect(...) as ctrl``.
+
+    With ``reconnect=True`` the result is a :class:`initiator.reconnect.ReconnectingController`.
+    """
+    kwargs: dict[str, Any] = dict(
+        hostnqn=hostnqn, hostid=hostid, transport=transport, nr_io_queues=nr_io_queues, queue_size=queue_size,
+        hdr_digest=hdr_digest, data_digest=data_digest, kato=kato, timeout=timeout, target=target,
+        disable_sqflow=disable_sqflow, event_callback=event_callback)
+    if reconnect:
+        from initiator.reconnect import ReconnectingController
+
+        async def make_reconnecting() -> Any:
+            rc = ReconnectingController(traddr, trsvcid, subnqn, max_delay=max_reconnect_delay,
+                                        attempts=reconnect_attempts, **kwargs)
+            return await rc.open()
+        return _Connecting(make_reconnecting)
+
+    async def make() -> HostController:
+        return await HostController(traddr, trsvcid, subnqn, **kwargs).open()
+    return _Connecting(make)

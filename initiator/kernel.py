@@ -1,0 +1,221 @@
+"""Attach NVMe-oF controllers through the Linux kernel host, the way nvme-cli does.
+
+The kernel host is driven by writing an option string to ``/dev/nvme-fabrics`` (drivers/nvme/host/
+fabrics.c ``nvmf_dev_write``); reading the same file descriptor back gives ``instance=N,cntlid=M``.
+Block devices are found with pyudev: ``nvmeNnM`` without native multipath, or the multipath head
+``nvmeXnM`` of the controller's subsystem ``nvme-subsysX`` with it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nvmeof import defaults
+
+FABRICS_DEV = "/dev/nvme-fabrics"
+SYS_NVME = Path("/sys/class/nvme")
+SYS_NVME_SUBSYS = Path("/sys/class/nvme-subsystem")
+HOSTNQN_FILE = Path("/etc/nvme/hostnqn")
+HOSTID_FILE = Path("/etc/nvme/hostid")
+
+
+class KernelAttachError(Exception):
+    """The kernel host could not attach or detach; the message says why and what to do."""
+
+
+@dataclass
+class KernelController:
+    name: str           # nvmeN
+    instance: int
+    cntlid: int
+    subnqn: str
+    transport: str
+    traddr: str
+    trsvcid: int
+    block_devices: list[str] = field(default_factory=list)
+
+    @property
+    def device(self) -> str:
+        return f"/dev/{self.name}"
+
+
+def default_hostnqn() -> str:
+    """The host NQN nvme-cli would use: /etc/nvme/hostnqn, else one derived from the DMI product UUID."""
+    if HOSTNQN_FILE.exists():
+        text = HOSTNQN_FILE.read_text().strip()
+        if text:
+            return text
+    try:
+        ident = uuid.UUID(Path("/sys/class/dmi/id/product_uuid").read_text().strip())
+    except (OSError, ValueError):
+        ident = uuid.uuid5(uuid.NAMESPACE_DNS, os.uname().nodename)
+    return f"nqn.2014-08.org.nvmexpress:uuid:{ident}"
+
+
+def default_hostid(hostnqn: str) -> str:
+    if HOSTID_FILE.exists():
+        text = HOSTID_FILE.read_text().strip()
+        if text:
+            return text
+    m = re.search(r"uuid:([0-9a-fA-F-]{36})$", hostnqn)
+    return m.group(1) if m else str(uuid.uuid5(uuid.NAMESPACE_URL, hostnqn))
+
+
+def build_options(*, subnqn: str, transport: str, traddr: str, trsvcid: int, hostnqn: str, hostid: str,
+                  nr_io_queues: int | None = None, queue_size: int | None = None, kato: int | None = None,
+                  ctrl_loss_tmo: int | None = None, reconnect_delay: int | None = None,
+                  hdr_digest: bool = False, data_digest: bool = False, disable_sqflow: bool = False,
+                  host_traddr: str | None = None) -> str:
+    """The option string nvme-cli writes (libnvme ``build_options``); values are validated first."""
+    for name, value in (("subnqn", subnqn), ("traddr", traddr), ("hostnqn", hostnqn)):
+        if not value or "," in value or "\n" in value:
+            raise KernelAttachError(f"invalid {name} {value!r}: it must be non-empty without commas")
+    if transport not in ("tcp", "rdma", "loop"):
+        raise KernelAttachError(f"unknown transport {transport!r}: use tcp or rdma")
+    opts = [f"nqn={subnqn}", f"transport={transport}"]
+    if transport != "loop":
+        opts += [f"traddr={traddr}", f"trsvcid={trsvcid}"]
+    if host_traddr:
+        opts.append(f"host_traddr={host_traddr}")
+    opts += [f"hostnqn={hostnqn}", f"hostid={hostid}"]
+    for key, value in (("nr_io_queues", nr_io_queues), ("queue_size", queue_size), ("keep_alive_tmo", kato),
+                       ("ctrl_loss_tmo", ctrl_loss_tmo), ("reconnect_delay", reconnect_delay)):
+        if value is not None:
+            opts.append(f"{key}={int(value)}")
+    if hdr_digest:
+        opts.append("hdr_digest")
+    if data_digest:
+        opts.append("data_digest")
+    if disable_sqflow:
+        opts.append("disable_sqflow")
+    return ",".join(opts)
+
+
+def _explain_write_error(e: OSError, transport: str) -> str:
+    if e.errno == errno.EINVAL:
+        return (f"the kernel rejected the options ({e.strerror}); check that the nvme-{transport} module is "
+                f"loaded (modprobe nvme-{transport}) and see dmesg for the reason")
+    if e.errno == errno.ECONNREFUSED:
+        return "connection refused: is the target listening on that address and port?"
+    if e.errno in (errno.EIO, errno.ENOTCONN, errno.ECONNRESET):
+        return (f"the target refused or dropped the connection ({e.strerror}); see dmesg: typical causes are "
+                "a wrong subsystem NQN or a host NQN that the subsystem does not allow")
+    if e.errno == errno.EALREADY:
+        return "already connected to this subsystem through the same address (nvme list shows it)"
+    return f"{e.strerror} (errno {e.errno}); see dmesg"
+
+
+def connect(traddr: str, trsvcid: int = defaults.TCP_IO_PORT, *, subnqn: str, transport: str = "tcp",
+            hostnqn: str | None = None, hostid: str | None = None, nr_io_queues: int | None = None,
+            queue_size: int | None = None, kato: int | None = None, hdr_digest: bool = False,
+            data_digest: bool = False, ctrl_loss_tmo: int | None = None, wait_for_devices: float = 10.0
+            ) -> KernelController:
+    """Connect through the kernel host and return the controller with its block devices."""
+    if not os.path.exists(FABRICS_DEV):
+        raise KernelAttachError(
+            f"{FABRICS_DEV} does not exist: this kernel has no NVMe over Fabrics host loaded. Load it with "
+            f"'modprobe nvme-fabrics nvme-{transport}' (the kernel needs CONFIG_NVME_FABRICS and "
+            f"CONFIG_NVME_{transport.upper()})")
+    hostnqn = hostnqn or default_hostnqn()
+    hostid = hostid or default_hostid(hostnqn)
+    options = build_options(subnqn=subnqn, transport=transport, traddr=traddr, trsvcid=trsvcid,
+                            hostnqn=hostnqn, hostid=hostid, nr_io_queues=nr_io_queues, queue_size=queue_size,
+                            kato=kato, hdr_digest=hdr_digest, data_digest=data_digest,
+                            ctrl_loss_tmo=ctrl_loss_tmo)
+    try:
+        fd = os.open(FABRICS_DEV, os.O_RDWR)
+    except PermissionError as e:
+        raise KernelAttachError(f"cannot open {FABRICS_DEV}: {e.strerror}; run as root") from e
+    try:
+        try:
+            os.write(fd, options.encode())
+        except OSError as e:
+            raise KernelAttachError(f"connect to {subnqn} at {transport}://{traddr}:{trsvcid} failed: "
+                                    f"{_explain_write_error(e, transport)}") from e
+        reply = os.read(fd, 4096).decode(errors="replace")
+    finally:
+        os.close(fd)
+    fields = dict(kv.split("=", 1) for kv in reply.strip().split(",") if "=" in kv)
+    try:
+        instance = int(fields["instance"])
+    except (KeyError, ValueError) as e:
+        raise KernelAttachError(f"unexpected reply from {FABRICS_DEV}: {reply!r}") from e
+    ctrl = KernelController(name=f"nvme{instance}", instance=instance, cntlid=int(fields.get("cntlid", -1)),
+                            subnqn=subnqn, transport=transport, traddr=traddr, trsvcid=trsvcid)
+    deadline = time.monotonic() + wait_for_devices
+    while True:
+        ctrl.block_devices = block_devices(ctrl.name)
+        if ctrl.block_devices or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    return ctrl
+
+
+def block_devices(ctrl_name: str) -> list[str]:
+    """Block devices (``/dev/nvmeXnY``) served through controller ``ctrl_name``, found with pyudev."""
+    import pyudev
+
+    ctx = pyudev.Context()
+    subsys_dir = _subsystem_dir(ctrl_name)
+    found = []
+    for dev in ctx.list_devices(subsystem="block", DEVTYPE="disk"):
+        name = dev.sys_name
+        if not re.fullmatch(r"nvme\d+n\d+", name):
+            continue  # skips the hidden per-path devices nvmeXcYnZ
+        parent = Path(dev.sys_path, "device").resolve()
+        if parent.name == ctrl_name or (subsys_dir is not None and parent == subsys_dir):
+            found.append(dev.device_node or f"/dev/{name}")
+    return sorted(found, key=lambda p: [int(x) for x in re.findall(r"\d+", p)])
+
+
+def _subsystem_dir(ctrl_name: str) -> Path | None:
+    if not SYS_NVME_SUBSYS.exists():
+        return None
+    for sub in SYS_NVME_SUBSYS.iterdir():
+        if (sub / ctrl_name).exists():
+            return sub.resolve()
+    return None
+
+
+def controllers() -> list[dict]:
+    """Fabrics controllers the kernel has now (like ``nvme list-subsys``)."""
+    out = []
+    if not SYS_NVME.exists():
+        return out
+    for c in sorted(SYS_NVME.iterdir(), key=lambda p: p.name):
+        def attr(name: str, c: Path = c) -> str:
+            try:
+                return (c / name).read_text().strip()
+            except OSError:
+                return ""
+        out.append({"name": c.name, "transport": attr("transport"), "address": attr("address"),
+                    "subsysnqn": attr("subsysnqn"), "state": attr("state"), "cntlid": attr("cntlid"),
+                    "block_devices": block_devices(c.name)})
+    return out
+
+
+def disconnect(name: str) -> None:
+    """Delete controller ``nvmeN`` (what ``nvme disconnect -d nvmeN`` does)."""
+    if not re.fullmatch(r"nvme\d+", name):
+        raise KernelAttachError(f"{name!r} is not a controller name like nvme0")
+    path = SYS_NVME / name / "delete_controller"
+    if not path.exists():
+        raise KernelAttachError(f"no controller {name}: see 'nvmeof connect --list' or 'nvme list'")
+    try:
+        path.write_text("1")
+    except OSError as e:
+        raise KernelAttachError(f"cannot delete {name}: {e.strerror}") from e
+
+
+def disconnect_nqn(subnqn: str) -> list[str]:
+    """Delete every controller connected to ``subnqn``; return their names."""
+    names = [c["name"] for c in controllers() if c["subsysnqn"] == subnqn]
+    for name in names:
+        disconnect(name)
+    return names
