@@ -1,0 +1,206 @@
+"""Raw TCP baseline: the same bytes as an NVMe/TCP job, over a plain asyncio socket pair on loopback.
+
+No NVMe at all: a read is a 64-byte request answered by ``bs`` bytes, a write is a 64-byte request
+followed by ``bs`` bytes answered by 16 bytes, with ``iodepth`` requests in flight on one
+connection. It is what Python's asyncio itself costs for this traffic, so ``nvmeof bench`` can be
+reported as a ratio to it.
+
+    python3 benchmarks/baseline.py serve --port 15000
+    python3 benchmarks/baseline.py client --port 15000 --rw randread --bs 4096 --iodepth 32 --runtime 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import resource
+import struct
+import sys
+import time
+
+REQUEST = struct.Struct("<IBxxxIQ44x")  # magic, op, length, tag: 64 bytes like an SQE
+REQUEST_SIZE = REQUEST.size
+REPLY_SIZE = 16                         # like a CQE
+MAGIC = 0x52415754                      # "TWAR"
+OP_READ, OP_WRITE = 0, 1
+
+
+class _Server(asyncio.Protocol):
+    """Answers requests in order; read payloads come from one preallocated buffer."""
+
+    def __init__(self, payload: memoryview) -> None:
+        self.payload = payload
+        self.buf = bytearray()
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf
+        buf += data
+        pos = 0
+        out: list[bytes | memoryview] = []
+        n = len(buf)
+        while n - pos >= REQUEST_SIZE:
+            magic, op, length, tag = REQUEST.unpack_from(buf, pos)
+            if magic != MAGIC or length > len(self.payload):
+                assert self.transport is not None
+                self.transport.close()
+                return
+            if op == OP_READ:
+                pos += REQUEST_SIZE
+                out.append(self.payload[:length])
+            else:
+                if n - pos < REQUEST_SIZE + length:
+                    break
+                pos += REQUEST_SIZE + length
+                out.append(tag.to_bytes(REPLY_SIZE, "little"))
+        if pos:
+            del buf[:pos]
+        if out:
+            assert self.transport is not None
+            self.transport.writelines(out)
+
+
+async def serve(host: str, port: int, max_bs: int) -> None:
+    payload = memoryview(bytearray(os.urandom(max_bs)))
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: _Server(payload), host, port)
+    print(f"ready {os.getpid()} {host}:{port}", flush=True)
+    async with server:
+        await server.serve_forever()
+
+
+class _Client(asyncio.Protocol):
+    """Pipelined requests on one connection; replies arrive in order, so a FIFO of waiters suffices."""
+
+    def __init__(self) -> None:
+        self.waiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
+        self.need = 0          # bytes still missing for the oldest reply
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        n = len(data)
+        waiters = self.waiters
+        while n:
+            if not self.need:
+                self.need = waiters[0][0]
+            take = n if n < self.need else self.need
+            self.need -= take
+            n -= take
+            if not self.need:
+                fut = waiters.popleft()[1]
+                if not fut.done():
+                    fut.set_result(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        for _, fut in self.waiters:
+            if not fut.done():
+                fut.set_exception(ConnectionError("baseline server closed the connection"))
+
+
+async def client(host: str, port: int, rw: str, bs: int, iodepth: int, runtime: float,
+                 ramp: float, server_pid: int | None) -> dict[str, float | int | str]:
+    loop = asyncio.get_running_loop()
+    _, proto = await loop.create_connection(_Client, host, port)
+    transport = proto.transport
+    assert transport is not None
+    is_read = "read" in rw
+    reply_len = bs if is_read else REPLY_SIZE
+    start = time.perf_counter_ns()
+    mstart = start + int(ramp * 1e9)
+    deadline = mstart + int(runtime * 1e9)
+    stats = {"ios": 0, "lat_ns": 0}
+    marks: dict[str, tuple[float, float]] = {}
+
+    def snap() -> tuple[float, float]:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime, _proc_cpu(server_pid) if server_pid else 0.0
+
+    async def slot(i: int) -> None:
+        request = REQUEST.pack(MAGIC, OP_READ if is_read else OP_WRITE, bs, i)
+        data = memoryview(bytearray(os.urandom(bs)))
+        clock = time.perf_counter_ns
+        while True:
+            t0 = clock()
+            if t0 >= deadline:
+                return
+            fut = loop.create_future()
+            proto.waiters.append((reply_len, fut))
+            if is_read:
+                transport.write(request)
+            else:
+                transport.writelines((request, data))
+            await fut
+            t1 = clock()
+            if t0 >= mstart:
+                stats["ios"] += 1
+                stats["lat_ns"] += t1 - t0
+
+    def measure_start() -> None:
+        marks["start"] = snap()
+
+    loop.call_later(ramp, measure_start)
+    await asyncio.gather(*(slot(i) for i in range(iodepth)))
+    end = snap()
+    elapsed = (time.perf_counter_ns() - mstart) / 1e9
+    transport.close()
+    ios = stats["ios"]
+    c0, s0 = marks.get("start", (0.0, 0.0))
+    return {
+        "rw": rw, "bs": bs, "iodepth": iodepth, "ios": ios, "runtime_s": elapsed,
+        "iops": ios / elapsed, "bw_bytes": ios * bs / elapsed,
+        "mean_lat_ns": stats["lat_ns"] / ios if ios else 0.0,
+        "client_cpu_us_per_io": (end[0] - c0) * 1e6 / ios if ios else 0.0,
+        "server_cpu_us_per_io": (end[1] - s0) * 1e6 / ios if ios and server_pid else None,
+    }
+
+
+def _proc_cpu(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        raw = f.read()
+    fields = raw[raw.rfind(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="run the echo server")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, required=True)
+    s.add_argument("--max-bs", type=int, default=1 << 20)
+    c = sub.add_parser("client", help="run one job against the server and print JSON")
+    c.add_argument("--host", default="127.0.0.1")
+    c.add_argument("--port", type=int, required=True)
+    c.add_argument("--rw", choices=["read", "randread", "write", "randwrite"], required=True)
+    c.add_argument("--bs", type=int, required=True)
+    c.add_argument("--iodepth", type=int, default=1)
+    c.add_argument("--runtime", type=float, default=3.0)
+    c.add_argument("--ramp", type=float, default=0.5)
+    c.add_argument("--server-pid", type=int, default=None)
+    args = ap.parse_args(argv)
+    if args.cmd == "serve":
+        try:
+            asyncio.run(serve(args.host, args.port, args.max_bs))
+        except KeyboardInterrupt:
+            pass
+        return 0
+    result = asyncio.run(client(args.host, args.port, args.rw, args.bs, args.iodepth, args.runtime,
+                                args.ramp, args.server_pid))
+    json.dump(result, sys.stdout)
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
