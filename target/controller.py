@@ -1,0 +1,299 @@
+"""One NVMe controller on the target: properties, features, keep-alive, asynchronous events and logs.
+
+Modelled on Linux nvmet (drivers/nvme/target/core.c ``nvmet_update_cc``, ``nvmet_start_ctrl``,
+``nvmet_keep_alive_timer``, ``nvmet_add_async_event``; admin-cmd.c for the features). A controller
+lives from its admin Connect until Disconnect, admin-queue loss, keep-alive expiry or removal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from nvmeof import defaults
+from nvmeof.spec.identify import OAES_DISC_CHANGE, OAES_NS_ATTR
+from nvmeof.spec.logs import CHANGED_NS_MAX
+from nvmeof.spec.nvme import AsyncEventNotice, AsyncEventType, LogPageId
+from nvmeof.status import encode_status
+
+if TYPE_CHECKING:
+    from target.core import Target
+    from target.model import Subsystem
+    from target.request import Request, TargetQueue
+
+log = logging.getLogger(__name__)
+
+# Controller properties (NVMe Base 2.0 §3.1.4)
+CC_EN = 1 << 0
+CC_CSS_SHIFT, CC_CSS_MASK = 4, 0x7
+CC_MPS_SHIFT, CC_MPS_MASK = 7, 0xF
+CC_AMS_SHIFT, CC_AMS_MASK = 11, 0x7
+CC_SHN_SHIFT, CC_SHN_MASK = 14, 0x3
+CC_IOSQES_SHIFT, CC_IOCQES_SHIFT, CC_QES_MASK = 16, 20, 0xF
+CSTS_RDY = 1 << 0
+CSTS_CFS = 1 << 1
+CSTS_SHST_CMPLT = 2 << 2
+NVM_IOSQES = 6   # 64-byte SQE
+NVM_IOCQES = 4   # 16-byte CQE
+CAP_CQR = 1 << 16
+CAP_CSS_NVM = 1 << 37
+
+ERROR_LOG_ENTRIES = 64            # Identify ELPE 63 (0's based)
+ASYNC_EVENT_LIMIT = 4             # Identify AERL 3 (0's based)
+DISCOVERY_DEFAULT_KATO_MS = 120_000  # NVMET_DISC_KATO_MS: reap discovery controllers of vanished hosts
+SMART_TEMPERATURE_K = 300
+TRTYPE_TCP = 3
+
+AEN_BIT_NS_ATTR = 8
+AEN_BIT_DISC_CHANGE = 31
+# Asynchronous Event Configuration bits a host may set: SMART critical warnings (7:0) plus what OAES lists
+AEC_SMART_MASK = 0xFF
+
+
+def version_value(version: tuple[int, int, int] = defaults.NVME_VERSION) -> int:
+    major, minor, tertiary = version
+    return (major << 16) | (minor << 8) | tertiary
+
+
+def capability_value() -> int:
+    # MQES 15:0 (0's based), CQR 16, TO 31:24, CSS 44:37 (NVM only: no CSI duties), MPSMIN/MPSMAX 0.
+    return (defaults.MAX_QUEUE_SIZE - 1) | CAP_CQR | (defaults.CAP_TO_500MS << 24) | CAP_CSS_NVM
+
+
+@dataclass(slots=True)
+class ErrorRecord:
+    error_count: int
+    sqid: int
+    cmdid: int
+    status: int        # (SCT << 8) | SC
+    dnr: bool
+    lba: int
+    nsid: int
+    opcode: int
+
+
+@dataclass(slots=True)
+class AsyncEvent:
+    event_type: int
+    info: int
+    log_page: int
+
+    @property
+    def dw0(self) -> int:
+        return self.event_type | (self.info << 8) | (self.log_page << 16)
+
+
+class Controller:
+    """Controller state. The transport owns queues' bytes; this owns what the commands change."""
+
+    def __init__(self, target: Target, subsystem: Subsystem, cntlid: int, hostnqn: str, hostid: bytes,
+                 kato_ms: int, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.target = target
+        self.subsystem = subsystem
+        self.cntlid = cntlid
+        self.hostnqn = hostnqn
+        self.hostid = bytes(hostid)
+        self.is_discovery = subsystem.subtype == "discovery"
+        self.clock = clock
+        if kato_ms == 0 and self.is_discovery:
+            kato_ms = DISCOVERY_DEFAULT_KATO_MS
+        self.kato_ms = kato_ms
+        self.last_keep_alive = clock()
+        self.created = time.time()
+        self.created_monotonic = clock()
+        self.cap = capability_value()
+        self.vs = version_value()
+        self.cc = 0
+        self.csts = 0
+        self.queues: dict[int, TargetQueue] = {}
+        self.closed = False
+        # features
+        self.nr_io_queues = defaults.MAX_IO_QUEUES   # until Set Features Number of Queues grants fewer
+        self.nr_queues_set = False
+        self.oaes = OAES_DISC_CHANGE if self.is_discovery else OAES_NS_ATTR
+        self.aen_enabled = self.oaes              # Asynchronous Event Configuration (feature 0Bh)
+        self.aen_masked: set[int] = set()         # nvmet aen_masked: one notice until its log is read
+        self.volatile_write_cache = True
+        self.arbitration = 0
+        self.power_state = 0
+        self.temp_thresholds: dict[tuple[int, int], int] = {}
+        self.error_recovery = 0
+        self.irq_coalesce = 0
+        # asynchronous events
+        self.aer_waiters: collections.deque[asyncio.Future[AsyncEvent]] = collections.deque()
+        self.pending_events: collections.deque[AsyncEvent] = collections.deque()
+        self.changed_nsids: set[int] = set()
+        self.changed_ns_overflow = False
+        # error log
+        self.error_count = 0
+        self.errors: collections.deque[ErrorRecord] = collections.deque(maxlen=ERROR_LOG_ENTRIES)
+
+    def __repr__(self) -> str:
+        return f"Controller(cntlid={self.cntlid}, subsystem={self.subsystem.nqn!r}, host={self.hostnqn!r})"
+
+    # --- properties ---------------------------------------------------------------------------
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cc & CC_EN) and bool(self.csts & CSTS_RDY)
+
+    def set_cc(self, new: int) -> None:
+        """nvmet_update_cc: EN 0->1 readies (or fails), EN 1->0 resets, SHN sets SHST complete."""
+        old = self.cc
+        self.cc = new & 0xFFFFFFFF
+        if new & CC_EN and not old & CC_EN:
+            self._start()
+        if not new & CC_EN and old & CC_EN:
+            self._reset()
+        shn_new = (new >> CC_SHN_SHIFT) & CC_SHN_MASK
+        shn_old = (old >> CC_SHN_SHIFT) & CC_SHN_MASK
+        if shn_new and not shn_old:
+            self._reset()
+            self.csts |= CSTS_SHST_CMPLT
+        if not shn_new and shn_old:
+            self.csts &= ~CSTS_SHST_CMPLT
+
+    def _start(self) -> None:
+        cc = self.cc
+        problems = []
+        if (cc >> CC_IOSQES_SHIFT) & CC_QES_MASK != NVM_IOSQES:
+            problems.append(f"IOSQES {(cc >> CC_IOSQES_SHIFT) & CC_QES_MASK} (need {NVM_IOSQES})")
+        if (cc >> CC_IOCQES_SHIFT) & CC_QES_MASK != NVM_IOCQES:
+            problems.append(f"IOCQES {(cc >> CC_IOCQES_SHIFT) & CC_QES_MASK} (need {NVM_IOCQES})")
+        if (cc >> CC_MPS_SHIFT) & CC_MPS_MASK:
+            problems.append(f"MPS {(cc >> CC_MPS_SHIFT) & CC_MPS_MASK} (only 4 KiB pages, MPS 0)")
+        if (cc >> CC_AMS_SHIFT) & CC_AMS_MASK:
+            problems.append(f"AMS {(cc >> CC_AMS_SHIFT) & CC_AMS_MASK} (only round robin)")
+        if (cc >> CC_CSS_SHIFT) & CC_CSS_MASK:
+            problems.append(f"CSS {(cc >> CC_CSS_SHIFT) & CC_CSS_MASK} (only the NVM command set, 0)")
+        if problems:
+            log.warning("controller %d (host %s): CC.EN=1 refused, CSTS.CFS set: unsupported %s",
+                        self.cntlid, self.hostnqn, ", ".join(problems))
+            self.csts = CSTS_CFS
+            return
+        self.csts = CSTS_RDY
+        self.last_keep_alive = self.clock()
+
+    def _reset(self) -> None:
+        self.csts &= ~CSTS_RDY
+        self.cc = 0
+
+    # --- keep-alive -----------------------------------------------------------------------------
+
+    def keep_alive(self) -> None:
+        self.last_keep_alive = self.clock()
+
+    def keep_alive_expired(self, now: float) -> bool:
+        if not self.kato_ms or self.closed:
+            return False
+        return now - self.last_keep_alive > self.kato_ms / 1000 + defaults.KATO_GRACE
+
+    # --- asynchronous events --------------------------------------------------------------------
+
+    def add_aer(self) -> asyncio.Future[AsyncEvent] | None:
+        """Register one AER; returns a future for its event, or None when the limit is reached."""
+        if len(self.aer_waiters) >= ASYNC_EVENT_LIMIT:
+            return None
+        fut: asyncio.Future[AsyncEvent] = asyncio.get_running_loop().create_future()
+        if self.pending_events:
+            fut.set_result(self.pending_events.popleft())
+        else:
+            self.aer_waiters.append(fut)
+        return fut
+
+    def _post_event(self, event: AsyncEvent) -> None:
+        while self.aer_waiters:
+            fut = self.aer_waiters.popleft()
+            if not fut.done():
+                fut.set_result(event)
+                return
+        self.pending_events.append(event)
+
+    def _aen_allowed(self, bit: int) -> bool:
+        """nvmet_aen_bit_disabled inverted: enabled by AEC and not already posted and unread."""
+        if not self.aen_enabled & (1 << bit) or bit in self.aen_masked:
+            return False
+        self.aen_masked.add(bit)
+        return True
+
+    def namespace_changed(self, nsid: int) -> None:
+        if self.changed_ns_overflow or (len(self.changed_nsids) >= CHANGED_NS_MAX and nsid not in self.changed_nsids):
+            self.changed_ns_overflow = True
+            self.changed_nsids.clear()
+        else:
+            self.changed_nsids.add(nsid)
+        if self._aen_allowed(AEN_BIT_NS_ATTR):
+            self._post_event(AsyncEvent(AsyncEventType.NOTICE, AsyncEventNotice.NS_ATTR_CHANGED,
+                                        LogPageId.CHANGED_NS))
+
+    def discovery_changed(self) -> None:
+        if self._aen_allowed(AEN_BIT_DISC_CHANGE):
+            self._post_event(AsyncEvent(AsyncEventType.NOTICE, AsyncEventNotice.DISC_LOG_CHANGE,
+                                        LogPageId.DISCOVERY))
+
+    def clear_aen_mask(self, bit: int) -> None:
+        self.aen_masked.discard(bit)
+
+    def take_changed_nsids(self, retain: bool) -> tuple[list[int], bool]:
+        nsids, overflow = sorted(self.changed_nsids), self.changed_ns_overflow
+        if not retain:
+            self.changed_nsids.clear()
+            self.changed_ns_overflow = False
+            self.clear_aen_mask(AEN_BIT_NS_ATTR)
+        return nsids, overflow
+
+    # --- error log ------------------------------------------------------------------------------
+
+    def record_error(self, req: Request, status: int, dnr: bool) -> None:
+        self.error_count += 1
+        cmd = req.cmd
+        lba = cmd.slba if req.queue.qid and cmd.opcode in _LBA_OPCODES else 0
+        self.errors.appendleft(ErrorRecord(self.error_count, req.queue.qid, cmd.cid, status, dnr, lba,
+                                           cmd.nsid if cmd.opcode != 0x7F else 0, cmd.opcode))
+
+    def error_status_field(self, record: ErrorRecord) -> int:
+        # Error log "status field": the CQE's bits 15:1 with the phase tag (0 here) in bit 0
+        return encode_status(record.status, dnr=record.dnr) << 1
+
+    # --- teardown -------------------------------------------------------------------------------
+
+    def shutdown(self, reason: str) -> None:
+        """Tear down: detach and close every queue, drop AERs. The target frees the cntlid."""
+        if self.closed:
+            return
+        self.closed = True
+        log.info("controller %d (subsystem %s, host %s) torn down: %s", self.cntlid, self.subsystem.nqn,
+                 self.hostnqn, reason)
+        for fut in self.aer_waiters:
+            if not fut.done():
+                fut.cancel()
+        self.aer_waiters.clear()
+        queues = list(self.queues.values())
+        self.queues.clear()
+        for queue in queues:
+            queue.ctrl = None
+            queue.close()
+
+    def info(self) -> dict[str, object]:
+        peer = self.queues[0].peer if 0 in self.queues else ""
+        transport = self.queues[0].transport if 0 in self.queues else ""
+        return {
+            "cntlid": self.cntlid,
+            "subnqn": self.subsystem.nqn,
+            "hostnqn": self.hostnqn,
+            "hostid": self.hostid.hex(),
+            "peer": peer,
+            "transport": transport,
+            "queues": [{"qid": q.qid, "sqsize": q.sqsize} for _, q in sorted(self.queues.items())],
+            "kato_ms": self.kato_ms,
+            "connected_since": self.created,
+            "enabled": self.enabled,
+        }
+
+
+_LBA_OPCODES = frozenset({0x01, 0x02, 0x05, 0x08})  # Write, Read, Compare, Write Zeroes

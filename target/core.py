@@ -1,0 +1,259 @@
+"""The target: subsystems, listeners and controllers, and the per-command routing with its state gates.
+
+Modelled on Linux nvmet core.c ``nvmet_req_init``: before Connect only Connect is legal; Fabrics
+commands go to fabrics.py; other admin commands (discovery.py on a discovery controller) and I/O
+commands need CC.EN=1 and CSTS.RDY=1; the SGL is checked against what the command moves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from nvmeof import defaults
+from nvmeof.spec.fabrics import FABRICS_OPCODE
+from nvmeof.spec.nvme import SGL_ID_INCAPSULE, SGL_ID_TRANSPORT, SQE_FLAGS_PSDT_SGL, FabricsType
+from nvmeof.status import NvmeError, Status, describe
+from target import admin, discovery, fabrics, io
+from target.controller import Controller
+from target.model import Listener, Referral, Subsystem
+from target.request import Direction, Request, TargetQueue
+
+log = logging.getLogger(__name__)
+
+CNTLID_MIN = 1
+CNTLID_MAX = 0xFFEF   # NVME_CNTLID_MAX: FFF0h..FFFFh are reserved
+PSDT_MASK = 0xC0
+
+# Failures hosts provoke while probing (optional CNS, features, log pages): not worth a warning.
+_PROBE_STATUSES = frozenset({Status.INVALID_FIELD, Status.INVALID_LOG_PAGE, Status.INVALID_OPCODE})
+
+
+class Target:
+    """Everything the target serves, and the routing of each command to its command set."""
+
+    def __init__(self, *, clock: Callable[[], float] = time.monotonic,
+                 keep_alive_interval: float = 1.0, discovery_serial: str = "discovery") -> None:
+        self.subsystems: dict[str, Subsystem] = {}
+        self.listeners: dict[str, Listener] = {}
+        self.referrals: list[Referral] = []
+        self.discovery_subsystem = Subsystem(nqn=defaults.DISCOVERY_NQN, serial=discovery_serial,
+                                             allow_any_host=True, max_namespaces=0, subtype="discovery")
+        self.controllers: dict[int, Controller] = {}
+        self.genctr = 0
+        self.clock = clock
+        self.keep_alive_interval = keep_alive_interval
+        self.started = time.time()
+        self._next_cntlid = CNTLID_MIN
+        self._servers: dict[str, Any] = {}
+        self._ka_task: asyncio.Task[None] | None = None
+        self._closing = False
+
+    # --- lookups --------------------------------------------------------------------------------
+
+    def find_subsystem(self, nqn: str) -> Subsystem | None:
+        if nqn == defaults.DISCOVERY_NQN:
+            return self.discovery_subsystem
+        return self.subsystems.get(nqn)
+
+    # --- controllers ----------------------------------------------------------------------------
+
+    def _alloc_cntlid(self) -> int | None:
+        span = CNTLID_MAX - CNTLID_MIN + 1
+        for _ in range(span):
+            cntlid = self._next_cntlid
+            self._next_cntlid = CNTLID_MIN if cntlid >= CNTLID_MAX else cntlid + 1
+            if cntlid not in self.controllers:
+                return cntlid
+        return None
+
+    def create_controller(self, subsystem: Subsystem, hostnqn: str, hostid: bytes, kato_ms: int) -> Controller:
+        cntlid = self._alloc_cntlid()
+        if cntlid is None:
+            raise NvmeError(Status.CONNECT_CTRL_BUSY,
+                            f"all {CNTLID_MAX} controller IDs are in use; disconnect idle hosts")
+        ctrl = Controller(self, subsystem, cntlid, hostnqn, hostid, kato_ms, clock=self.clock)
+        self.controllers[cntlid] = ctrl
+        self._ensure_keep_alive_task()
+        return ctrl
+
+    def remove_controller(self, ctrl: Controller, reason: str) -> None:
+        if self.controllers.get(ctrl.cntlid) is ctrl:
+            del self.controllers[ctrl.cntlid]
+        ctrl.shutdown(reason)
+
+    def queue_closed(self, queue: TargetQueue) -> None:
+        """A transport lost a queue: an admin queue takes its controller with it (nvmet does too)."""
+        ctrl = queue.ctrl
+        if ctrl is None:
+            return
+        queue.ctrl = None
+        if queue.qid == 0:
+            self.remove_controller(ctrl, "admin queue connection closed")
+        elif ctrl.queues.get(queue.qid) is queue:
+            del ctrl.queues[queue.qid]
+
+    def disconnect_controller(self, cntlid: int) -> bool:
+        ctrl = self.controllers.get(cntlid)
+        if ctrl is None:
+            return False
+        self.remove_controller(ctrl, "disconnected by the administrator")
+        return True
+
+    def disconnect_subsystem(self, subnqn: str) -> int:
+        victims = [c for c in self.controllers.values() if c.subsystem.nqn == subnqn]
+        for ctrl in victims:
+            self.remove_controller(ctrl, f"subsystem {subnqn} was removed or disconnected")
+        return len(victims)
+
+    def controllers_info(self) -> list[dict[str, Any]]:
+        return [ctrl.info() for _, ctrl in sorted(self.controllers.items())]
+
+    # --- keep-alive -----------------------------------------------------------------------------
+
+    def _ensure_keep_alive_task(self) -> None:
+        if self._ka_task is None or self._ka_task.done():
+            with contextlib.suppress(RuntimeError):
+                self._ka_task = asyncio.get_running_loop().create_task(self._keep_alive_loop())
+
+    async def _keep_alive_loop(self) -> None:
+        while self.controllers:
+            await asyncio.sleep(self.keep_alive_interval)
+            self.check_keep_alive()
+
+    def check_keep_alive(self) -> list[int]:
+        """Tear down every controller whose host has been silent past KATO; returns their cntlids."""
+        now = self.clock()
+        expired = [c for c in self.controllers.values() if c.keep_alive_expired(now)]
+        for ctrl in expired:
+            silent_ms = int((now - ctrl.last_keep_alive) * 1000)
+            log.warning("keep-alive timeout: host %s silent for %d ms (KATO %d ms), tearing down controller %d "
+                        "of subsystem %s", ctrl.hostnqn, silent_ms, ctrl.kato_ms, ctrl.cntlid,
+                        ctrl.subsystem.nqn)
+            self.remove_controller(ctrl, f"keep-alive timeout after {silent_ms} ms")
+        return [c.cntlid for c in expired]
+
+    # --- live-change hooks (TargetService calls these) ------------------------------------------
+
+    def namespace_changed(self, subsystem_nqn: str, nsid: int) -> None:
+        for ctrl in list(self.controllers.values()):
+            if ctrl.subsystem.nqn == subsystem_nqn:
+                ctrl.namespace_changed(nsid)
+
+    def discovery_changed(self) -> None:
+        self.genctr += 1
+        for ctrl in list(self.controllers.values()):
+            if ctrl.is_discovery:
+                ctrl.discovery_changed()
+
+    # --- listeners --------------------------------------------------------------------------------
+
+    async def start_listener(self, listener: Listener) -> Any:
+        from target.transports import get_transport
+
+        if listener.id in self._servers:
+            raise ValueError(f"listener {listener.id} is already running")
+        server = get_transport(listener.trtype)(self, listener)
+        await server.start()
+        self._servers[listener.id] = server
+        return server
+
+    async def stop_listener(self, listener: Listener) -> None:
+        server = self._servers.pop(listener.id, None)
+        if server is not None:
+            await server.stop()
+
+    def server(self, listener_id: str) -> Any:
+        return self._servers.get(listener_id)
+
+    async def close(self) -> None:
+        self._closing = True
+        for listener_id in list(self._servers):
+            server = self._servers.pop(listener_id)
+            await server.stop()
+        for ctrl in list(self.controllers.values()):
+            self.remove_controller(ctrl, "target shutting down")
+        if self._ka_task is not None:
+            self._ka_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ka_task
+            self._ka_task = None
+
+    # --- per-command routing ----------------------------------------------------------------------
+
+    def parse(self, req: Request) -> None:
+        """Decide what ``req`` does; raises NvmeError for a command that must fail at once."""
+        cmd = req.cmd
+        queue = req.queue
+        ctrl = queue.ctrl
+        if ctrl is None:
+            if cmd.opcode == FABRICS_OPCODE and cmd.fctype == FabricsType.CONNECT:
+                fabrics.parse_connect(self, req)
+            else:
+                raise NvmeError(Status.CMD_SEQ_ERROR,
+                                f"opcode {cmd.opcode:#04x} on a queue that is not connected yet; "
+                                "the first command on a queue must be a Fabrics Connect")
+        else:
+            ctrl.keep_alive()
+            if cmd.opcode == FABRICS_OPCODE:
+                fabrics.parse(self, req)
+            else:
+                if not ctrl.enabled:
+                    raise NvmeError(Status.CMD_SEQ_ERROR,
+                                    f"opcode {cmd.opcode:#04x} on qid {queue.qid} of controller {ctrl.cntlid} "
+                                    f"before the host enabled it (CC.EN={ctrl.cc & 1}, CSTS.RDY={ctrl.csts & 1})")
+                if queue.qid != 0:
+                    io.parse(req)
+                elif ctrl.is_discovery:
+                    discovery.parse(req)
+                else:
+                    admin.parse(req)
+        check_sgl(req)
+
+    def complete(self, req: Request) -> bytes:
+        return req.queue.complete(req, 0, req.dw0, req.dw1)
+
+    def fail(self, req: Request, err: NvmeError) -> bytes:
+        """Log the failure, record it in the error log, and build its CQE (DW0 carries err.result)."""
+        queue = req.queue
+        ctrl = queue.ctrl
+        level = logging.INFO if err.status in _PROBE_STATUSES and queue.qid == 0 else logging.WARNING
+        if not getattr(err, "logged", False) and log.isEnabledFor(level):
+            who = f"controller {ctrl.cntlid} (host {ctrl.hostnqn})" if ctrl else f"peer {queue.peer}"
+            log.log(level, "%s qid %d cid %d opcode %#04x failed with %s: %s", who, queue.qid, req.cmd.cid,
+                    req.cmd.opcode, describe(err.status), err.detail or "no detail")
+        if ctrl is not None:
+            ctrl.record_error(req, err.status, err.dnr)
+        if req.ns is not None:
+            req.ns.stats.errors += 1
+        return queue.complete(req, err.status, err.result, 0, err.dnr)
+
+
+def check_sgl(req: Request) -> None:
+    """The data pointer must be an SGL describing exactly what the command moves (nvmet_check_transfer_len)."""
+    cmd = req.cmd
+    if cmd.flags & PSDT_MASK != SQE_FLAGS_PSDT_SGL:
+        raise NvmeError(Status.INVALID_FIELD,
+                        f"SQE flags {cmd.flags:#04x}: PSDT must select SGLs (fabrics has no PRPs)")
+    sgl_id, addr, length, _ = cmd.sgl()
+    if length != req.data_len:
+        raise NvmeError(Status.SGL_INVALID_DATA,
+                        f"SGL length {length} differs from the {req.data_len} bytes opcode {cmd.opcode:#04x} moves")
+    if not length:
+        return
+    if sgl_id == SGL_ID_INCAPSULE:
+        if req.direction != Direction.H2C:
+            raise NvmeError(Status.INVALID_FIELD,
+                            "in-capsule data SGL on a command that returns data; use a transport SGL (0x5A)")
+        if addr != 0:
+            raise NvmeError(Status.SGL_INVALID_OFFSET, f"in-capsule data offset {addr}; ICDOFF is 0")
+        if length > req.queue.max_incapsule:
+            raise NvmeError(Status.SGL_INVALID_OFFSET,
+                            f"{length} bytes of in-capsule data; this queue accepts {req.queue.max_incapsule}")
+    elif sgl_id != SGL_ID_TRANSPORT:
+        raise NvmeError(Status.SGL_INVALID_TYPE,
+                        f"SGL identifier {sgl_id:#04x}; NVMe/TCP takes in-capsule (0x01) or transport (0x5A) SGLs")

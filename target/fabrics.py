@@ -1,0 +1,227 @@
+"""Fabrics command set: Connect, Property Get/Set, Disconnect.
+
+Modelled on Linux nvmet fabrics-cmd.c (``nvmet_execute_admin_connect``, ``nvmet_execute_io_connect``,
+``nvmet_install_queue``, ``nvmet_execute_prop_get/set``) and core.c ``nvmet_alloc_ctrl`` /
+``nvmet_ctrl_find_get``. Every refused Connect is logged with what the user has to change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from construct import ConstructError
+
+from nvmeof import defaults
+from nvmeof.spec.fabrics import (
+    CATTR_DISABLE_SQFLOW,
+    CONNECT_ADMIN_CNTLID,
+    CONNECT_DATA_SIZE,
+    CONNECT_IATTR_DATA,
+    CONNECT_IATTR_SQE,
+    PROPERTY_SIZE_8,
+    ConnectCommand,
+    ConnectData,
+    ConnectDataCompiled,
+    Property,
+)
+from nvmeof.spec.fields import field_offset
+from nvmeof.spec.nvme import FabricsType
+from nvmeof.status import NvmeError, Status
+from target.request import Direction
+
+if TYPE_CHECKING:
+    from target.core import Target
+    from target.request import Execute, Request, TargetQueue
+
+log = logging.getLogger(__name__)
+
+# IPO values: byte offsets of the offending field in the SQE (IATTR 0) or the Connect data (IATTR 1)
+IPO_SQE_QID = field_offset(ConnectCommand, "qid")            # 42
+IPO_SQE_SQSIZE = field_offset(ConnectCommand, "sqsize")      # 44
+IPO_DATA_CNTLID = field_offset(ConnectData, "cntlid")        # 16
+IPO_DATA_SUBSYSNQN = field_offset(ConnectData, "subsysnqn")  # 256
+IPO_DATA_HOSTNQN = field_offset(ConnectData, "hostnqn")      # 512
+
+
+def _invalid_param(iattr: int, ipo: int, detail: str) -> NvmeError:
+    return NvmeError(Status.CONNECT_INVALID_PARAM, detail, result=(iattr << 16) | ipo)
+
+
+def _rejected(err: NvmeError, req: Request) -> NvmeError:
+    log.warning("Connect from %s refused with %s: %s", req.queue.peer or "a local peer", err.name, err.detail)
+    err.logged = True  # type: ignore[attr-defined]  # core.Target.fail need not log it again
+    return err
+
+
+# --- Connect -------------------------------------------------------------------------------------
+
+def parse_connect(target: Target, req: Request) -> None:
+    async def execute(r: Request) -> None:
+        try:
+            _execute_connect(target, r)
+        except NvmeError as err:
+            raise _rejected(err, r) from None
+    req.expect(Direction.H2C, CONNECT_DATA_SIZE, execute)
+
+
+def _nqn(raw: str) -> str:
+    # PaddedString strips trailing NULs only; anything after the first NUL is not part of the NQN
+    return raw.split("\x00", 1)[0]
+
+
+def _execute_connect(target: Target, req: Request) -> None:
+    cmd = req.cmd
+    recfmt = cmd.cdw10 & 0xFFFF
+    qid = cmd.cdw10 >> 16
+    sqsize = cmd.cdw11 & 0xFFFF
+    cattr = (cmd.cdw11 >> 16) & 0xFF
+    kato = cmd.cdw12
+    if recfmt != 0:
+        raise NvmeError(Status.CONNECT_FORMAT, f"Connect record format {recfmt}; only format 0 exists")
+    if req.data is None or len(req.data) != CONNECT_DATA_SIZE:
+        raise NvmeError(Status.SGL_INVALID_DATA, f"Connect needs {CONNECT_DATA_SIZE} bytes of data")
+    raw = bytes(req.data)
+    try:
+        data = ConnectDataCompiled.parse(raw)
+        subnqn = _nqn(data.subsysnqn)
+    except (ConstructError, UnicodeDecodeError):
+        raise _invalid_param(CONNECT_IATTR_DATA, IPO_DATA_SUBSYSNQN, "SUBNQN is not valid UTF-8") from None
+    try:
+        hostnqn = _nqn(data.hostnqn)
+    except (ConstructError, UnicodeDecodeError):
+        raise _invalid_param(CONNECT_IATTR_DATA, IPO_DATA_HOSTNQN, "HOSTNQN is not valid UTF-8") from None
+    if not hostnqn:
+        raise _invalid_param(CONNECT_IATTR_DATA, IPO_DATA_HOSTNQN, "the Connect data carries an empty HOSTNQN")
+    queue = req.queue
+    if queue.ctrl is not None:
+        raise NvmeError(Status.CONNECT_CTRL_BUSY, f"qid {queue.qid} is already connected")
+    if sqsize == 0:
+        raise _invalid_param(CONNECT_IATTR_SQE, IPO_SQE_SQSIZE,
+                             f"host {hostnqn}: SQSIZE 0 (a queue needs at least 2 entries)")
+    if sqsize > defaults.MAX_QUEUE_SIZE - 1:
+        raise _invalid_param(CONNECT_IATTR_SQE, IPO_SQE_SQSIZE,
+                             f"host {hostnqn}: SQSIZE {sqsize} exceeds CAP.MQES {defaults.MAX_QUEUE_SIZE - 1}; "
+                             f"use a queue size of at most {defaults.MAX_QUEUE_SIZE}")
+    subsystem = target.find_subsystem(subnqn)
+    if qid == 0:
+        cntlid = data.cntlid
+        if cntlid != CONNECT_ADMIN_CNTLID:
+            raise _invalid_param(CONNECT_IATTR_DATA, IPO_DATA_CNTLID,
+                                 f"host {hostnqn}: admin Connect asks for controller ID {cntlid:#x}; this target "
+                                 f"only creates controllers dynamically (CNTLID {CONNECT_ADMIN_CNTLID:#x})")
+        if subsystem is None:
+            raise _invalid_param(CONNECT_IATTR_DATA, IPO_DATA_SUBSYSNQN,
+                                 f"host {hostnqn} asked for subsystem {subnqn!r}, which does not exist here; "
+                                 "check the NQN with 'nvme discover'")
+        if not subsystem.host_allowed(hostnqn):
+            raise NvmeError(Status.CONNECT_INVALID_HOST,
+                            f"host {hostnqn} is not allowed to use subsystem {subnqn}; add it to the "
+                            "subsystem's hosts or allow any host",
+                            result=(CONNECT_IATTR_DATA << 16) | IPO_DATA_HOSTNQN)
+        ctrl = target.create_controller(subsystem, hostnqn, data.hostid, kato)
+        log.info("controller %d created for subsystem %s, host %s (%s, KATO %d ms)", ctrl.cntlid,
+                 subsystem.nqn, hostnqn, queue.peer, ctrl.kato_ms)
+    else:
+        if subsystem is None:
+            raise _invalid_param(CONNECT_IATTR_DATA, IPO_DATA_SUBSYSNQN,
+                                 f"host {hostnqn}: I/O queue Connect for unknown subsystem {subnqn!r}")
+        ctrl = target.controllers.get(data.cntlid)
+        if ctrl is None or ctrl.closed or ctrl.subsystem is not subsystem or ctrl.hostnqn != hostnqn:
+            raise _invalid_param(CONNECT_IATTR_DATA, IPO_DATA_CNTLID,
+                                 f"host {hostnqn}: I/O queue Connect names controller {data.cntlid}, which is not "
+                                 f"a live controller of this host on subsystem {subnqn}")
+        if not ctrl.enabled:
+            raise NvmeError(Status.CMD_SEQ_ERROR,
+                            f"host {hostnqn}: I/O queue {qid} Connect before controller {ctrl.cntlid} was enabled")
+        if ctrl.is_discovery:
+            raise _invalid_param(CONNECT_IATTR_SQE, IPO_SQE_QID,
+                                 f"host {hostnqn}: discovery controllers have no I/O queues (qid {qid})")
+        if qid > ctrl.nr_io_queues:
+            raise _invalid_param(CONNECT_IATTR_SQE, IPO_SQE_QID,
+                                 f"host {hostnqn}: qid {qid} exceeds the {ctrl.nr_io_queues} I/O queues granted to "
+                                 f"controller {ctrl.cntlid}")
+        if qid in ctrl.queues:
+            raise _invalid_param(CONNECT_IATTR_SQE, IPO_SQE_QID,
+                                 f"host {hostnqn}: qid {qid} of controller {ctrl.cntlid} is already connected")
+    queue.qid = qid
+    queue.sqsize = sqsize
+    queue.sqhd = 0
+    queue.sqflow_disabled = bool(cattr & CATTR_DISABLE_SQFLOW)
+    queue.connected_at = time.time()
+    queue.ctrl = ctrl
+    ctrl.queues[qid] = queue
+    req.dw0 = ctrl.cntlid
+
+
+# --- Property Get / Set, Disconnect --------------------------------------------------------------
+
+def parse(target: Target, req: Request) -> None:
+    cmd = req.cmd
+    fctype = cmd.fctype
+    qid = req.queue.qid
+    if fctype == FabricsType.PROPERTY_GET and qid == 0:
+        req.expect(Direction.NONE, 0, _property_get)
+    elif fctype == FabricsType.PROPERTY_SET and qid == 0:
+        req.expect(Direction.NONE, 0, _property_set)
+    elif fctype == FabricsType.DISCONNECT:
+        req.expect(Direction.NONE, 0, _make_disconnect(target))
+    elif fctype == FabricsType.CONNECT:
+        raise NvmeError(Status.CONNECT_CTRL_BUSY, f"qid {qid} is already connected; Connect comes once per queue")
+    else:
+        raise NvmeError(Status.INVALID_OPCODE, f"fabrics command type {fctype:#04x} is not supported on qid {qid}")
+
+
+async def _property_get(req: Request) -> None:
+    ctrl = req.queue.ctrl
+    assert ctrl is not None
+    attrib = req.cmd.cdw10 & 0xFF
+    offset = req.cmd.cdw11
+    if attrib & PROPERTY_SIZE_8:
+        if offset != Property.CAP:
+            raise NvmeError(Status.INVALID_FIELD, f"8-byte Property Get of offset {offset:#x}; only CAP is 8 bytes")
+        value = ctrl.cap
+    elif offset == Property.VS:
+        value = ctrl.vs
+    elif offset == Property.CC:
+        value = ctrl.cc
+    elif offset == Property.CSTS:
+        value = ctrl.csts
+    else:
+        raise NvmeError(Status.INVALID_FIELD, f"4-byte Property Get of unsupported offset {offset:#x}")
+    req.dw0 = value & 0xFFFFFFFF
+    req.dw1 = value >> 32
+
+
+async def _property_set(req: Request) -> None:
+    ctrl = req.queue.ctrl
+    assert ctrl is not None
+    attrib = req.cmd.cdw10 & 0xFF
+    offset = req.cmd.cdw11
+    value = req.cmd.cdw12 | (req.cmd.cdw13 << 32)
+    if attrib & PROPERTY_SIZE_8 or offset != Property.CC:
+        raise NvmeError(Status.INVALID_FIELD,
+                        f"Property Set of offset {offset:#x} ({8 if attrib & 1 else 4} bytes); only CC is writable")
+    ctrl.set_cc(value)
+
+
+def _make_disconnect(target: Target) -> Execute:
+    async def execute(req: Request) -> None:
+        queue = req.queue
+        ctrl = queue.ctrl
+        assert ctrl is not None
+        log.info("host %s disconnects qid %d of controller %d", ctrl.hostnqn, queue.qid, ctrl.cntlid)
+        # Close only after the transport has sent this command's completion.
+        loop = asyncio.get_running_loop()
+        if queue.qid == 0:
+            loop.call_soon(target.remove_controller, ctrl, "host sent Disconnect on the admin queue")
+        else:
+            loop.call_soon(_close_queue, target, queue)
+    return execute
+
+
+def _close_queue(target: Target, queue: TargetQueue) -> None:
+    target.queue_closed(queue)
+    queue.close()

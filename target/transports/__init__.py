@@ -1,0 +1,26 @@
+"""Target transports by listener trtype: each entry builds a server object with ``async start()`` and
+``async stop()`` from ``(target, listener)``. Transports that need optional packages (RDMA) register
+themselves with :func:`register_transport` when imported."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+_REGISTRY: dict[str, Callable[..., Any]] = {}
+
+
+def register_transport(trtype: str, factory: Callable[..., Any]) -> None:
+    _REGISTRY[trtype] = factory
+
+
+def get_transport(trtype: str) -> Callable[..., Any]:
+    if trtype not in _REGISTRY and trtype == "tcp":
+        from target.transports.tcp import TcpListener
+
+        register_transport("tcp", TcpListener)
+    factory = _REGISTRY.get(trtype)
+    if factory is None:
+        have = ", ".join(sorted(_REGISTRY) or ["tcp"])
+        raise ValueError(f"no target transport for trtype {trtype!r} (available: {have})")
+    return factory
