@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Host packages for the QEMU interoperability suite (tests/interop).
+# Idempotent; run as root on Debian bookworm. Only the distribution's package
+# archive has to be reachable: the guest kernel is fetched with `apt-get download`
+# by tests/interop/vm.py, not here, so this script never depends on a kernel version.
+set -euo pipefail
+
+if [ "$(id -u)" -ne 0 ]; then
+    echo "install_deps.sh: must run as root (it calls apt-get install)" >&2
+    exit 1
+fi
+
+packages=(
+    qemu-system-x86   # qemu-system-x86_64 (TCG; KVM does not work on these machines)
+    busybox-static    # the guest's /bin/busybox (must be static: the initramfs has no libc for it)
+    nvme-cli          # copied into the guest with the libraries ldd lists
+    fio
+    iproute2          # `rdma` for Soft-RoCE links inside the guest
+    cpio              # builds the initramfs archives
+    xz-utils          # unpacks vmlinux from the bzImage's xz stream
+    kmod              # depmod for the guest's modules.dep
+    dpkg              # dpkg -x of the kernel package
+    apt               # apt-get download / apt-cache depends
+    binutils          # readelf, used to check the extracted vmlinux is an ELF with a PVH note
+    libc-bin          # ldd
+)
+
+export DEBIAN_FRONTEND=noninteractive
+missing=()
+for p in "${packages[@]}"; do
+    if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+        missing+=("$p")
+    fi
+done
+
+# The kernel is fetched later with `apt-get download`, which needs current package lists
+# even when every host package above is already there.
+apt-get update -q
+
+if [ "${#missing[@]}" -gt 0 ]; then
+    apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
+
+for tool in qemu-system-x86_64 busybox nvme fio rdma cpio xz depmod dpkg-deb; do
+    command -v "$tool" >/dev/null || PATH="$PATH:/sbin:/usr/sbin" command -v "$tool" >/dev/null || {
+        echo "install_deps.sh: $tool still missing after install" >&2
+        exit 1
+    }
+done
+echo "install_deps.sh: host packages for tests/interop are installed"
