@@ -1,0 +1,1 @@
+"""The /api/v1 resource routers; each module exports ``router``."""

@@ -1,0 +1,61 @@
+"""/subsystems/{nqn}/namespaces: add, list, show, resize, enable/disable, statistics, remove."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Path, Response, status
+
+from api import render, schemas
+from api.deps import Service
+from api.errors import ERRORS
+
+router = APIRouter(prefix="/subsystems/{nqn}/namespaces", tags=["namespaces"], responses=ERRORS)
+
+Nsid = Path(ge=1, le=schemas.NSID_MAX, description="Namespace ID")
+
+
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=schemas.NamespaceOut)
+async def add_namespace(nqn: str, body: schemas.NamespaceCreate, service: Service) -> schemas.NamespaceOut:
+    ns = await service.add_namespace(
+        nqn, backend=body.backend, path=body.path, size=body.size, block_size=body.block_size,
+        nsid=body.nsid, uuid=body.uuid, nguid=body.nguid, eui64=body.eui64, read_only=body.read_only,
+        enabled=body.enabled, create=body.create,
+    )
+    return render.namespace(ns)
+
+
+@router.get("", response_model=list[schemas.NamespaceOut])
+async def list_namespaces(nqn: str, service: Service) -> list[schemas.NamespaceOut]:
+    return [render.namespace(ns) for ns in service.list_namespaces(nqn)]
+
+
+@router.get("/{nsid}", response_model=schemas.NamespaceOut)
+async def get_namespace(nqn: str, service: Service, nsid: int = Nsid) -> schemas.NamespaceOut:
+    return render.namespace(service.get_namespace(nqn, nsid))
+
+
+@router.delete("/{nsid}", status_code=status.HTTP_204_NO_CONTENT)
+async def remove_namespace(nqn: str, service: Service, nsid: int = Nsid) -> Response:
+    await service.remove_namespace(nqn, nsid)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@router.post("/{nsid}/resize", response_model=schemas.NamespaceOut)
+async def resize_namespace(
+    nqn: str, body: schemas.NamespaceResize, service: Service, nsid: int = Nsid,
+) -> schemas.NamespaceOut:
+    return render.namespace(await service.resize_namespace(nqn, nsid, body.size))
+
+
+@router.post("/{nsid}/enable", response_model=schemas.NamespaceOut)
+async def enable_namespace(nqn: str, service: Service, nsid: int = Nsid) -> schemas.NamespaceOut:
+    return render.namespace(await service.set_namespace_enabled(nqn, nsid, True))
+
+
+@router.post("/{nsid}/disable", response_model=schemas.NamespaceOut)
+async def disable_namespace(nqn: str, service: Service, nsid: int = Nsid) -> schemas.NamespaceOut:
+    return render.namespace(await service.set_namespace_enabled(nqn, nsid, False))
+
+
+@router.get("/{nsid}/stats", response_model=schemas.NamespaceStatsOut)
+async def namespace_stats(nqn: str, service: Service, nsid: int = Nsid) -> schemas.NamespaceStatsOut:
+    return render.stats(service.get_namespace(nqn, nsid))

@@ -1,0 +1,226 @@
+"""Request and response bodies of the management API (pydantic v2).
+
+Requests carry only type and range checks; the meaning of a value (is this NQN well formed, is the
+file there, is the port free) is checked by TargetService, so the REST API, the config restore and
+the daemon start-up give the same answer. Responses are built from the model objects with the
+``from_*`` helpers so every route renders an object the same way.
+"""
+
+from __future__ import annotations
+
+import uuid as uuid_mod
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from nvmeof import defaults
+
+NSID_MAX = 0xFFFFFFFE  # 0 and 0xFFFFFFFF (broadcast) are not namespace IDs
+HEX_NGUID = r"^[0-9A-Fa-f]{32}$"
+HEX_EUI64 = r"^[0-9A-Fa-f]{16}$"
+
+TrType = Literal["tcp", "rdma"]
+AdrFam = Literal["ipv4", "ipv6"]
+
+
+def _example(example: dict[str, Any]) -> ConfigDict:
+    """Request config with an example for /docs (schemathesis also starts from it)."""
+    return ConfigDict(extra="forbid", json_schema_extra={"examples": [example]})
+
+
+class _Request(BaseModel):
+    # An unknown field is far more often a typo ("blocksize") than intent: refuse it by name.
+    model_config = ConfigDict(extra="forbid")
+
+
+# -- subsystems -------------------------------------------------------------------------------------
+
+
+class SubsystemCreate(_Request):
+    model_config = _example({"nqn": "nqn.2024-01.com.example:disk1", "allow_any_host": True})
+
+    nqn: str | None = Field(None, description="NQN; generated (UUID form) when omitted")
+    serial: str | None = Field(None, max_length=20, description="Serial number; generated when omitted")
+    model: str = Field(defaults.MODEL, min_length=1, max_length=40)
+    allow_any_host: bool | None = Field(
+        None, description="Let every host connect; defaults to true when no hosts are listed"
+    )
+    hosts: list[str] = Field(default_factory=list, description="Host NQNs allowed to connect")
+    max_namespaces: int = Field(defaults.MAX_NAMESPACES, ge=1, le=NSID_MAX)
+
+
+class NamespaceStatsOut(BaseModel):
+    reads: int
+    writes: int
+    read_bytes: int
+    write_bytes: int
+    errors: int
+    read_latency_ns: int = Field(description="Sum over all reads")
+    write_latency_ns: int = Field(description="Sum over all writes")
+
+
+class NamespaceOut(BaseModel):
+    nsid: int
+    backend: str
+    path: str | None = None
+    size: int = Field(description="Capacity in bytes")
+    block_size: int
+    blocks: int = Field(description="Capacity in logical blocks (NSZE)")
+    uuid: str
+    nguid: str = Field(description="32 hexadecimal digits")
+    eui64: str = Field(description="16 hexadecimal digits")
+    read_only: bool
+    enabled: bool
+
+
+class SubsystemOut(BaseModel):
+    nqn: str
+    serial: str
+    model: str
+    allow_any_host: bool
+    hosts: list[str]
+    max_namespaces: int
+    subtype: str
+    namespaces: list[NamespaceOut]
+
+
+# -- namespaces -------------------------------------------------------------------------------------
+
+
+class NamespaceCreate(_Request):
+    model_config = _example({"backend": "ram", "size": 1 << 30, "block_size": 512})
+
+    backend: Literal["file", "ram", "null"]
+    path: str | None = Field(None, description="File or block device (backend 'file')")
+    size: int | None = Field(None, ge=1, description="Bytes; required for ram/null, or with create=true")
+    block_size: int = Field(defaults.DEFAULT_BLOCK_SIZE, description="512 or 4096")
+    nsid: int | None = Field(None, ge=1, le=NSID_MAX, description="Lowest free NSID when omitted")
+    uuid: uuid_mod.UUID | None = None
+    nguid: str | None = Field(None, pattern=HEX_NGUID)
+    eui64: str | None = Field(None, pattern=HEX_EUI64)
+    read_only: bool = False
+    enabled: bool = True
+    create: bool = Field(False, description="Create the file with the given size if it is missing")
+
+
+class NamespaceResize(_Request):
+    model_config = _example({"size": 2 << 30})
+
+    size: int = Field(ge=1, description="New capacity in bytes, a multiple of the block size")
+
+
+# -- hosts ------------------------------------------------------------------------------------------
+
+
+class HostAdd(_Request):
+    model_config = _example(
+        {"hostnqn": "nqn.2014-08.org.nvmexpress:uuid:0f2d2f36-8a4e-4a3b-9a52-3b1f1f2f7c11"}
+    )
+
+    hostnqn: str
+
+
+class HostsOut(BaseModel):
+    allow_any_host: bool = Field(description="When true the host list is not enforced")
+    hosts: list[str]
+
+
+# -- listeners and referrals ------------------------------------------------------------------------
+
+
+class ListenerCreate(_Request):
+    model_config = _example({"trtype": "tcp", "traddr": "127.0.0.1", "trsvcid": 4420})
+
+    trtype: TrType = "tcp"
+    traddr: str = Field(min_length=1, description="IPv4 or IPv6 address to listen on")
+    trsvcid: int = Field(defaults.TCP_IO_PORT, ge=1, le=65535)
+    adrfam: AdrFam | None = Field(None, description="Derived from traddr when omitted")
+    discovery: bool = Field(False, description="Serve the discovery subsystem on this listener")
+    portid: int | None = Field(None, ge=1, le=0xFFFE, description="Discovery log port ID; a free one if omitted")
+
+
+class ListenerOut(BaseModel):
+    id: str
+    trtype: str
+    adrfam: str
+    traddr: str
+    trsvcid: int
+    portid: int
+    discovery: bool
+
+
+class ReferralCreate(_Request):
+    model_config = _example({"trtype": "tcp", "traddr": "192.0.2.10", "trsvcid": 8009})
+
+    trtype: TrType = "tcp"
+    traddr: str = Field(min_length=1)
+    trsvcid: int = Field(defaults.TCP_DISCOVERY_PORT, ge=1, le=65535)
+    adrfam: AdrFam | None = None
+    subnqn: str = defaults.DISCOVERY_NQN
+    portid: int = Field(0, ge=0, le=0xFFFF)
+
+
+class ReferralOut(BaseModel):
+    id: str
+    trtype: str
+    adrfam: str
+    traddr: str
+    trsvcid: int
+    subnqn: str
+    portid: int
+
+
+# -- controllers ------------------------------------------------------------------------------------
+
+
+class QueueOut(BaseModel):
+    qid: int
+    sqsize: int
+
+
+class ControllerOut(BaseModel):
+    cntlid: int
+    subnqn: str
+    hostnqn: str
+    hostid: str = Field(description="Host identifier, 32 hexadecimal digits")
+    peer: str = Field(description="Host transport address of the admin queue")
+    transport: str
+    queues: list[QueueOut] = Field(description="Connected queues, admin queue (qid 0) included")
+    kato_ms: int
+    connected_since: float = Field(description="Unix time of the admin queue Connect")
+    enabled: bool = Field(description="CC.EN is set")
+
+
+# -- config, health, version ------------------------------------------------------------------------
+
+
+class ImportResult(BaseModel):
+    errors: list[str] = Field(description="Items that could not be applied; everything else was")
+    warnings: list[str] = Field(default_factory=list, description="What the conversion could not carry over")
+
+
+class NvmetcliExport(BaseModel):
+    nvmetcli: dict[str, Any] = Field(description="A dump `nvmetcli restore` reads")
+    warnings: list[str] = Field(description="What the kernel target cannot express, left out or changed")
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+    subsystems: int
+    controllers: int
+
+
+class Version(BaseModel):
+    version: str
+    api: str = "v1"
+    nvme_version: str
+
+
+class ErrorOut(BaseModel):
+    detail: str
+
+
+def hex_or_none(value: Any) -> str | None:
+    if value is None:
+        return None
+    return bytes(value).hex()

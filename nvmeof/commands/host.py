@@ -1,0 +1,371 @@
+"""Host-side commands: discovery, kernel attach, and direct I/O through the Python initiator.
+
+Exit codes scripts can rely on: 0 success, 1 the target answered with an NVMe error status,
+2 usage error, 3 the target could not be reached or the connection failed, 4 kernel attach failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import sys
+from collections.abc import Callable
+
+import click
+
+from nvmeof import defaults
+from nvmeof.spec.nvme import FeatureId, LogPageId
+from nvmeof.status import NvmeError
+
+from .common import echo_json, format_size, parse_size, table
+
+EXIT_NVME_STATUS = 1
+EXIT_CONNECT = 3
+EXIT_KERNEL = 4
+
+
+def connection_options(default_port: int, *, nqn_required: bool = True) -> Callable:
+    """The nvme-cli spellings: -t -a -s -n -q -I, plus digests and queue counts."""
+    def deco(f: Callable) -> Callable:
+        opts = [
+            click.option("-t", "--transport", type=click.Choice(["tcp", "rdma"]), default="tcp",
+                         show_default=True),
+            click.option("-a", "--traddr", default=defaults.LISTEN_ADDRESS, show_default=True,
+                         help="Target address."),
+            click.option("-s", "--trsvcid", type=click.IntRange(1, 65535), default=default_port,
+                         show_default=True, help="Target port."),
+            click.option("-q", "--hostnqn", help="Host NQN (default: generated, or /etc/nvme/hostnqn)."),
+            click.option("-I", "--hostid", help="Host identifier (UUID)."),
+            click.option("--hdr-digest", is_flag=True, help="Negotiate the NVMe/TCP header digest."),
+            click.option("--data-digest", is_flag=True, help="Negotiate the NVMe/TCP data digest."),
+            click.option("--timeout", type=float, default=30.0, show_default=True,
+                         help="Seconds to wait for each command."),
+            click.option("--json", "as_json", is_flag=True, help="Machine-readable output."),
+        ]
+        if nqn_required:
+            opts.append(click.option("-n", "--nqn", required=True, help="Subsystem NQN."))
+        names = ["transport", "traddr", "trsvcid", "hostnqn", "hostid", "hdr_digest", "data_digest", "timeout",
+                 "as_json"] + (["nqn"] if nqn_required else [])
+
+        @functools.wraps(f)
+        def collect(**kwargs):
+            conn = {name: kwargs.pop(name) for name in names}
+            return f(conn, **kwargs)
+
+        for opt in reversed(opts):
+            collect = opt(collect)
+        return collect
+    return deco
+
+
+def run_guarded(coro) -> object:
+    """Run one initiator coroutine, turning errors into a message and a stable exit code."""
+    from initiator import InitiatorError
+
+    try:
+        return asyncio.run(coro)
+    except NvmeError as e:
+        click.echo(f"nvmeof: the target answered {e}", err=True)
+        sys.exit(EXIT_NVME_STATUS)
+    except (TimeoutError, InitiatorError, OSError) as e:
+        click.echo(f"nvmeof: {e or type(e).__name__}", err=True)
+        sys.exit(EXIT_CONNECT)
+
+
+async def _open(conn: dict, *, nr_io_queues: int = 1):
+    """Connect the Python initiator with the command line's connection options."""
+    import initiator
+
+    return await initiator.connect(conn["traddr"], trsvcid=conn["trsvcid"], subnqn=conn["nqn"],
+                                   hostnqn=conn["hostnqn"], hostid=conn["hostid"], transport=conn["transport"],
+                                   hdr_digest=conn["hdr_digest"], data_digest=conn["data_digest"],
+                                   timeout=conn["timeout"], nr_io_queues=nr_io_queues)
+
+
+def _plain(value: object) -> object:
+    """construct Containers / lists to JSON-able plain data."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items() if not k.startswith("_")}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, bytes | bytearray):
+        return value.hex()
+    return value
+
+
+@click.command()
+@connection_options(defaults.TCP_DISCOVERY_PORT, nqn_required=False)
+def discover(conn) -> None:
+    """Read a discovery controller's log: the subsystems and where to reach them."""
+    import initiator
+
+    transport, traddr, trsvcid = conn["transport"], conn["traddr"], conn["trsvcid"]
+    entries = run_guarded(initiator.discover(traddr, trsvcid, transport=transport, hostnqn=conn["hostnqn"],
+                                             hostid=conn["hostid"], hdr_digest=conn["hdr_digest"],
+                                             data_digest=conn["data_digest"], timeout=conn["timeout"]))
+    rows = [_plain(dict(vars(e))) if not isinstance(e, dict) else _plain(e) for e in entries]
+    if conn["as_json"]:
+        echo_json(rows)
+        return
+    click.echo(f"Discovery log from {transport}://{traddr}:{trsvcid}: {len(rows)} entries")
+    click.echo(table(["trtype", "traddr", "trsvcid", "subtype", "portid", "subnqn"],
+                     [[r.get("trtype"), r.get("traddr"), r.get("trsvcid"), r.get("subtype"), r.get("portid"),
+                       r.get("subnqn")] for r in rows]))
+
+
+async def _identify(conn: dict) -> dict:
+    async with await _open(conn, nr_io_queues=0) as ctrl:
+        idc = await ctrl.identify_controller()
+        namespaces = []
+        for nsid in await ctrl.namespaces():
+            ns = await ctrl.identify_namespace(nsid)
+            lbads = ns["lbaf"][ns["flbas"] & 0xF]["lbads"]
+            namespaces.append({"nsid": nsid, "nsze": ns["nsze"], "block_size": 1 << lbads,
+                               "size": ns["nsze"] << lbads, "nguid": bytes(ns["nguid"]).hex(),
+                               "eui64": bytes(ns["eui64"]).hex()})
+        return {"controller": _plain(idc), "namespaces": namespaces}
+
+
+@click.command()
+@connection_options(defaults.TCP_IO_PORT)
+def identify(conn) -> None:
+    """Identify a subsystem's controller and its namespaces through the Python initiator."""
+    out = run_guarded(_identify(conn))
+    if conn["as_json"]:
+        echo_json(out)
+        return
+    c = out["controller"]
+    ver = c.get("ver", 0)
+    click.echo(table(["field", "value"], [
+        ["subnqn", c.get("subnqn")], ["model (mn)", c.get("mn")], ["serial (sn)", c.get("sn")],
+        ["firmware (fr)", c.get("fr")], ["cntlid", c.get("cntlid")],
+        ["version", f"{ver >> 16}.{(ver >> 8) & 0xFF}.{ver & 0xFF}"], ["mdts", c.get("mdts")],
+        ["namespaces (nn)", c.get("nn")], ["kas (100 ms)", c.get("kas")], ["ioccsz (16 B)", c.get("ioccsz")],
+    ]))
+    click.echo()
+    click.echo(table(["nsid", "size", "blocks", "block size", "nguid"],
+                     [[n["nsid"], format_size(n["size"]), n["nsze"], n["block_size"], n["nguid"]]
+                      for n in out["namespaces"]]))
+
+
+async def _read(conn: dict, nsid: int, slba: int, nlb: int) -> bytes:
+    async with await _open(conn) as ctrl:
+        return bytes(await ctrl.read(nsid, slba, nlb))
+
+
+@click.command()
+@connection_options(defaults.TCP_IO_PORT)
+@click.option("--nsid", type=click.IntRange(1, 0xFFFFFFFE), default=1, show_default=True)
+@click.option("--slba", "-z", type=click.IntRange(0), default=0, show_default=True, help="Starting LBA.")
+@click.option("--nlb", "-c", type=click.IntRange(1), default=1, show_default=True, help="Number of blocks.")
+@click.option("-o", "--output", type=click.File("wb"), default="-", help="Where to write the data (stdout).")
+def read(conn, nsid, slba, nlb, output) -> None:
+    """Read NLB blocks from SLBA of namespace NSID."""
+    data = run_guarded(_read(conn, nsid, slba, nlb))
+    if conn["as_json"]:
+        echo_json({"nsid": nsid, "slba": slba, "nlb": nlb, "length": len(data), "data": data.hex()})
+        return
+    output.write(data)
+
+
+async def _write(conn: dict, nsid: int, slba: int, data: bytes, fua: bool) -> int:
+    async with await _open(conn) as ctrl:
+        ns = await ctrl.identify_namespace(nsid)
+        block = 1 << ns["lbaf"][ns["flbas"] & 0xF]["lbads"]
+        if len(data) % block:
+            data += bytes(block - len(data) % block)
+        await ctrl.write(nsid, slba, data, fua=fua)
+        return len(data) // block
+
+
+@click.command()
+@connection_options(defaults.TCP_IO_PORT)
+@click.option("--nsid", type=click.IntRange(1, 0xFFFFFFFE), default=1, show_default=True)
+@click.option("--slba", "-z", type=click.IntRange(0), default=0, show_default=True, help="Starting LBA.")
+@click.option("-i", "--input", "input_", type=click.File("rb"), default="-",
+              help="Data to write (default stdin); padded with zeros to a whole block.")
+@click.option("--fua", is_flag=True, help="Force unit access.")
+def write(conn, nsid, slba, input_, fua) -> None:
+    """Write data to namespace NSID starting at SLBA."""
+    data = input_.read()
+    if not data:
+        raise click.UsageError("no data to write: give --input FILE or pipe data in")
+    nlb = run_guarded(_write(conn, nsid, slba, data, fua))
+    if conn["as_json"]:
+        echo_json({"nsid": nsid, "slba": slba, "nlb": nlb})
+    else:
+        click.echo(f"wrote {nlb} blocks at LBA {slba} of nsid {nsid}", err=True)
+
+
+def _int_or_name(enum_cls):
+    def convert(ctx, param, value):
+        if value is None:
+            return None
+        try:
+            return int(value, 0)
+        except ValueError:
+            try:
+                return enum_cls[value.upper().replace("-", "_")].value
+            except KeyError:
+                names = ", ".join(m.name.lower() for m in enum_cls)
+                raise click.BadParameter(f"{value!r} is neither a number nor one of: {names}") from None
+    return convert
+
+
+async def _get_log(conn: dict, lid: int, length: int, offset: int, nsid: int) -> bytes:
+    async with await _open(conn, nr_io_queues=0) as ctrl:
+        return bytes(await ctrl.get_log_page(lid, length, offset=offset, nsid=nsid))
+
+
+@click.command("get-log")
+@connection_options(defaults.TCP_IO_PORT)
+@click.option("--lid", "-i", required=True, callback=_int_or_name(LogPageId),
+              help="Log page id: a number or one of error, smart, fw_slot, changed_ns, cmd_effects.")
+@click.option("--len", "-l", "length", default="512", show_default=True, help="Bytes to read.")
+@click.option("--offset", "-o", "lpo", type=click.IntRange(0), default=0, show_default=True)
+@click.option("--nsid", type=click.IntRange(0, 0xFFFFFFFF), default=0xFFFFFFFF)
+@click.option("--raw", "raw_out", is_flag=True, help="Write the raw bytes to stdout.")
+def get_log(conn, lid, length, lpo, nsid, raw_out) -> None:
+    """Read a log page (decoded for SMART, error and firmware slot pages)."""
+    try:
+        nbytes = parse_size(length)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--len") from None
+    if nbytes % 4 or nbytes == 0:
+        raise click.BadParameter("the length must be a non-zero multiple of 4 bytes", param_hint="--len")
+    data = run_guarded(_get_log(conn, lid, nbytes, lpo, nsid))
+    if raw_out:
+        sys.stdout.buffer.write(data)
+        return
+    decoded = _decode_log(lid, data) if lpo == 0 else None
+    if conn["as_json"]:
+        echo_json({"lid": lid, "length": len(data), "data": data.hex(), "decoded": decoded})
+        return
+    if decoded is None:
+        click.echo(data.hex(" ", 16))
+    elif isinstance(decoded, list):
+        for i, entry in enumerate(decoded):
+            click.echo(f"entry {i}: {entry}")
+    else:
+        click.echo(table(["field", "value"], [[k, v] for k, v in decoded.items()]))
+
+
+def _decode_log(lid: int, data: bytes) -> object:
+    from nvmeof.spec import logs
+
+    try:
+        if lid == LogPageId.SMART and len(data) >= 512:
+            return _plain(dict(logs.SmartLog.parse(data[:512])))
+        if lid == LogPageId.ERROR and len(data) >= 64:
+            entries = [_plain(dict(logs.ErrorLogEntry.parse(data[i:i + 64]))) for i in range(0, len(data) - 63, 64)]
+            return [e for e in entries if e.get("error_count")]
+        if lid == LogPageId.FW_SLOT and len(data) >= 512:
+            return _plain(dict(logs.FirmwareSlotLog.parse(data[:512])))
+    except Exception:  # an undecodable page is still shown raw
+        return None
+    return None
+
+
+async def _get_feature(conn: dict, fid: int, sel: int, cdw11: int, nsid: int):
+    async with await _open(conn, nr_io_queues=0) as ctrl:
+        return await ctrl.get_features(fid, sel=sel, cdw11=cdw11, nsid=nsid)
+
+
+@click.command("get-feature")
+@connection_options(defaults.TCP_IO_PORT)
+@click.option("--fid", "-f", required=True, callback=_int_or_name(FeatureId),
+              help="Feature id: a number or a name such as num_queues, kato, volatile_wc.")
+@click.option("--sel", "-s", "sel", type=click.IntRange(0, 3), default=0, show_default=True,
+              help="0 current, 1 default, 2 saved, 3 supported capabilities.")
+@click.option("--cdw11", type=click.IntRange(0, 0xFFFFFFFF), default=0)
+@click.option("--nsid", type=click.IntRange(0, 0xFFFFFFFF), default=0)
+def get_feature(conn, fid, sel, cdw11, nsid) -> None:
+    """Get a feature's value (CQE dword 0)."""
+    result = run_guarded(_get_feature(conn, fid, sel, cdw11, nsid))
+    value = result[0] if isinstance(result, tuple) else result
+    dw0 = value if isinstance(value, int) else getattr(value, "dw0", value)
+    name = FeatureId(fid).name.lower() if fid in FeatureId._value2member_map_ else f"{fid:#x}"
+    if conn["as_json"]:
+        echo_json({"fid": fid, "name": name, "value": dw0})
+    else:
+        click.echo(f"get-feature: {name} (fid {fid:#04x}), current value: {dw0:#010x}")
+
+
+def _kernel_guard(func: Callable) -> Callable:
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        from initiator.kernel import KernelAttachError
+
+        try:
+            return func(*args, **kwargs)
+        except KernelAttachError as e:
+            click.echo(f"nvmeof: {e}", err=True)
+            sys.exit(EXIT_KERNEL)
+    return wrapper
+
+
+@click.command()
+@click.option("-t", "--transport", type=click.Choice(["tcp", "rdma"]), default="tcp", show_default=True)
+@click.option("-a", "--traddr", default=defaults.LISTEN_ADDRESS, show_default=True)
+@click.option("-s", "--trsvcid", type=click.IntRange(1, 65535), default=defaults.TCP_IO_PORT, show_default=True)
+@click.option("-n", "--nqn", help="Subsystem NQN.")
+@click.option("-q", "--hostnqn")
+@click.option("-I", "--hostid")
+@click.option("-i", "--nr-io-queues", type=click.IntRange(1, 1024))
+@click.option("-Q", "--queue-size", type=click.IntRange(2, 1024))
+@click.option("-k", "--keep-alive-tmo", "kato", type=click.IntRange(0))
+@click.option("-g", "--hdr-digest", is_flag=True)
+@click.option("-G", "--data-digest", is_flag=True)
+@click.option("--list", "list_only", is_flag=True, help="List the kernel's fabrics controllers and exit.")
+@click.option("--json", "as_json", is_flag=True)
+@_kernel_guard
+def connect(transport, traddr, trsvcid, nqn, hostnqn, hostid, nr_io_queues, queue_size, kato, hdr_digest,
+            data_digest, list_only, as_json) -> None:
+    """Attach a subsystem through the Linux kernel host (like `nvme connect`); prints the block devices."""
+    from initiator import kernel
+
+    if list_only:
+        ctrls = kernel.controllers()
+        if as_json:
+            echo_json(ctrls)
+        else:
+            click.echo(table(["name", "transport", "address", "state", "subsysnqn", "block devices"],
+                             [[c["name"], c["transport"], c["address"], c["state"], c["subsysnqn"],
+                               " ".join(c["block_devices"])] for c in ctrls]))
+        return
+    if not nqn:
+        raise click.UsageError("missing -n/--nqn: the subsystem NQN to connect to (see `nvmeof discover`)")
+    ctrl = kernel.connect(traddr, trsvcid, subnqn=nqn, transport=transport, hostnqn=hostnqn, hostid=hostid,
+                          nr_io_queues=nr_io_queues, queue_size=queue_size, kato=kato, hdr_digest=hdr_digest,
+                          data_digest=data_digest)
+    if as_json:
+        echo_json(vars(ctrl))
+    else:
+        click.echo(f"connected {ctrl.name} (cntlid {ctrl.cntlid}) to {nqn}: "
+                   f"{' '.join(ctrl.block_devices) or 'no namespaces yet'}")
+
+
+@click.command()
+@click.option("-n", "--nqn", help="Disconnect every controller of this subsystem.")
+@click.option("-d", "--device", help="Disconnect one controller, e.g. nvme0.")
+@_kernel_guard
+def disconnect(nqn, device) -> None:
+    """Detach kernel-host controllers (like `nvme disconnect`)."""
+    from initiator import kernel
+
+    if bool(nqn) == bool(device):
+        raise click.UsageError("give exactly one of -n/--nqn or -d/--device")
+    if device:
+        kernel.disconnect(device.removeprefix("/dev/"))
+        click.echo(f"disconnected {device}")
+        return
+    names = kernel.disconnect_nqn(nqn)
+    if not names:
+        click.echo(f"nvmeof: no controller is connected to {nqn}", err=True)
+        sys.exit(EXIT_KERNEL)
+    click.echo(f"disconnected {len(names)} controller(s): {' '.join(names)}")
+
+
+def register(cli: click.Group) -> None:
+    for cmd in (discover, identify, read, write, get_log, get_feature, connect, disconnect):
+        cli.add_command(cmd)

@@ -1,0 +1,628 @@
+"""Management subcommands: a client of the REST API that `nvmeof serve` runs.
+
+One command per API call, grouped like the resources: ``nvmeof subsystem|ns|host|listener|referral|
+controller|config ...``. Every command takes ``--api URL`` (env NVMEOF_API), ``--token`` (env
+NVMEOF_API_TOKEN) and ``--json``. Exit codes: 0 success, 1 the API refused (its message is
+printed), 2 usage error, 3 the API could not be reached.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import click
+import httpx
+
+from nvmeof import defaults
+from nvmeof.uri import parse_address
+
+from .common import echo_json, format_size, parse_size, table
+
+DEFAULT_API = f"http://{defaults.LISTEN_ADDRESS}:{defaults.API_PORT}"
+EXIT_API_ERROR = 1
+EXIT_UNREACHABLE = 3
+TIMEOUT = 60.0  # opening or creating a large file namespace takes a while
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class ApiUnreachable(Exception):
+    def __init__(self, url: str, reason: str) -> None:
+        super().__init__(reason)
+        self.url = url
+        self.reason = reason
+
+
+def make_http_client(base_url: str, headers: dict[str, str]) -> httpx.Client:
+    """The HTTP client every command uses; tests replace it to point at an in-process app."""
+    return httpx.Client(base_url=base_url, headers=headers, timeout=TIMEOUT)
+
+
+def _detail(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text.strip() or response.reason_phrase
+    detail = body.get("detail") if isinstance(body, dict) else None
+    if isinstance(detail, str):
+        return detail
+    if isinstance(detail, list):  # request validation: name each field and what is wrong with it
+        parts = []
+        for item in detail:
+            loc = [str(p) for p in item.get("loc", ()) if p not in ("body", "path", "query")]
+            parts.append(f"{'.'.join(loc) or 'request'}: {item.get('msg', item)}")
+        return "; ".join(parts)
+    return json.dumps(body)
+
+
+class Api:
+    def __init__(self, url: str, token: str | None) -> None:
+        self.url = url.rstrip("/")
+        self.token = token
+
+    def call(self, method: str, path: str, *, json_body: Any = None, params: dict[str, Any] | None = None) -> Any:
+        if not logging.getLogger().isEnabledFor(logging.DEBUG):
+            # httpx logs every request at INFO, which is the command line's default level.
+            logging.getLogger("httpx").setLevel(logging.WARNING)
+        headers = {"Accept": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        try:
+            with make_http_client(self.url, headers) as client:
+                response = client.request(method, path, json=json_body, params=params)
+        except httpx.TransportError as exc:
+            raise ApiUnreachable(self.url, str(exc) or type(exc).__name__) from None
+        if response.status_code >= 400:
+            message = _detail(response)
+            if response.status_code == 401:
+                message += " (pass --token or set NVMEOF_API_TOKEN to the token `nvmeof serve` was given)"
+            raise ApiError(response.status_code, message)
+        if response.status_code == 204 or not response.content:
+            return None
+        return response.json()
+
+
+def _nqn(nqn: str) -> str:
+    # NQNs carry ':' (legal in a path segment, but encoded so every proxy passes it unchanged).
+    return quote(nqn, safe="")
+
+
+def api_command(group: click.Group, name: str | None = None, **kwargs: Any) -> Callable:
+    """Register a subcommand with the shared connection options and error-to-exit-code mapping.
+
+    The wrapped function receives ``api`` (an :class:`Api`) and ``as_json`` first.
+    """
+
+    def decorate(func: Callable) -> click.Command:
+        @click.option("--json", "as_json", is_flag=True, help="Print the API's JSON answer.")
+        @click.option("--token", envvar="NVMEOF_API_TOKEN", metavar="TOKEN", show_envvar=True,
+                      help="Bearer token of the API.")
+        @click.option("--api", "api_url", envvar="NVMEOF_API", default=DEFAULT_API, show_default=True,
+                      show_envvar=True, metavar="URL", help="Where `nvmeof serve` runs its REST API.")
+        @functools.wraps(func)
+        def command(api_url: str, token: str | None, as_json: bool, **params: Any) -> None:
+            api = Api(api_url, token)
+            try:
+                func(api, as_json, **params)
+            except ApiError as exc:
+                click.echo(f"error: {exc.message}", err=True)
+                sys.exit(EXIT_API_ERROR)
+            except ApiUnreachable as exc:
+                click.echo(
+                    f"error: cannot reach the nvmeof API at {exc.url}: {exc.reason}\n"
+                    "Start the target with `nvmeof serve`, or point --api (or NVMEOF_API) at where it runs.",
+                    err=True,
+                )
+                sys.exit(EXIT_UNREACHABLE)
+
+        return group.command(name, **kwargs)(command)
+
+    return decorate
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+# -- subsystems -------------------------------------------------------------------------------------
+
+
+@click.group()
+def subsystem() -> None:
+    """Create, list, show and delete NVM subsystems."""
+
+
+@api_command(subsystem, "add")
+@click.argument("nqn", required=False)
+@click.option("--serial", help="Serial number (up to 20 ASCII characters); generated if omitted.")
+@click.option("--model", default=defaults.MODEL, show_default=True, help="Model number (up to 40 characters).")
+@click.option("--allow-any-host/--no-allow-any-host", default=None,
+              help="Let any host connect (the default when no --host is given).")
+@click.option("--host", "hosts", multiple=True, metavar="HOSTNQN", help="Allowed host NQN (repeatable).")
+@click.option("--max-namespaces", type=click.IntRange(1, 0xFFFFFFFE), default=defaults.MAX_NAMESPACES,
+              show_default=True)
+def subsystem_add(api: Api, as_json: bool, nqn, serial, model, allow_any_host, hosts, max_namespaces) -> None:
+    """Create a subsystem; NQN is generated (UUID form) when omitted."""
+    body = {"nqn": nqn, "serial": serial, "model": model, "allow_any_host": allow_any_host,
+            "hosts": list(hosts), "max_namespaces": max_namespaces}
+    sub = api.call("POST", "/api/v1/subsystems", json_body=body)
+    if as_json:
+        echo_json(sub)
+    else:
+        click.echo(f"created subsystem {sub['nqn']} (serial {sub['serial']})")
+
+
+def _hosts_column(sub: dict[str, Any]) -> str:
+    return "any" if sub["allow_any_host"] else (", ".join(sub["hosts"]) or "none")
+
+
+@api_command(subsystem, "list")
+def subsystem_list(api: Api, as_json: bool) -> None:
+    """List subsystems."""
+    subs = api.call("GET", "/api/v1/subsystems")
+    if as_json:
+        echo_json(subs)
+        return
+    rows = [(s["nqn"], len(s["namespaces"]), _hosts_column(s), s["serial"], s["model"]) for s in subs]
+    click.echo(table(("NQN", "NAMESPACES", "HOSTS", "SERIAL", "MODEL"), rows))
+
+
+@api_command(subsystem, "show")
+@click.argument("nqn")
+def subsystem_show(api: Api, as_json: bool, nqn: str) -> None:
+    """Show one subsystem with its namespaces and hosts."""
+    sub = api.call("GET", f"/api/v1/subsystems/{_nqn(nqn)}")
+    if as_json:
+        echo_json(sub)
+        return
+    for key in ("nqn", "serial", "model", "max_namespaces"):
+        click.echo(f"{key + ':':<16}{sub[key]}")
+    click.echo(f"{'hosts:':<16}{_hosts_column(sub)}")
+    click.echo()
+    click.echo(_namespace_table(sub["namespaces"]))
+
+
+@api_command(subsystem, "del")
+@click.argument("nqn")
+@click.option("--force", is_flag=True, help="Also remove its namespaces and disconnect its hosts.")
+def subsystem_del(api: Api, as_json: bool, nqn: str, force: bool) -> None:
+    """Delete a subsystem (refused while it has namespaces, unless --force)."""
+    api.call("DELETE", f"/api/v1/subsystems/{_nqn(nqn)}", params={"force": str(force).lower()})
+    if as_json:
+        echo_json({"deleted": nqn})
+    else:
+        click.echo(f"deleted subsystem {nqn}")
+
+
+# -- namespaces -------------------------------------------------------------------------------------
+
+
+@click.group()
+def ns() -> None:
+    """Add, list, resize, enable, disable and remove namespaces of a subsystem."""
+
+
+def _namespace_table(namespaces: list[dict[str, Any]]) -> str:
+    rows = [
+        (n["nsid"], n["backend"], n["path"] or "-", format_size(n["size"]), n["block_size"],
+         _yes(n["enabled"]), _yes(n["read_only"]), n["uuid"])
+        for n in namespaces
+    ]
+    return table(("NSID", "BACKEND", "PATH", "SIZE", "BLOCK", "ENABLED", "RO", "UUID"), rows)
+
+
+def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def _ns_path(nqn: str, nsid: int | None = None, action: str = "") -> str:
+    path = f"/api/v1/subsystems/{_nqn(nqn)}/namespaces"
+    if nsid is not None:
+        path += f"/{nsid}"
+    return path + (f"/{action}" if action else "")
+
+
+@api_command(ns, "add")
+@click.argument("nqn")
+@click.option("--backend", type=click.Choice(["file", "ram", "null"]),
+              help="Storage: 'file' when --path is given, else 'ram'.")
+@click.option("--path", help="File or block device (file backend).")
+@click.option("--size", callback=_size, metavar="SIZE", help="Bytes, or with K/M/G/T (ram, null, --create).")
+@click.option("--block-size", type=click.Choice(["512", "4096"]), default="512", show_default=True)
+@click.option("--nsid", type=click.IntRange(1, 0xFFFFFFFE), help="Namespace ID; the lowest free one if omitted.")
+@click.option("--uuid", "ns_uuid", help="Namespace UUID; generated if omitted.")
+@click.option("--nguid", help="32 hexadecimal digits; generated if omitted.")
+@click.option("--eui64", help="16 hexadecimal digits; generated if omitted.")
+@click.option("--read-only", is_flag=True)
+@click.option("--disabled", is_flag=True, help="Add it detached; enable it later.")
+@click.option("--create", is_flag=True, help="Create the file with --size if it does not exist.")
+def ns_add(api: Api, as_json: bool, nqn, backend, path, size, block_size, nsid, ns_uuid, nguid, eui64,
+           read_only, disabled, create) -> None:
+    """Add a namespace to subsystem NQN."""
+    body = {
+        "backend": backend or ("file" if path else "ram"), "path": path, "size": size,
+        "block_size": int(block_size), "nsid": nsid, "uuid": ns_uuid, "nguid": nguid, "eui64": eui64,
+        "read_only": read_only, "enabled": not disabled, "create": create,
+    }
+    created = api.call("POST", _ns_path(nqn), json_body={k: v for k, v in body.items() if v is not None})
+    if as_json:
+        echo_json(created)
+    else:
+        click.echo(f"added namespace {created['nsid']} to {nqn}: {created['backend']} "
+                   f"{format_size(created['size'])}, uuid {created['uuid']}")
+
+
+@api_command(ns, "list")
+@click.argument("nqn")
+def ns_list(api: Api, as_json: bool, nqn: str) -> None:
+    """List the namespaces of subsystem NQN."""
+    namespaces = api.call("GET", _ns_path(nqn))
+    if as_json:
+        echo_json(namespaces)
+    else:
+        click.echo(_namespace_table(namespaces))
+
+
+@api_command(ns, "show")
+@click.argument("nqn")
+@click.argument("nsid", type=click.IntRange(1, 0xFFFFFFFE))
+def ns_show(api: Api, as_json: bool, nqn: str, nsid: int) -> None:
+    """Show one namespace and its I/O statistics."""
+    namespace = api.call("GET", _ns_path(nqn, nsid))
+    stats = api.call("GET", _ns_path(nqn, nsid, "stats"))
+    if as_json:
+        echo_json({**namespace, "stats": stats})
+        return
+    for key, value in namespace.items():
+        click.echo(f"{key + ':':<18}{'-' if value is None else value}")
+    for key, value in stats.items():
+        click.echo(f"{key + ':':<18}{value}")
+
+
+@api_command(ns, "resize")
+@click.argument("nqn")
+@click.argument("nsid", type=click.IntRange(1, 0xFFFFFFFE))
+@click.argument("size", callback=_size)
+def ns_resize(api: Api, as_json: bool, nqn: str, nsid: int, size: int) -> None:
+    """Change the capacity of a namespace to SIZE (connected hosts are told)."""
+    resized = api.call("POST", _ns_path(nqn, nsid, "resize"), json_body={"size": size})
+    if as_json:
+        echo_json(resized)
+    else:
+        click.echo(f"namespace {nsid} of {nqn} is now {format_size(resized['size'])} "
+                   f"({resized['blocks']} blocks of {resized['block_size']} bytes)")
+
+
+def _ns_state(action: str) -> Callable:
+    @api_command(ns, action)
+    @click.argument("nqn")
+    @click.argument("nsid", type=click.IntRange(1, 0xFFFFFFFE))
+    def change(api: Api, as_json: bool, nqn: str, nsid: int) -> None:
+        result = api.call("POST", _ns_path(nqn, nsid, action))
+        if as_json:
+            echo_json(result)
+        else:
+            click.echo(f"namespace {nsid} of {nqn} {action}d")
+
+    change.help = f"{action.capitalize()} a namespace (hosts see it {'appear' if action == 'enable' else 'go'})."
+    return change
+
+
+ns_enable = _ns_state("enable")
+ns_disable = _ns_state("disable")
+
+
+@api_command(ns, "del")
+@click.argument("nqn")
+@click.argument("nsid", type=click.IntRange(1, 0xFFFFFFFE))
+def ns_del(api: Api, as_json: bool, nqn: str, nsid: int) -> None:
+    """Remove a namespace (its file is kept)."""
+    api.call("DELETE", _ns_path(nqn, nsid))
+    if as_json:
+        echo_json({"deleted": {"subnqn": nqn, "nsid": nsid}})
+    else:
+        click.echo(f"removed namespace {nsid} from {nqn}")
+
+
+# -- hosts ------------------------------------------------------------------------------------------
+
+
+@click.group()
+def host() -> None:
+    """Allow or deny host NQNs on a subsystem."""
+
+
+@api_command(host, "allow")
+@click.argument("nqn")
+@click.argument("hostnqn")
+def host_allow(api: Api, as_json: bool, nqn: str, hostnqn: str) -> None:
+    """Let HOSTNQN connect to subsystem NQN (the subsystem must not allow any host)."""
+    result = api.call("POST", f"/api/v1/subsystems/{_nqn(nqn)}/hosts", json_body={"hostnqn": hostnqn})
+    if as_json:
+        echo_json(result)
+    else:
+        click.echo(f"host {hostnqn} may connect to {nqn}")
+
+
+@api_command(host, "deny")
+@click.argument("nqn")
+@click.argument("hostnqn")
+def host_deny(api: Api, as_json: bool, nqn: str, hostnqn: str) -> None:
+    """Remove HOSTNQN from the allowed hosts of NQN."""
+    api.call("DELETE", f"/api/v1/subsystems/{_nqn(nqn)}/hosts/{_nqn(hostnqn)}")
+    if as_json:
+        echo_json({"denied": hostnqn, "subnqn": nqn})
+    else:
+        click.echo(f"host {hostnqn} removed from {nqn}")
+
+
+@api_command(host, "list")
+@click.argument("nqn")
+def host_list(api: Api, as_json: bool, nqn: str) -> None:
+    """List the hosts allowed on NQN."""
+    result = api.call("GET", f"/api/v1/subsystems/{_nqn(nqn)}/hosts")
+    if as_json:
+        echo_json(result)
+    elif result["allow_any_host"]:
+        click.echo(f"{nqn} allows any host")
+    else:
+        click.echo(table(("HOSTNQN",), [(h,) for h in result["hosts"]]))
+
+
+# -- listeners and referrals ------------------------------------------------------------------------
+
+
+def _address(default_port: int) -> Callable:
+    def convert(ctx: click.Context, param: click.Parameter, value: str):
+        try:
+            addr = parse_address(value, default_port)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc)) from None
+        if addr.trtype not in ("tcp", "rdma"):
+            raise click.BadParameter(f"transport {addr.trtype!r} cannot be served over the API; use tcp or rdma")
+        return addr
+
+    return convert
+
+
+def _endpoint_path(resource: str, addr) -> str:
+    return f"/api/v1/{resource}/{addr.trtype}/{quote(addr.traddr, safe='')}/{addr.trsvcid}"
+
+
+def _endpoint_table(items: list[dict[str, Any]], extra: tuple[str, ...]) -> str:
+    headers = ("TRTYPE", "ADDRESS", "PORT", "PORTID", *(e.upper() for e in extra))
+    rows = [
+        (i["trtype"], i["traddr"], i["trsvcid"], i["portid"],
+         *(_yes(i[e]) if isinstance(i[e], bool) else i[e] for e in extra))
+        for i in items
+    ]
+    return table(headers, rows)
+
+
+@click.group()
+def listener() -> None:
+    """Add, remove and list the addresses the target accepts hosts on."""
+
+
+@api_command(listener, "add")
+@click.argument("address", metavar="[tcp|rdma://]ADDR[:PORT]", callback=_address(defaults.TCP_IO_PORT))
+@click.option("--discovery", is_flag=True, help="Serve the discovery subsystem here (usually port 8009).")
+@click.option("--portid", type=click.IntRange(1, 0xFFFE), help="Port ID in the discovery log.")
+def listener_add(api: Api, as_json: bool, address, discovery: bool, portid: int | None) -> None:
+    """Start listening on ADDRESS (default port 4420)."""
+    body = {"trtype": address.trtype, "traddr": address.traddr, "trsvcid": address.trsvcid,
+            "discovery": discovery, "portid": portid}
+    created = api.call("POST", "/api/v1/listeners", json_body=body)
+    if as_json:
+        echo_json(created)
+    else:
+        click.echo(f"listening on {created['id']} (port id {created['portid']})")
+
+
+@api_command(listener, "del")
+@click.argument("address", metavar="[tcp|rdma://]ADDR[:PORT]", callback=_address(defaults.TCP_IO_PORT))
+def listener_del(api: Api, as_json: bool, address) -> None:
+    """Stop listening on ADDRESS; connected hosts stay connected."""
+    api.call("DELETE", _endpoint_path("listeners", address))
+    if as_json:
+        echo_json({"deleted": str(address)})
+    else:
+        click.echo(f"stopped listening on {address}")
+
+
+@api_command(listener, "list")
+def listener_list(api: Api, as_json: bool) -> None:
+    """List listeners."""
+    items = api.call("GET", "/api/v1/listeners")
+    if as_json:
+        echo_json(items)
+    else:
+        click.echo(_endpoint_table(items, ("discovery",)))
+
+
+@click.group()
+def referral() -> None:
+    """Point the discovery log at other discovery controllers."""
+
+
+@api_command(referral, "add")
+@click.argument("address", metavar="[tcp|rdma://]ADDR[:PORT]", callback=_address(defaults.TCP_DISCOVERY_PORT))
+@click.option("--subnqn", default=defaults.DISCOVERY_NQN, show_default=True)
+@click.option("--portid", type=click.IntRange(0, 0xFFFE), default=0, show_default=True)
+def referral_add(api: Api, as_json: bool, address, subnqn: str, portid: int) -> None:
+    """Add a referral to ADDRESS (default port 8009)."""
+    body = {"trtype": address.trtype, "traddr": address.traddr, "trsvcid": address.trsvcid,
+            "subnqn": subnqn, "portid": portid}
+    created = api.call("POST", "/api/v1/referrals", json_body=body)
+    if as_json:
+        echo_json(created)
+    else:
+        click.echo(f"referral to {created['id']} added")
+
+
+@api_command(referral, "del")
+@click.argument("address", metavar="[tcp|rdma://]ADDR[:PORT]", callback=_address(defaults.TCP_DISCOVERY_PORT))
+def referral_del(api: Api, as_json: bool, address) -> None:
+    """Remove the referral to ADDRESS."""
+    api.call("DELETE", _endpoint_path("referrals", address))
+    if as_json:
+        echo_json({"deleted": str(address)})
+    else:
+        click.echo(f"referral to {address} removed")
+
+
+@api_command(referral, "list")
+def referral_list(api: Api, as_json: bool) -> None:
+    """List referrals."""
+    items = api.call("GET", "/api/v1/referrals")
+    if as_json:
+        echo_json(items)
+    else:
+        click.echo(_endpoint_table(items, ("subnqn",)))
+
+
+# -- controllers ------------------------------------------------------------------------------------
+
+
+@click.group()
+def controller() -> None:
+    """List connected hosts' controllers, or disconnect one."""
+
+
+@api_command(controller, "list")
+def controller_list(api: Api, as_json: bool) -> None:
+    """List connected controllers."""
+    import datetime
+
+    items = api.call("GET", "/api/v1/controllers")
+    if as_json:
+        echo_json(items)
+        return
+    rows = [
+        (c["cntlid"], c["subnqn"], c["hostnqn"], c["peer"], c["transport"], len(c["queues"]), c["kato_ms"],
+         datetime.datetime.fromtimestamp(c["connected_since"]).isoformat(sep=" ", timespec="seconds"))
+        for c in items
+    ]
+    click.echo(table(("CNTLID", "SUBSYSTEM", "HOSTNQN", "ADDRESS", "TRANSPORT", "QUEUES", "KATO_MS", "SINCE"),
+                     rows))
+
+
+@api_command(controller, "disconnect")
+@click.argument("cntlid", type=click.IntRange(0, 0xFFFF))
+def controller_disconnect(api: Api, as_json: bool, cntlid: int) -> None:
+    """Tear down controller CNTLID and its queues (the host may reconnect)."""
+    api.call("DELETE", f"/api/v1/controllers/{cntlid}")
+    if as_json:
+        echo_json({"disconnected": cntlid})
+    else:
+        click.echo(f"controller {cntlid} disconnected")
+
+
+# -- configuration ----------------------------------------------------------------------------------
+
+
+@click.group()
+def config() -> None:
+    """Save, load, import and export the whole target configuration."""
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        text = sys.stdin.read() if str(path) == "-" else path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise click.BadParameter(f"{path}: {exc.strerror}", param_hint="FILE") from None
+    except UnicodeDecodeError:
+        raise click.BadParameter(f"{path}: not UTF-8 text", param_hint="FILE") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise click.BadParameter(f"{path}: line {exc.lineno} column {exc.colno}: {exc.msg}",
+                                 param_hint="FILE") from None
+
+
+def _write_json(path: Path, data: Any) -> None:
+    text = json.dumps(data, indent=2) + "\n"
+    if str(path) == "-":
+        click.echo(text, nl=False)
+        return
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise click.FileError(str(path), exc.strerror) from None
+    click.echo(f"wrote {path}", err=True)
+
+
+def _report_import(result: dict[str, Any], as_json: bool, what: str) -> None:
+    if as_json:
+        echo_json(result)
+    for warning in result.get("warnings", []):
+        click.echo(f"warning: {warning}", err=True)
+    for error in result["errors"]:
+        click.echo(f"error: {error}", err=True)
+    if result["errors"]:
+        click.echo(f"{what}: {len(result['errors'])} item(s) not applied; the rest was", err=True)
+        sys.exit(EXIT_API_ERROR)
+    if not as_json:
+        click.echo(f"{what}: applied")
+
+
+FILE = click.Path(dir_okay=False, path_type=Path, allow_dash=True)
+
+
+@api_command(config, "save")
+@click.argument("file", type=FILE, default="-")
+def config_save(api: Api, as_json: bool, file: Path) -> None:
+    """Write the running configuration to FILE (stdout by default)."""
+    _write_json(file, api.call("GET", "/api/v1/config"))
+
+
+@api_command(config, "load")
+@click.argument("file", type=FILE)
+def config_load(api: Api, as_json: bool, file: Path) -> None:
+    """Apply a configuration saved with `config save` (added to what runs; conflicts are reported)."""
+    _report_import(api.call("POST", "/api/v1/config", json_body=_read_json(file)), as_json, f"load {file}")
+
+
+@api_command(config, "import-nvmetcli")
+@click.argument("file", type=FILE)
+def config_import_nvmetcli(api: Api, as_json: bool, file: Path) -> None:
+    """Apply a Linux kernel target configuration saved by `nvmetcli save`."""
+    result = api.call("POST", "/api/v1/config/nvmetcli", json_body=_read_json(file))
+    _report_import(result, as_json, f"import {file}")
+
+
+@api_command(config, "export-nvmetcli")
+@click.argument("file", type=FILE, default="-")
+def config_export_nvmetcli(api: Api, as_json: bool, file: Path) -> None:
+    """Write the running configuration as an `nvmetcli restore` file (stdout by default)."""
+    result = api.call("GET", "/api/v1/config/nvmetcli")
+    for warning in result["warnings"]:
+        click.echo(f"warning: {warning}", err=True)
+    _write_json(file, result if as_json else result["nvmetcli"])
+
+
+GROUPS = (subsystem, ns, host, listener, referral, controller, config)
+
+
+def register(cli_group: click.Group) -> None:
+    for group in GROUPS:
+        if group.name in cli_group.commands:
+            raise RuntimeError(f"`nvmeof {group.name}` is registered twice; rename one of them")
+        cli_group.add_command(group)

@@ -1,0 +1,96 @@
+"""`nvmeof serve`: run the target daemon."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import click
+
+from nvmeof import defaults
+from nvmeof.uri import parse_address
+
+from .common import parse_size
+
+
+def _addresses(values: tuple[str, ...], default_port: int, what: str):
+    out = []
+    for v in values:
+        try:
+            out.append(parse_address(v, default_port))
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint=what) from None
+    return out
+
+
+def _api(value: str):
+    if value.lower() in ("none", "off", "no", ""):
+        return None
+    try:
+        addr = parse_address(value, defaults.API_PORT)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--api") from None
+    return addr.traddr, addr.trsvcid
+
+
+@click.command()
+@click.option("-c", "--config", "config_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="JSON configuration to restore at start; every change is saved back to it. "
+                   "Created with the default subsystem if it does not exist.")
+@click.option("-l", "--listen", multiple=True, metavar="[tcp://]ADDR[:PORT]",
+              help=f"I/O listener (repeatable). Default tcp://{defaults.LISTEN_ADDRESS}:{defaults.TCP_IO_PORT} "
+                   "when no configuration provides one.")
+@click.option("-d", "--discovery", multiple=True, metavar="[tcp://]ADDR[:PORT]",
+              help=f"Discovery listener (repeatable). Default tcp://{defaults.LISTEN_ADDRESS}:"
+                   f"{defaults.TCP_DISCOVERY_PORT}.")
+@click.option("--api", "api", default=f"{defaults.LISTEN_ADDRESS}:{defaults.API_PORT}", show_default=True,
+              metavar="ADDR:PORT|none", help="REST API address, or 'none' to disable it.")
+@click.option("--api-token", envvar="NVMEOF_API_TOKEN", metavar="TOKEN",
+              help="Bearer token for the REST API (required beyond loopback). Env: NVMEOF_API_TOKEN.")
+@click.option("--nqn", default=defaults.DEFAULT_SUBSYSTEM_NQN, show_default=True,
+              help="NQN of the default subsystem (when no configuration exists).")
+@click.option("--ramdisk-size", default="1G", show_default=True, metavar="SIZE",
+              help="Size of the default RAM-disk namespace (K, M, G suffixes).")
+@click.option("--block-size", type=click.Choice(["512", "4096"]), default="512", show_default=True,
+              help="Block size of the default namespace.")
+def serve(config_path, listen, discovery, api, api_token, nqn, ramdisk_size, block_size) -> None:
+    """Run the NVMe-oF target: by default one subsystem with a 1 GiB RAM disk, allowing any host,
+    I/O on 127.0.0.1:4420, discovery on 127.0.0.1:8009 and the REST API on 127.0.0.1:8080."""
+    from target.daemon import DaemonError, DaemonOptions
+    from target.daemon import serve as run
+
+    try:
+        size = parse_size(ramdisk_size)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--ramdisk-size") from None
+    options = DaemonOptions(
+        config_path=config_path,
+        listen=_addresses(listen, defaults.TCP_IO_PORT, "--listen"),
+        discovery=_addresses(discovery, defaults.TCP_DISCOVERY_PORT, "--discovery"),
+        api=_api(api), api_token=api_token, subsystem_nqn=nqn, ramdisk_size=size,
+        block_size=int(block_size),
+    )
+
+    def ready(daemon) -> None:
+        click.echo(daemon.banner(), err=False)
+        sys.stdout.flush()
+
+    try:
+        code = _run(run(options, ready=ready))
+    except DaemonError as e:
+        click.echo(f"nvmeof serve: {e}", err=True)
+        sys.exit(1)
+    sys.exit(code)
+
+
+def _run(coro):
+    try:
+        import uvloop  # optional: faster event loop when installed
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def register(cli: click.Group) -> None:
+    cli.add_command(serve)

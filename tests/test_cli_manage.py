@@ -1,0 +1,275 @@
+"""The management command line (`nvmeof subsystem|ns|host|listener|controller|config ...`) against
+the real API served by uvicorn on a loopback port, through click's CliRunner."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import click
+import pytest
+import uvicorn
+from click.testing import CliRunner
+
+from api.app import create_app
+from nvmeof.commands import manage
+from target.core import Target
+from target.service import TargetService
+
+NQN = "nqn.2024-01.com.example:cli1"
+HOSTNQN = "nqn.2014-08.org.nvmexpress:uuid:7d1f5a52-9d8e-4c1b-8f0e-0d6c1c2b3a41"
+
+
+class LiveServer:
+    """The app on 127.0.0.1:<free port>, in a thread with its own event loop."""
+
+    def __init__(self, service: TargetService, token: str | None = None) -> None:
+        self.service = service
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        app = create_app(service, token=token)
+        self.server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False))
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.01)
+
+    async def _main(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        await self.server.serve(sockets=[self.sock])
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.service.target.close(), self.loop).result(10)
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()
+
+
+@click.group()
+def root() -> None:
+    pass
+
+
+manage.register(root)
+
+
+@pytest.fixture
+def server(tmp_path):
+    live = LiveServer(TargetService(Target(), config_path=tmp_path / "config.json"))
+    yield live
+    live.close()
+
+
+@pytest.fixture
+def run(server, monkeypatch):
+    monkeypatch.delenv("NVMEOF_API_TOKEN", raising=False)
+    monkeypatch.setenv("NVMEOF_API", server.url)
+    runner = CliRunner()
+
+    def invoke(*args: str, code: int = 0, **kwargs):
+        result = runner.invoke(root, list(args), catch_exceptions=False, **kwargs)
+        assert result.exit_code == code, (args, result.output)
+        return result
+
+    return invoke
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_registered_on_the_real_command_line():
+    from nvmeof.cli import cli
+
+    for name in ("subsystem", "ns", "host", "listener", "referral", "controller", "config"):
+        assert isinstance(cli.commands[name], click.Group), name
+    with pytest.raises(RuntimeError, match="registered twice"):
+        manage.register(cli)
+
+
+def test_subsystem_commands(run, server):
+    out = run("subsystem", "add", NQN, "--serial", "SERIAL1").stdout
+    assert out.strip() == f"created subsystem {NQN} (serial SERIAL1)"
+    table = run("subsystem", "list").stdout.splitlines()
+    assert table[0].split() == ["NQN", "NAMESPACES", "HOSTS", "SERIAL", "MODEL"]
+    assert table[2].split()[:4] == [NQN, "0", "any", "SERIAL1"]
+    listed = json.loads(run("subsystem", "list", "--json").stdout)
+    assert [s["nqn"] for s in listed] == [NQN]
+    shown = run("subsystem", "show", NQN).stdout
+    assert f"nqn:            {NQN}" in shown and "serial:         SERIAL1" in shown
+    r = run("subsystem", "add", NQN, code=1)
+    assert r.stderr.strip() == f"error: subsystem {NQN} already exists"
+    r = run("subsystem", "add", "nqn.bad", code=1)
+    assert "is not of the form" in r.stderr
+    run("ns", "add", NQN, "--size", "1M")
+    r = run("subsystem", "del", NQN, code=1)
+    assert "still has namespaces" in r.stderr and "force" in r.stderr
+    assert run("subsystem", "del", NQN, "--force").stdout.strip() == f"deleted subsystem {NQN}"
+    assert server.service.list_subsystems() == []
+    assert "no subsystem" in run("subsystem", "show", NQN, code=1).stderr
+
+
+def test_generated_nqn(run):
+    created = json.loads(run("subsystem", "add", "--json").stdout)
+    assert created["nqn"].startswith("nqn.2014-08.org.nvmexpress:uuid:")
+
+
+def test_namespace_commands(run, server, tmp_path):
+    run("subsystem", "add", NQN)
+    out = run("ns", "add", NQN, "--size", "1M").stdout
+    assert out.startswith(f"added namespace 1 to {NQN}: ram 1.0 MiB")
+    disk = tmp_path / "disk.img"
+    added = json.loads(run("ns", "add", NQN, "--path", str(disk), "--size", "64K", "--create",
+                           "--block-size", "4096", "--nsid", "5", "--json").stdout)
+    assert (added["nsid"], added["backend"], added["size"], added["block_size"]) == (5, "file", 65536, 4096)
+    assert disk.stat().st_size == 65536
+    rows = run("ns", "list", NQN).stdout.splitlines()
+    assert rows[0].split()[:4] == ["NSID", "BACKEND", "PATH", "SIZE"]
+    assert [r.split()[0] for r in rows[2:]] == ["1", "5"]
+    out = run("ns", "resize", NQN, "1", "2M").stdout
+    assert out.strip() == f"namespace 1 of {NQN} is now 2.0 MiB (4096 blocks of 512 bytes)"
+    assert server.service.get_namespace(NQN, 1).backend.size == 2 << 20
+    assert run("ns", "disable", NQN, "5").stdout.strip() == f"namespace 5 of {NQN} disabled"
+    assert server.service.get_namespace(NQN, 5).enabled is False
+    run("ns", "enable", NQN, "5")
+    assert server.service.get_namespace(NQN, 5).enabled is True
+    shown = run("ns", "show", NQN, "1").stdout
+    assert "reads:" in shown and "size:             2097152" in shown
+    assert run("ns", "del", NQN, "5").stdout.strip() == f"removed namespace 5 from {NQN}"
+    assert [ns.nsid for ns in server.service.list_namespaces(NQN)] == [1]
+
+
+def test_namespace_errors(run, server):
+    run("subsystem", "add", NQN)
+    r = run("ns", "add", NQN, "--path", "/nonexistent/disk.img", code=1)
+    assert "/nonexistent/disk.img" in r.stderr
+    r = run("ns", "add", NQN, "--size", "1000", code=1)
+    assert "not a multiple of the block size 512" in r.stderr
+    run("ns", "add", NQN, "--size", "4K")
+    r = run("ns", "add", NQN, "--size", "4K", "--nsid", "1", code=1)
+    assert "NSID 1 is already in use" in r.stderr
+    r = run("ns", "resize", NQN, "1", "1000", code=1)
+    assert "not a multiple" in r.stderr
+    r = run("ns", "add", NQN, "--size", "4K", "--nguid", "zz", code=1)
+    assert r.stderr.startswith("error: nguid: ")  # the API's 422 names the field
+    assert [ns.nsid for ns in server.service.list_namespaces(NQN)] == [1]
+
+
+@pytest.mark.parametrize("args", [
+    ("ns", "resize", NQN, "one", "1M"),
+    ("ns", "add", NQN, "--size", "lots"),
+    ("ns", "add", NQN, "--backend", "tape"),
+    ("listener", "add", "udp://1.2.3.4"),
+    ("controller", "disconnect", "-1"),
+    ("subsystem", "frobnicate"),
+])
+def test_usage_errors_exit_2(run, args):
+    run(*args, code=2)
+
+
+def test_host_commands(run, server):
+    run("subsystem", "add", NQN, "--no-allow-any-host")
+    assert run("host", "allow", NQN, HOSTNQN).stdout.strip() == f"host {HOSTNQN} may connect to {NQN}"
+    assert run("host", "list", NQN).stdout.splitlines()[2] == HOSTNQN
+    assert server.service.get_subsystem(NQN).host_allowed(HOSTNQN)
+    assert "already allowed" in run("host", "allow", NQN, HOSTNQN, code=1).stderr
+    run("host", "deny", NQN, HOSTNQN)
+    assert not server.service.get_subsystem(NQN).host_allowed(HOSTNQN)
+    assert "not in the allowed hosts" in run("host", "deny", NQN, HOSTNQN, code=1).stderr
+
+
+def test_listener_commands(run, server):
+    port = free_port()
+    out = run("listener", "add", f"tcp://127.0.0.1:{port}").stdout
+    assert out.strip() == f"listening on tcp:127.0.0.1:{port} (port id 1)"
+    rows = run("listener", "list").stdout.splitlines()
+    assert rows[2].split() == ["tcp", "127.0.0.1", str(port), "1", "no"]
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        r = run("listener", "add", f"127.0.0.1:{busy.getsockname()[1]}", code=1)
+    assert "already in use" in r.stderr
+    run("listener", "del", f"127.0.0.1:{port}")
+    assert server.service.list_listeners() == []
+    assert "no listener" in run("listener", "del", f"127.0.0.1:{port}", code=1).stderr
+
+
+def test_referral_commands(run):
+    run("referral", "add", "192.0.2.10")
+    assert run("referral", "list").stdout.splitlines()[2].split()[:3] == ["tcp", "192.0.2.10", "8009"]
+    run("referral", "del", "192.0.2.10:8009")
+    assert json.loads(run("referral", "list", "--json").stdout) == []
+
+
+def test_controller_commands(run, server):
+    run("subsystem", "add", NQN)
+    assert run("controller", "list", "--json").stdout.strip() == "[]"
+    ctrl = server.service.target.create_controller(server.service.get_subsystem(NQN), HOSTNQN, bytes(16), 5000)
+    rows = run("controller", "list").stdout.splitlines()
+    assert rows[2].split()[:3] == [str(ctrl.cntlid), NQN, HOSTNQN]
+    assert run("controller", "disconnect", str(ctrl.cntlid)).stdout.strip() == f"controller {ctrl.cntlid} disconnected"
+    assert "no connected controller" in run("controller", "disconnect", str(ctrl.cntlid), code=1).stderr
+
+
+def test_config_commands(run, server, tmp_path):
+    run("subsystem", "add", NQN)
+    run("ns", "add", NQN, "--size", "1M")
+    saved = tmp_path / "saved.json"
+    run("config", "save", str(saved))
+    assert json.loads(saved.read_text()) == server.service.snapshot()
+    assert json.loads(run("config", "save").stdout) == server.service.snapshot()
+    dump = tmp_path / "nvmet.json"
+    r = run("config", "export-nvmetcli", str(dump))
+    assert "ram backend has no nvmetcli equivalent" in r.stderr
+    assert [s["nqn"] for s in json.loads(dump.read_text())["subsystems"]] == [NQN]
+
+    other = LiveServer(TargetService(Target()))
+    try:
+        assert run("config", "load", str(saved), "--api", other.url).stdout.strip() == f"load {saved}: applied"
+        assert other.service.snapshot() == server.service.snapshot()
+        r = run("config", "load", str(saved), "--api", other.url, code=1)
+        assert "already exists" in r.stderr and "not applied" in r.stderr
+    finally:
+        other.close()
+    third = LiveServer(TargetService(Target()))
+    try:
+        run("config", "import-nvmetcli", str(dump), "--api", third.url)
+        assert [s.nqn for s in third.service.list_subsystems()] == [NQN]
+    finally:
+        third.close()
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert "line 1 column 2" in run("config", "load", str(bad), code=2).stderr
+    assert "No such file" in run("config", "load", str(tmp_path / "missing.json"), code=2).stderr
+
+
+def test_unreachable_exit_3(run):
+    url = f"http://127.0.0.1:{free_port()}"
+    r = run("subsystem", "list", "--api", url, code=3)
+    assert f"cannot reach the nvmeof API at {url}" in r.stderr and "nvmeof serve" in r.stderr
+
+
+def test_token(tmp_path, monkeypatch):
+    live = LiveServer(TargetService(Target()), token="t0ken")
+    try:
+        monkeypatch.delenv("NVMEOF_API_TOKEN", raising=False)
+        runner = CliRunner()
+        r = runner.invoke(root, ["subsystem", "list", "--api", live.url])
+        assert r.exit_code == 1 and "unauthorized" in r.stderr and "--token" in r.stderr
+        r = runner.invoke(root, ["subsystem", "list", "--api", live.url, "--token", "t0ken"])
+        assert r.exit_code == 0, r.output
+        r = runner.invoke(root, ["subsystem", "add", NQN, "--api", live.url], env={"NVMEOF_API_TOKEN": "t0ken"})
+        assert r.exit_code == 0, r.output
+        assert [s.nqn for s in live.service.list_subsystems()] == [NQN]
+    finally:
+        live.close()
