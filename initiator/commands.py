@@ -19,6 +19,7 @@ from nvmeof.spec.fabrics import (
 )
 from nvmeof.spec.nvme import (
     DSM_AD,
+    NSID_ALL,
     RW_FUA,
     WZ_DEAC,
     AdminOpcode,
@@ -26,44 +27,31 @@ from nvmeof.spec.nvme import (
     FabricsType,
     IoOpcode,
 )
-
-# Controller Configuration and Status properties (NVMe Base 2.0 §3.1.3.5/6; include/linux/nvme.h).
-CC_EN = 1 << 0
-CC_CSS_NVM = 0 << 4
-CC_CSS_CSI = 6 << 4
-CC_MPS_SHIFT = 7
-CC_AMS_RR = 0 << 11
-CC_SHN_MASK = 3 << 14
-CC_SHN_NORMAL = 1 << 14
-CC_IOSQES = 6 << 16      # 64-byte SQEs
-CC_IOCQES = 4 << 20      # 16-byte CQEs
-CSTS_RDY = 1 << 0
-CSTS_CFS = 1 << 1
-CSTS_SHST_MASK = 3 << 2
-CSTS_SHST_CMPLT = 2 << 2
-# CAP fields
-CAP_CSS_NVM = 1 << 37
-CAP_CSS_CSI = 1 << 43
-
-
-def cap_mqes(cap: int) -> int:
-    return cap & 0xFFFF
-
-
-def cap_timeout_s(cap: int) -> float:
-    """Ready timeout as the Linux host computes it: (CAP.TO + 1) * 500 ms."""
-    return (((cap >> 24) & 0xFF) + 1) * 0.5
-
-
-def cap_mpsmin(cap: int) -> int:
-    return (cap >> 48) & 0xF
-
+from nvmeof.spec.registers import (  # noqa: F401  (re-exported for the controller module)
+    CAP_CSS_CSI,
+    CAP_CSS_NVM,
+    CC_AMS_RR,
+    CC_CSS_CSI,
+    CC_CSS_NVM,
+    CC_EN,
+    CC_IOCQES,
+    CC_IOSQES,
+    CC_MPS_SHIFT,
+    CC_SHN_MASK,
+    CC_SHN_NORMAL,
+    CSTS_CFS,
+    CSTS_RDY,
+    CSTS_SHST_CMPLT,
+    CSTS_SHST_MASK,
+    cap_mpsmin,
+    cap_mqes,
+    cap_timeout_s,
+)
 
 # Connect response DW0
 CONNECT_AUTHREQ_ATR = 1 << 17
 CONNECT_AUTHREQ_ASCR = 1 << 18
 
-NSID_ALL = 0xFFFFFFFF
 
 
 def check_nqn(name: str, nqn: str) -> None:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from nvmeof import defaults
 from nvmeof.spec import identify as idf
+from nvmeof.spec.fabrics import TrType
 from nvmeof.spec.identify import IDENTIFY_DATA_SIZE, IdentifyController, IdentifyNamespace
 from nvmeof.spec.logs import (
     CHANGED_NS_LIST_OVERFLOW,
@@ -26,7 +27,7 @@ from nvmeof.spec.logs import (
     build_effects_log,
     log_slice,
 )
-from nvmeof.spec.nvme import AdminOpcode, Cns, FeatureId, IoOpcode, LogPageId
+from nvmeof.spec.nvme import NSID_ALL, AdminOpcode, Cns, FeatureId, IoOpcode, LogPageId
 from nvmeof.status import NvmeError, Status
 from target.controller import (
     AEC_SMART_MASK,
@@ -34,7 +35,6 @@ from target.controller import (
     ASYNC_EVENT_LIMIT,
     ERROR_LOG_ENTRIES,
     SMART_TEMPERATURE_K,
-    TRTYPE_TCP,
     Controller,
 )
 from target.request import Direction
@@ -43,13 +43,12 @@ if TYPE_CHECKING:
     from target.model import Namespace
     from target.request import Execute, Request
 
-NSID_ALL = 0xFFFFFFFF
 MAX_TRANSFER = (1 << defaults.MDTS) * defaults.PAGE_SIZE   # MDTS in bytes (CAP.MPSMIN is 4 KiB)
 WCTEMP_K = 343   # 70 C
 CCTEMP_K = 358   # 85 C
 HOST_ID_SIZE = 16
 VWC_FLUSH_BROADCAST = 0x3 << 1
-_TRTYPES = {"tcp": TRTYPE_TCP, "rdma": 1}
+_TRTYPES = {"tcp": TrType.TCP, "rdma": TrType.RDMA}
 
 ADMIN_OPCODES = (AdminOpcode.GET_LOG_PAGE, AdminOpcode.IDENTIFY, AdminOpcode.ABORT, AdminOpcode.SET_FEATURES,
                  AdminOpcode.GET_FEATURES, AdminOpcode.ASYNC_EVENT_REQUEST, AdminOpcode.KEEP_ALIVE)

@@ -19,6 +19,27 @@ from nvmeof import defaults
 from nvmeof.spec.identify import OAES_DISC_CHANGE, OAES_NS_ATTR
 from nvmeof.spec.logs import CHANGED_NS_MAX
 from nvmeof.spec.nvme import AsyncEventNotice, AsyncEventType, LogPageId
+from nvmeof.spec.registers import (
+    CAP_CQR,
+    CAP_CSS_NVM,
+    CC_AMS_MASK,
+    CC_AMS_SHIFT,
+    CC_CSS_MASK,
+    CC_CSS_SHIFT,
+    CC_EN,
+    CC_IOCQES_SHIFT,
+    CC_IOSQES_SHIFT,
+    CC_MPS_MASK,
+    CC_MPS_SHIFT,
+    CC_QES_MASK,
+    CC_SHN_MASK,
+    CC_SHN_SHIFT,
+    CSTS_CFS,
+    CSTS_RDY,
+    CSTS_SHST_CMPLT,
+    NVM_IOCQES,
+    NVM_IOSQES,
+)
 from nvmeof.status import encode_status
 
 if TYPE_CHECKING:
@@ -28,26 +49,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Controller properties (NVMe Base 2.0 §3.1.4)
-CC_EN = 1 << 0
-CC_CSS_SHIFT, CC_CSS_MASK = 4, 0x7
-CC_MPS_SHIFT, CC_MPS_MASK = 7, 0xF
-CC_AMS_SHIFT, CC_AMS_MASK = 11, 0x7
-CC_SHN_SHIFT, CC_SHN_MASK = 14, 0x3
-CC_IOSQES_SHIFT, CC_IOCQES_SHIFT, CC_QES_MASK = 16, 20, 0xF
-CSTS_RDY = 1 << 0
-CSTS_CFS = 1 << 1
-CSTS_SHST_CMPLT = 2 << 2
-NVM_IOSQES = 6   # 64-byte SQE
-NVM_IOCQES = 4   # 16-byte CQE
-CAP_CQR = 1 << 16
-CAP_CSS_NVM = 1 << 37
 
 ERROR_LOG_ENTRIES = 64            # Identify ELPE 63 (0's based)
 ASYNC_EVENT_LIMIT = 4             # Identify AERL 3 (0's based)
 DISCOVERY_DEFAULT_KATO_MS = 120_000  # NVMET_DISC_KATO_MS: reap discovery controllers of vanished hosts
 SMART_TEMPERATURE_K = 300
-TRTYPE_TCP = 3
 
 AEN_BIT_NS_ATTR = 8
 AEN_BIT_DISC_CHANGE = 31

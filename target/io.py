@@ -11,7 +11,7 @@ import time
 from typing import TYPE_CHECKING
 
 from nvmeof import defaults
-from nvmeof.spec.nvme import DSM_AD, DSM_RANGE_SIZE, RW_FUA, WZ_DEAC, DsmRange, IoOpcode
+from nvmeof.spec.nvme import DSM_AD, DSM_RANGE_SIZE, NSID_ALL, RW_FUA, WZ_DEAC, DsmRange, IoOpcode
 from nvmeof.status import NvmeError, Status
 from target.backends.base import BackendError
 from target.request import Direction
@@ -23,7 +23,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_TRANSFER = (1 << defaults.MDTS) * defaults.PAGE_SIZE
-NSID_ALL = 0xFFFFFFFF
 _perf_ns = time.perf_counter_ns
 _READ, _WRITE, _FLUSH = IoOpcode.READ.value, IoOpcode.WRITE.value, IoOpcode.FLUSH.value
 _COMPARE, _WZ, _DSM = IoOpcode.COMPARE.value, IoOpcode.WRITE_ZEROES.value, IoOpcode.DATASET_MANAGEMENT.value

@@ -18,6 +18,7 @@ from construct import Bytes, Int8ul, Int16ul, Int24ul, Int32ul, Int64ul, Struct
 
 SQE_SIZE = 64
 CQE_SIZE = 16
+NSID_ALL = 0xFFFFFFFF  # broadcast NSID (Flush, Get Log Page for the controller)
 
 
 class AdminOpcode(enum.IntEnum):
