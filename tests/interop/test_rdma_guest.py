@@ -1,0 +1,91 @@
+"""RDMA groundwork proven inside the Debian guest on Soft-RoCE (rxe0 over the guest's eth0).
+
+1. pyverbs + rdma_cm with NVMe/RDMA private data from nvmeof.spec.rdma, driven by nvmeof.rdma's
+   sans-IO queues: CM accept, RDMA READ, RDMA WRITE + SEND (tests/interop/rdma_guest_script.py).
+2. The kernel NVMe/RDMA host against the kernel target over rxe0 in the same guest.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.interop import rootfs, vm
+
+pytestmark = [pytest.mark.vm, pytest.mark.rdma, pytest.mark.slow]
+
+RXE_SETUP = """
+modprobe crc32_generic
+modprobe rdma_rxe
+rdma link add rxe0 type rxe netdev eth0 || { echo "rdma link add failed"; exit 1; }
+"""
+
+
+@pytest.fixture(scope="module")
+def debian_rootfs(vm_assets: vm.Assets) -> rootfs.RootfsAssets:
+    missing = rootfs.missing_host_tools()
+    if missing and os.geteuid() == 0:
+        subprocess.run(["bash", str(Path(__file__).with_name("install_rootfs_deps.sh"))],
+                       capture_output=True, check=False)
+        missing = rootfs.missing_host_tools()
+    if missing:
+        pytest.skip(f"the Debian guest image needs {', '.join(missing)}: run install_rootfs_deps.sh as root")
+    return rootfs.build_rootfs()
+
+
+def test_pyverbs_cm_read_write_send(debian_rootfs: rootfs.RootfsAssets) -> None:
+    script = Path(__file__).with_name("rdma_guest_script.py").read_text()
+    res = rootfs.run_python_guest(script, setup=RXE_SETUP, rootfs=debian_rootfs, timeout=180)
+    out = res.script_output
+    assert res.exit_code == 0, out[-6000:]
+    for name in ("cm-connect", "cm-accept", "rdma-read", "rdma-write-send"):
+        assert re.search(rf"^STEP {name} OK", out, re.M), f"step {name} missing:\n{out[-4000:]}"
+    assert "request 56 bytes qid=1 hsqsize=31 cntlid=1" in out
+    assert "crqsize=32" in out
+
+
+KERNEL_RDMA_SCRIPT = """
+set -u
+NQN=nqn.2026-11.io.nvmeof-toolkit:rxe-selfcheck
+{rxe}
+{target}
+nvme connect -t rdma -a 10.0.2.15 -s 4420 -n $NQN || {{ echo "nvme connect -t rdma failed"; exit 1; }}
+DEV=""
+for i in $(seq 100); do
+    for c in /sys/class/nvme/nvme*; do
+        [ "$(cat $c/transport 2>/dev/null)" = rdma ] || continue
+        for n in $c/nvme*n1 /sys/block/$(basename $c)n1; do
+            [ -e "$n" ] && DEV=/dev/$(basename $n | sed 's/c[0-9]*n/n/')
+        done
+    done
+    [ -n "$DEV" ] && [ -b "$DEV" ] && break
+    DEV=""; sleep 0.1
+done
+[ -n "$DEV" ] || {{ echo "no rdma namespace block device"; exit 1; }}
+echo "KERNEL-RDMA-DEV $DEV transport=$(cat /sys/class/nvme/*/transport | sort -u | tr '\\n' ' ')"
+head -c 8388608 /dev/urandom > /tmp/pattern
+dd if=/tmp/pattern of=$DEV bs=1M count=8 oflag=direct status=none || {{ echo "dd write failed"; exit 1; }}
+dd if=$DEV of=/tmp/back bs=1M count=8 iflag=direct status=none || {{ echo "dd read failed"; exit 1; }}
+A=$(sha256sum < /tmp/pattern | cut -d' ' -f1)
+B=$(sha256sum < /tmp/back | cut -d' ' -f1)
+echo "KERNEL-RDMA-SHA $A $B"
+[ "$A" = "$B" ] || {{ echo "checksum mismatch"; exit 1; }}
+nvme disconnect -n $NQN || {{ echo "nvme disconnect failed"; exit 1; }}
+echo KERNEL-RDMA-OK
+"""
+
+
+def test_kernel_nvme_rdma_host_and_target_over_rxe(debian_rootfs: rootfs.RootfsAssets) -> None:
+    target = vm.guest_kernel_target_script("nqn.2026-11.io.nvmeof-toolkit:rxe-selfcheck", ((1, 4420),),
+                                           traddr="10.0.2.15", trtype="rdma", size_mib=16)
+    script = KERNEL_RDMA_SCRIPT.format(rxe=RXE_SETUP, target=target)
+    res = rootfs.run_rootfs_guest(script, rootfs=debian_rootfs, timeout=240)
+    out = res.script_output
+    assert res.exit_code == 0, out[-6000:]
+    assert "KERNEL-RDMA-OK" in out
+    sha = re.search(r"KERNEL-RDMA-SHA (\w+) (\w+)", out)
+    assert sha and sha.group(1) == sha.group(2)
