@@ -12,17 +12,15 @@ import errno
 import os
 import re
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from initiator.controller import default_host_identity
 from nvmeof import defaults
 
 FABRICS_DEV = "/dev/nvme-fabrics"
 SYS_NVME = Path("/sys/class/nvme")
 SYS_NVME_SUBSYS = Path("/sys/class/nvme-subsystem")
-HOSTNQN_FILE = Path("/etc/nvme/hostnqn")
-HOSTID_FILE = Path("/etc/nvme/hostid")
 
 
 class KernelAttachError(Exception):
@@ -43,28 +41,6 @@ class KernelController:
     @property
     def device(self) -> str:
         return f"/dev/{self.name}"
-
-
-def default_hostnqn() -> str:
-    """The host NQN nvme-cli would use: /etc/nvme/hostnqn, else one derived from the DMI product UUID."""
-    if HOSTNQN_FILE.exists():
-        text = HOSTNQN_FILE.read_text().strip()
-        if text:
-            return text
-    try:
-        ident = uuid.UUID(Path("/sys/class/dmi/id/product_uuid").read_text().strip())
-    except (OSError, ValueError):
-        ident = uuid.uuid5(uuid.NAMESPACE_DNS, os.uname().nodename)
-    return f"nqn.2014-08.org.nvmexpress:uuid:{ident}"
-
-
-def default_hostid(hostnqn: str) -> str:
-    if HOSTID_FILE.exists():
-        text = HOSTID_FILE.read_text().strip()
-        if text:
-            return text
-    m = re.search(r"uuid:([0-9a-fA-F-]{36})$", hostnqn)
-    return m.group(1) if m else str(uuid.uuid5(uuid.NAMESPACE_URL, hostnqn))
 
 
 def build_options(*, subnqn: str, transport: str, traddr: str, trsvcid: int, hostnqn: str, hostid: str,
@@ -122,8 +98,11 @@ def connect(traddr: str, trsvcid: int = defaults.TCP_IO_PORT, *, subnqn: str, tr
             f"{FABRICS_DEV} does not exist: this kernel has no NVMe over Fabrics host loaded. Load it with "
             f"'modprobe nvme-fabrics nvme-{transport}' (the kernel needs CONFIG_NVME_FABRICS and "
             f"CONFIG_NVME_{transport.upper()})")
-    hostnqn = hostnqn or default_hostnqn()
-    hostid = hostid or default_hostid(hostnqn)
+    if not hostnqn or not hostid:
+        # The same identity the Python initiator presents: /etc/nvme/hostnqn and hostid as nvme-cli reads them.
+        default_nqn, default_id = default_host_identity()
+        hostnqn = hostnqn or default_nqn
+        hostid = hostid or str(default_id)
     options = build_options(subnqn=subnqn, transport=transport, traddr=traddr, trsvcid=trsvcid,
                             hostnqn=hostnqn, hostid=hostid, nr_io_queues=nr_io_queues, queue_size=queue_size,
                             kato=kato, hdr_digest=hdr_digest, data_digest=data_digest,

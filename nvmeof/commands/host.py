@@ -7,6 +7,7 @@ Exit codes scripts can rely on: 0 success, 1 the target answered with an NVMe er
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import sys
 from collections.abc import Callable
@@ -60,14 +61,14 @@ def connection_options(default_port: int, *, nqn_required: bool = True) -> Calla
 
 def run_guarded(coro) -> object:
     """Run one initiator coroutine, turning errors into a message and a stable exit code."""
-    from initiator import InitiatorError
-
     try:
         return asyncio.run(coro)
     except NvmeError as e:
         click.echo(f"nvmeof: the target answered {e}", err=True)
         sys.exit(EXIT_NVME_STATUS)
-    except (TimeoutError, InitiatorError, OSError) as e:
+    # TransportError is an OSError; the initiator's connect-time checks (CNTLID, ICDOFF, KAS, a
+    # discovery log that keeps changing) raise RuntimeError.
+    except (TimeoutError, OSError, RuntimeError) as e:
         click.echo(f"nvmeof: {e or type(e).__name__}", err=True)
         sys.exit(EXIT_CONNECT)
 
@@ -103,7 +104,8 @@ def discover(conn) -> None:
     entries = run_guarded(initiator.discover(traddr, trsvcid, transport=transport, hostnqn=conn["hostnqn"],
                                              hostid=conn["hostid"], hdr_digest=conn["hdr_digest"],
                                              data_digest=conn["data_digest"], timeout=conn["timeout"]))
-    rows = [_plain(dict(vars(e))) if not isinstance(e, dict) else _plain(e) for e in entries]
+    # DiscoveryEntry is a slotted dataclass: it has no __dict__ for vars().
+    rows = [_plain(dataclasses.asdict(e)) if dataclasses.is_dataclass(e) else _plain(dict(e)) for e in entries]
     if conn["as_json"]:
         echo_json(rows)
         return
@@ -275,7 +277,7 @@ async def _get_feature(conn: dict, fid: int, sel: int, cdw11: int, nsid: int):
 @connection_options(defaults.TCP_IO_PORT)
 @click.option("--fid", "-f", required=True, callback=_int_or_name(FeatureId),
               help="Feature id: a number or a name such as num_queues, kato, volatile_wc.")
-@click.option("--sel", "-s", "sel", type=click.IntRange(0, 3), default=0, show_default=True,
+@click.option("--sel", "sel", type=click.IntRange(0, 3), default=0, show_default=True,
               help="0 current, 1 default, 2 saved, 3 supported capabilities.")
 @click.option("--cdw11", type=click.IntRange(0, 0xFFFFFFFF), default=0)
 @click.option("--nsid", type=click.IntRange(0, 0xFFFFFFFF), default=0)
