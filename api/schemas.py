@@ -199,6 +199,14 @@ class ImportResult(BaseModel):
     warnings: list[str] = Field(default_factory=list, description="What the conversion could not carry over")
 
 
+class UnrestoredOut(BaseModel):
+    kind: Literal["subsystem", "namespace", "listener", "referral"]
+    where: str = Field(description="Its place in the configuration it came from")
+    subsystem: str | None = Field(None, description="The subsystem of a namespace")
+    error: str = Field(description="Why it could not be restored")
+    item: dict[str, Any] = Field(description="The configuration entry, kept as it is in the file")
+
+
 class NvmetcliExport(BaseModel):
     nvmetcli: dict[str, Any] = Field(description="A dump `nvmetcli restore` reads")
     warnings: list[str] = Field(description="What the kernel target cannot express, left out or changed")

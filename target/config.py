@@ -21,6 +21,7 @@ import os
 import stat
 import tempfile
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 from nvmeof import defaults
@@ -275,15 +276,121 @@ def _flag(value: Any) -> bool:
     return bool(value)
 
 
+# The shape of an nvmetcli dump (nvmet/nvme.py ``dump()``): configfs attribute groups are objects
+# of strings; "enable" is an integer; lists hold objects, NQNs are strings. A key that is absent is
+# the converter's business (skipped with a warning); a key of the wrong type is an error.
+_TEXT = (str,)
+_NUMBER = (int, str)  # nvmetcli writes portid/nsid as integers; hand-made files use strings too
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+class _Shape:
+    def __init__(self) -> None:
+        self.problems: list[str] = []
+
+    def expect(self, value: Any, types: tuple[type, ...], where: str, what: str) -> bool:
+        if isinstance(value, bool) and bool not in types:
+            ok = False
+        else:
+            ok = isinstance(value, types)
+        if not ok:
+            self.problems.append(f"{where}: expected {what}, got {_type_name(value)} {value!r}"[:300])
+        return ok
+
+    def obj(self, parent: dict[str, Any], key: str, where: str) -> dict[str, Any]:
+        """``parent[key]`` when it is an object; {} when absent; a problem otherwise."""
+        if key not in parent:
+            return {}
+        value = parent[key]
+        return value if self.expect(value, (dict,), f"{where}.{key}", "an object") else {}
+
+    def objects(self, parent: dict[str, Any], key: str, where: str) -> Iterator[tuple[str, dict[str, Any]]]:
+        """(place, item) for each object of the list ``parent[key]``; problems for anything else,
+        in document order as the caller walks on."""
+        if key not in parent:
+            return
+        value = parent[key]
+        if not self.expect(value, (list,), f"{where}.{key}" if where else key, "a list"):
+            return
+        for i, item in enumerate(value):
+            place = f"{where}.{key}[{i}]" if where else f"{key}[{i}]"
+            if self.expect(item, (dict,), place, "an object"):
+                yield place, item
+
+    def strings(self, parent: dict[str, Any], key: str, where: str, what: str) -> None:
+        if key not in parent:
+            return
+        value = parent[key]
+        if self.expect(value, (list,), f"{where}.{key}", f"a list of {what}"):
+            for i, item in enumerate(value):
+                self.expect(item, _TEXT, f"{where}.{key}[{i}]", what)
+
+    def attrs(self, parent: dict[str, Any], key: str, where: str, text: tuple[str, ...] = ()) -> None:
+        """A configfs attribute group: an object of strings (numbers pass too); ``text`` names the
+        attributes that must be strings."""
+        for name, value in self.obj(parent, key, where).items():
+            if name in text:
+                self.expect(value, _TEXT, f"{where}.{key}.{name}", "a string")
+            else:
+                self.expect(value, _NUMBER, f"{where}.{key}.{name}", "a string")
+
+    def fields(self, parent: dict[str, Any], where: str, spec: dict[str, tuple[tuple[type, ...], str]]) -> None:
+        for key, (types, what) in spec.items():
+            if key in parent:
+                self.expect(parent[key], types, f"{where}.{key}", what)
+
+
+_ADDR_TEXT = ("trtype", "adrfam", "traddr", "treq", "tsas")
+
+
+def _nvmetcli_problems(data: dict[str, Any]) -> list[str]:
+    shape = _Shape()
+    shape.obj(data, "discovery", "nvmetcli config")
+    for where, host in shape.objects(data, "hosts", ""):
+        shape.fields(host, where, {"nqn": (_TEXT, "a host NQN string")})
+        shape.attrs(host, "dhchap", where)
+    for where, sub in shape.objects(data, "subsystems", ""):
+        shape.fields(sub, where, {"nqn": (_TEXT, "an NQN string")})
+        shape.attrs(sub, "attr", where)
+        shape.strings(sub, "allowed_hosts", where, "host NQN strings")
+        for ptwhere, passthru in shape.objects(sub, "passthru", where):
+            shape.attrs(passthru, "device", ptwhere, text=("path",))
+        for nswhere, ns in shape.objects(sub, "namespaces", where):
+            shape.fields(ns, nswhere, {"nsid": ((int,), "an integer"), "enable": (_NUMBER, "0 or 1"),
+                                       "ana_grpid": (_NUMBER, "an integer")})
+            shape.attrs(ns, "device", nswhere, text=("path", "uuid", "nguid"))
+            shape.attrs(ns, "ana", nswhere)
+            shape.attrs(ns, "resv", nswhere)
+    for where, port in shape.objects(data, "ports", ""):
+        shape.fields(port, where, {"portid": (_NUMBER, "a port number")})
+        shape.attrs(port, "addr", where, text=_ADDR_TEXT)
+        shape.attrs(port, "param", where)
+        shape.strings(port, "subsystems", where, "subsystem NQN strings")
+        for refwhere, ref in shape.objects(port, "referrals", where):
+            shape.fields(ref, refwhere, {"name": (_TEXT, "a string"), "enable": (_NUMBER, "0 or 1")})
+            shape.attrs(ref, "addr", refwhere, text=_ADDR_TEXT)
+        for anawhere, group in shape.objects(port, "ana_groups", where):
+            shape.fields(group, anawhere, {"grpid": (_NUMBER, "an integer")})
+            shape.attrs(group, "ana", anawhere)
+    return shape.problems
+
+
 def import_nvmetcli(data: Any) -> Converted:
     """Convert an nvmetcli ``saveconfig`` dump into our version-1 config.
 
     Each nvmetcli port becomes a listener (a port linked to no subsystem becomes a discovery
     listener); namespaces become file backends on their device path; referrals are collected
-    from every port. ``.warnings`` lists what has no equivalent here.
+    from every port. ``.warnings`` lists what has no equivalent here. A value of the wrong type
+    (``"allowed_hosts": 5``) raises ConfigError naming every such place.
     """
     if not isinstance(data, dict):
         raise ConfigError(f"nvmetcli config: the top level must be an object, got {type(data).__name__}")
+    problems = _nvmetcli_problems(data)
+    if problems:
+        raise ConfigError("malformed nvmetcli configuration:\n" + "\n".join(problems))
     warnings: list[str] = []
     subsystems: list[dict[str, Any]] = []
     all_nqns: list[str] = []
@@ -297,11 +404,14 @@ def import_nvmetcli(data: Any) -> Converted:
         hosts = [h for h in sub.get("allowed_hosts") or [] if isinstance(h, str)]
         out["allow_any_host"] = _flag(attr.get("allow_any_host", "0" if hosts else "1"))
         out["hosts"] = hosts
-        if attr.get("serial"):
-            out["serial"] = str(attr["serial"])
-        if attr.get("model"):
-            out["model"] = str(attr["model"])
-        if sub.get("passthru"):
+        # configfs pads the serial with spaces; nvmetcli strips them, a hand-made dump may not
+        if str(attr.get("serial", "")).strip():
+            out["serial"] = str(attr["serial"]).strip()
+        if str(attr.get("model", "")).strip():
+            out["model"] = str(attr["model"]).strip()
+        # A kernel built with passthru support gives every subsystem a passthru node, and nvmetcli
+        # dumps it; only one with a device behind it is a passthru controller.
+        if any((pt.get("device") or {}).get("path") for pt in sub.get("passthru") or []):
             warnings.append(f"{where} ({sub['nqn']}): passthru controllers are not supported, dropped")
         namespaces = []
         for j, ns in enumerate(sub.get("namespaces") or []):

@@ -106,6 +106,11 @@ class Daemon:
             self.restore_errors = await self.service.restore(config)
             for err in self.restore_errors:
                 log.error("configuration %s: not restored: %s", opts.config_path, err)
+            kept = self.service.unrestored()
+            if kept:
+                log.warning("configuration %s: %d item(s) not restored are kept in the file and retried at the "
+                            "next start: %s; see GET /api/v1/config/unrestored (retry or discard them there)",
+                            opts.config_path, len(kept), ", ".join(entry["where"] for entry in kept))
         else:
             await self._create_default()
         await self._add_listeners(opts.listen, discovery=False)
@@ -197,6 +202,10 @@ class Daemon:
                 f"  python3 -c \"import initiator.sync as h; c = h.connect('{io.traddr}', {io.trsvcid}, "
                 f"subnqn='{nqn}'); print(c.namespaces()); c.close()\"",
             ]
+        kept = self.service.unrestored()
+        if kept:
+            lines.append(f"NOT RESTORED from {self.options.config_path} (kept in it, retried at the next start):")
+            lines += [f"  {entry['where']}: {entry['error']}" for entry in kept]
         lines.append("Stop with Ctrl-C (SIGINT) or SIGTERM.")
         return "\n".join(lines)
 

@@ -6,13 +6,22 @@ Daemon start-up, config restore, the REST API and the CLI all come through here.
 3. applies the change in memory and saves the whole configuration atomically (when a config path
    is set); if the save fails the change is undone and the caller gets a 500;
 4. calls the Target's live hooks (namespace_changed, discovery_changed, disconnects).
+
+Items of a replayed configuration that cannot be restored (a file on a disk not mounted yet, a port
+still held by another process) are remembered with their error: ``snapshot()`` writes them back,
+so the next save keeps them in the file and the next start retries them. ``unrestored()`` lists
+them, ``retry_unrestored()`` tries again, ``discard_unrestored()`` drops them for good. A live
+request that would collide with one of them (same NQN, same NSID, same file) is refused with 409.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
 import errno
 import ipaddress
+import logging
 import os
 import secrets
 import uuid as uuidlib
@@ -40,6 +49,32 @@ NSID_MAX = 0xFFFFFFFE  # 0xFFFFFFFF is the broadcast NSID
 PORTID_MAX = 0xFFFE
 
 Undo = Callable[[], Awaitable[None]]
+
+log = logging.getLogger(__name__)
+
+# (where, item) pairs for subsystems/listeners/referrals; (subnqn, where, item) for namespaces.
+Placed = list[tuple[str, Any]]
+PlacedNs = list[tuple[str, str, Any]]
+
+
+@dataclasses.dataclass
+class Unrestored:
+    """A configuration item a replay could not apply; kept so that it is not lost from the file."""
+
+    kind: str  # "subsystem" | "namespace" | "listener" | "referral"
+    where: str  # its place in the configuration it came from, e.g. "subsystems[1].namespaces[0]"
+    error: str
+    item: dict[str, Any]  # the entry exactly as given; snapshot() writes it back
+    subnqn: str | None = None  # the subsystem a namespace belongs to
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "where": self.where,
+            "subsystem": self.subnqn,
+            "error": self.error,
+            "item": copy.deepcopy(self.item),
+        }
 
 
 class TargetHooks(Protocol):
@@ -161,6 +196,7 @@ class TargetService:
         self.target = target
         self.config_path = os.fspath(config_path) if config_path is not None else None
         self._lock = asyncio.Lock()
+        self._unrestored: list[Unrestored] = []
 
     # --- reads ---------------------------------------------------------------------------------
 
@@ -212,6 +248,74 @@ class TargetService:
             await undo()
             raise ServiceError(500, f"{exc}; the change was undone") from exc
 
+    async def save(self) -> None:
+        """Write the running configuration to the config file now (under the lock, like a mutation)."""
+        async with self._lock:
+            await self._commit(True, _nothing)
+
+    # --- what a replay could not restore -------------------------------------------------------
+
+    def unrestored(self) -> list[dict[str, Any]]:
+        """Configuration items kept from a replay that failed, with the reason, oldest first."""
+        return [u.as_dict() for u in self._unrestored]
+
+    def _pending(self, kind: str) -> list[Unrestored]:
+        return [u for u in self._unrestored if u.kind == kind]
+
+    def _pending_conflict(self, what: str, entry: Unrestored) -> ServiceError:
+        return ServiceError(
+            409,
+            f"{what} is in the configuration but was not restored ({entry.where}: {entry.error}); "
+            "retry it (POST /api/v1/config/unrestored/retry) or discard it "
+            "(DELETE /api/v1/config/unrestored) first",
+        )
+
+    def _pending_nsids(self, subnqn: str) -> set[int]:
+        return {
+            u.item["nsid"]
+            for u in self._pending("namespace")
+            if u.subnqn == subnqn and isinstance(u.item.get("nsid"), int)
+        }
+
+    def _drop_pending_endpoint(self, kind: str, eid: str) -> None:
+        """A live add of the same listener/referral supersedes the one that failed to restore."""
+        for u in self._pending(kind):
+            if _endpoint_key(u.item) == eid:
+                log.info("%s %s is live now; dropping the copy from %s that was not restored", kind, eid, u.where)
+                self._unrestored.remove(u)
+
+    async def retry_unrestored(self) -> list[str]:
+        """Replay the unrestored items again (say, once the missing disk is mounted) and save.
+
+        Returns the errors of the items that still fail; those stay remembered."""
+        async with self._lock:
+            pending, self._unrestored = self._unrestored, []
+            before = self._inventory()
+            errors: list[str] = []
+            await self._replay(
+                [(u.where, u.item) for u in pending if u.kind == "subsystem"],
+                [(u.subnqn or "", u.where, u.item) for u in pending if u.kind == "namespace"],
+                [(u.where, u.item) for u in pending if u.kind == "listener"],
+                [(u.where, u.item) for u in pending if u.kind == "referral"],
+                errors,
+                keep=True,
+            )
+            await self._save_or_roll_back(before, pending, "the retry")
+            return errors
+
+    async def discard_unrestored(self) -> int:
+        """Forget every unrestored item (they leave the config file); returns how many there were."""
+        async with self._lock:
+            dropped, self._unrestored = self._unrestored, []
+
+            async def undo() -> None:
+                self._unrestored = dropped
+
+            await self._commit(bool(dropped), undo)
+            for u in dropped:
+                log.warning("discarded the unrestored configuration item %s: %s", u.where, u.error)
+            return len(dropped)
+
     # --- subsystems ----------------------------------------------------------------------------
 
     async def add_subsystem(
@@ -241,6 +345,9 @@ class TargetService:
         nqn = generate_nqn() if nqn is None else _nqn(nqn, "subsystem NQN")
         if nqn in self.target.subsystems:
             raise ServiceError(409, f"subsystem {nqn} already exists")
+        for u in self._pending("subsystem"):
+            if u.item.get("nqn") == nqn:
+                raise self._pending_conflict(f"subsystem {nqn}", u)
         serial = secrets.token_hex(SERIAL_MAX // 2) if serial is None else _ascii_field(serial, "serial", SERIAL_MAX)
         model = _ascii_field(model, "model", MODEL_MAX)
         if isinstance(hosts, str):
@@ -274,15 +381,27 @@ class TargetService:
     async def remove_subsystem(self, nqn: str, force: bool = False) -> None:
         async with self._lock:
             sub = self.get_subsystem(nqn)
+            waiting = [u for u in self._pending("namespace") if u.subnqn == nqn]
             if sub.namespaces and not force:
+                also = f" (and {len(waiting)} more that were not restored)" if waiting else ""
                 raise ServiceError(
                     409,
-                    f"subsystem {nqn} still has namespaces {sorted(sub.namespaces)}; remove them first or pass force",
+                    f"subsystem {nqn} still has namespaces {sorted(sub.namespaces)}{also}; "
+                    "remove them first or pass force",
+                )
+            if waiting and not force:
+                raise ServiceError(
+                    409,
+                    f"subsystem {nqn} has namespaces in the configuration that were not restored "
+                    f"({', '.join(u.where for u in waiting)}); pass force to remove them with it",
                 )
             del self.target.subsystems[nqn]
+            for u in waiting:
+                self._unrestored.remove(u)
 
             async def undo() -> None:
                 self.target.subsystems[nqn] = sub
+                self._unrestored.extend(waiting)
 
             await self._commit(True, undo)
             self.target.disconnect_subsystem(nqn)
@@ -451,6 +570,10 @@ class TargetService:
                         f"{path} already backs namespace {other.nsid} of {other_sub.nqn}; "
                         "two namespaces on one file would corrupt each other",
                     )
+            for u in self._pending("namespace"):
+                pending_path = u.item.get("path")
+                if isinstance(pending_path, str) and os.path.realpath(pending_path) == real:
+                    raise self._pending_conflict(f"a namespace on {path}", u)
         else:
             if path is not None:
                 raise _bad(f"a {backend} namespace takes a size, not a path")
@@ -458,8 +581,9 @@ class TargetService:
                 raise _bad("create applies to file namespaces only")
             if size is None:
                 raise _bad(f"a {backend} namespace needs a size in bytes (a multiple of {block_size})")
+        taken = sub.namespaces.keys() | self._pending_nsids(subnqn)
         if nsid is None:
-            nsid = next((n for n in range(1, sub.max_namespaces + 1) if n not in sub.namespaces), None)
+            nsid = next((n for n in range(1, sub.max_namespaces + 1) if n not in taken), None)
             if nsid is None:
                 raise ServiceError(
                     409, f"subsystem {subnqn} already has its maximum of {sub.max_namespaces} namespaces"
@@ -467,9 +591,12 @@ class TargetService:
         else:
             nsid = _int(nsid, "nsid", 1, sub.max_namespaces)
             if nsid in sub.namespaces:
-                free = next((n for n in range(1, sub.max_namespaces + 1) if n not in sub.namespaces), None)
+                free = next((n for n in range(1, sub.max_namespaces + 1) if n not in taken), None)
                 hint = f"; NSID {free} is free" if free else ""
                 raise ServiceError(409, f"NSID {nsid} is already in use in {subnqn}{hint}")
+            for u in self._pending("namespace"):
+                if u.subnqn == subnqn and u.item.get("nsid") == nsid:
+                    raise self._pending_conflict(f"NSID {nsid} of {subnqn}", u)
         ns_uuid = self._unique_id("uuid", "UUID", None if uuid is None else _uuid(uuid), uuidlib.uuid4)
         ns_nguid = self._unique_id(
             "nguid",
@@ -641,8 +768,12 @@ class TargetService:
             raise _bad(f"cannot listen on {lid}: {exc}") from None
         self.target.listeners[lid] = listener
 
+        superseded = [u for u in self._pending("listener") if _endpoint_key(u.item) == lid]
+        self._drop_pending_endpoint("listener", lid)
+
         async def undo() -> None:
             self.target.listeners.pop(lid, None)
+            self._unrestored.extend(superseded)
             await self.target.stop_listener(listener)
 
         await self._commit(persist, undo)
@@ -695,9 +826,12 @@ class TargetService:
             raise ServiceError(409, f"{rid} is one of this target's own listeners; a referral points elsewhere")
         referral = Referral(trtype=trtype, adrfam=adrfam, traddr=traddr, trsvcid=port, subnqn=subnqn, portid=portid)
         self.target.referrals.append(referral)
+        superseded = [u for u in self._pending("referral") if _endpoint_key(u.item) == rid]
+        self._drop_pending_endpoint("referral", rid)
 
         async def undo() -> None:
             self.target.referrals.remove(referral)
+            self._unrestored.extend(superseded)
 
         await self._commit(persist, undo)
         self.target.discovery_changed()
@@ -727,10 +861,18 @@ class TargetService:
     # --- whole configuration -------------------------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:
-        """The whole configuration in config-file form (version 1)."""
+        """The whole configuration in config-file form (version 1), unrestored items included."""
+        subsystems = []
+        for sub in self.list_subsystems():
+            entry = _subsystem_entry(sub)
+            waiting = [copy.deepcopy(u.item) for u in self._pending("namespace") if u.subnqn == sub.nqn]
+            if waiting:
+                entry["namespaces"] = sorted(entry["namespaces"] + waiting, key=_nsid_order)
+            subsystems.append(entry)
+        subsystems += [copy.deepcopy(u.item) for u in self._pending("subsystem")]
         return {
             "version": configmod.CONFIG_VERSION,
-            "subsystems": [_subsystem_entry(s) for s in self.list_subsystems()],
+            "subsystems": subsystems,
             "listeners": [
                 {
                     "trtype": lst.trtype,
@@ -741,7 +883,8 @@ class TargetService:
                     "discovery": lst.discovery,
                 }
                 for lst in self.target.listeners.values()
-            ],
+            ]
+            + [copy.deepcopy(u.item) for u in self._pending("listener")],
             "referrals": [
                 {
                     "trtype": r.trtype,
@@ -752,14 +895,21 @@ class TargetService:
                     "portid": r.portid,
                 }
                 for r in self.target.referrals
-            ],
+            ]
+            + [copy.deepcopy(u.item) for u in self._pending("referral")],
         }
 
-    async def restore(self, config: dict[str, Any]) -> list[str]:
+    async def restore(self, config: dict[str, Any], *, persist: bool = False) -> list[str]:
         """Replay a configuration through the same steps as live calls, in reference order
         (subsystems with their hosts, namespaces, listeners, referrals). An item that fails is
-        reported and skipped; the rest is restored. Nothing is saved: the file being replayed stays
-        as it is."""
+        reported and skipped; the rest is restored.
+
+        ``persist=False`` (daemon start-up): the file being replayed is not rewritten, and every
+        item that failed is remembered (``unrestored()``) so that later saves keep it in the file.
+        ``persist=True`` (an import): the result is saved under the same lock as any mutation; the
+        caller gets the errors back and failed items are not kept. If that save fails, everything
+        the import added is taken out again and ServiceError(500) is raised.
+        """
         errors: list[str] = []
         if not isinstance(config, dict):
             return [f"configuration must be an object, got {type(config).__name__}"]
@@ -768,86 +918,154 @@ class TargetService:
                 f"configuration version {config.get('version')!r} is not supported; "
                 f"this program reads version {configmod.CONFIG_VERSION}"
             ]
+        placed = [
+            [(f"{key}[{i}]", item) for i, item in enumerate(_items(config, key, errors))]
+            for key in ("subsystems", "listeners", "referrals")
+        ]
         async with self._lock:
-            created: list[tuple[str, str, list[Any]]] = []
-            for i, item in enumerate(_items(config, "subsystems", errors)):
-                where = f"subsystems[{i}]" + (f" ({item['nqn']})" if isinstance(item, dict) and "nqn" in item else "")
-                problems = configmod.item_problems("subsystem", item, where)
-                if problems:
-                    errors.extend(problems)
-                    continue
-                try:
-                    await self._add_subsystem(
-                        item["nqn"],
-                        item.get("serial"),
-                        _given(item, "model", defaults.MODEL),
-                        item.get("allow_any_host"),
-                        _given(item, "hosts", ()),
-                        _given(item, "max_namespaces", defaults.MAX_NAMESPACES),
-                        persist=False,
-                    )
-                except ServiceError as exc:
-                    errors.append(f"{where}: {exc.message}; skipped with its namespaces")
-                    continue
-                created.append((item["nqn"], where, item.get("namespaces") or []))
-            for nqn, where, namespaces in created:
-                for j, item in enumerate(namespaces):
-                    nswhere = f"{where}.namespaces[{j}]"
-                    problems = configmod.item_problems("namespace", item, nswhere)
-                    if problems:
-                        errors.extend(problems)
-                        continue
-                    args = {key: item.get(key) for key in ("nsid", "path", "size", "uuid", "nguid", "eui64")}
-                    try:
-                        await self._add_namespace(
-                            nqn,
-                            backend=item["backend"],
-                            block_size=_given(item, "block_size", defaults.DEFAULT_BLOCK_SIZE),
-                            read_only=_given(item, "read_only", False),
-                            enabled=_given(item, "enabled", True),
-                            create=False,
-                            persist=False,
-                            **args,
-                        )
-                    except ServiceError as exc:
-                        errors.append(f"{nswhere}: {exc.message}; skipped")
-            for i, item in enumerate(_items(config, "listeners", errors)):
-                where = f"listeners[{i}]"
-                problems = configmod.item_problems("listener", item, where)
-                if problems:
-                    errors.extend(problems)
-                    continue
-                try:
-                    await self._add_listener(
-                        _given(item, "trtype", "tcp"),
-                        item["traddr"],
-                        item["trsvcid"],
-                        item.get("adrfam"),
-                        _given(item, "discovery", False),
-                        item.get("portid"),
-                        persist=False,
-                    )
-                except ServiceError as exc:
-                    errors.append(f"{where}: {exc.message}; skipped")
-            for i, item in enumerate(_items(config, "referrals", errors)):
-                where = f"referrals[{i}]"
-                problems = configmod.item_problems("referral", item, where)
-                if problems:
-                    errors.extend(problems)
-                    continue
-                try:
-                    await self._add_referral(
-                        item["traddr"],
-                        item["trsvcid"],
-                        _given(item, "trtype", "tcp"),
-                        item.get("adrfam"),
-                        _given(item, "subnqn", defaults.DISCOVERY_NQN),
-                        _given(item, "portid", 0),
-                        persist=False,
-                    )
-                except ServiceError as exc:
-                    errors.append(f"{where}: {exc.message}; skipped")
+            before = self._inventory()
+            kept = list(self._unrestored)
+            await self._replay(placed[0], [], placed[1], placed[2], errors, keep=not persist)
+            if persist:
+                await self._save_or_roll_back(before, kept, "the import")
         return errors
+
+    async def _replay(
+        self,
+        subsystems: Placed,
+        namespaces: PlacedNs,
+        listeners: Placed,
+        referrals: Placed,
+        errors: list[str],
+        *,
+        keep: bool,
+    ) -> None:
+        """Apply items in reference order; ``namespaces`` belong to subsystems that already exist.
+        With ``keep``, an item that fails on its meaning (not its structure) is remembered."""
+
+        def failed(kind: str, where: str, item: Any, message: str, subnqn: str | None = None) -> None:
+            if keep and _keepable(kind, item):
+                self._unrestored.append(Unrestored(kind, where, message, copy.deepcopy(item), subnqn))
+
+        todo = list(namespaces)
+        for base, item in subsystems:
+            where = base + (f" ({item['nqn']})" if isinstance(item, dict) and "nqn" in item else "")
+            problems = configmod.item_problems("subsystem", item, where)
+            if problems:
+                errors.extend(problems)
+                continue
+            try:
+                await self._add_subsystem(
+                    item["nqn"],
+                    item.get("serial"),
+                    _given(item, "model", defaults.MODEL),
+                    item.get("allow_any_host"),
+                    _given(item, "hosts", ()),
+                    _given(item, "max_namespaces", defaults.MAX_NAMESPACES),
+                    persist=False,
+                )
+            except ServiceError as exc:
+                errors.append(f"{where}: {exc.message}; skipped with its namespaces")
+                failed("subsystem", base, item, exc.message)
+                continue
+            todo += [(item["nqn"], f"{base}.namespaces[{j}]", ns) for j, ns in enumerate(item.get("namespaces") or [])]
+        for nqn, where, item in todo:
+            problems = configmod.item_problems("namespace", item, where)
+            if problems:
+                errors.extend(problems)
+                continue
+            args = {key: item.get(key) for key in ("nsid", "path", "size", "uuid", "nguid", "eui64")}
+            try:
+                await self._add_namespace(
+                    nqn,
+                    backend=item["backend"],
+                    block_size=_given(item, "block_size", defaults.DEFAULT_BLOCK_SIZE),
+                    read_only=_given(item, "read_only", False),
+                    enabled=_given(item, "enabled", True),
+                    create=False,
+                    persist=False,
+                    **args,
+                )
+            except ServiceError as exc:
+                errors.append(f"{where}: {exc.message}; skipped")
+                # A namespace whose subsystem is gone (removed since) has nowhere to live.
+                if nqn in self.target.subsystems:
+                    failed("namespace", where, item, exc.message, nqn)
+        for where, item in listeners:
+            problems = configmod.item_problems("listener", item, where)
+            if problems:
+                errors.extend(problems)
+                continue
+            try:
+                await self._add_listener(
+                    _given(item, "trtype", "tcp"),
+                    item["traddr"],
+                    item["trsvcid"],
+                    item.get("adrfam"),
+                    _given(item, "discovery", False),
+                    item.get("portid"),
+                    persist=False,
+                )
+            except ServiceError as exc:
+                errors.append(f"{where}: {exc.message}; skipped")
+                failed("listener", where, item, exc.message)
+        for where, item in referrals:
+            problems = configmod.item_problems("referral", item, where)
+            if problems:
+                errors.extend(problems)
+                continue
+            try:
+                await self._add_referral(
+                    item["traddr"],
+                    item["trsvcid"],
+                    _given(item, "trtype", "tcp"),
+                    item.get("adrfam"),
+                    _given(item, "subnqn", defaults.DISCOVERY_NQN),
+                    _given(item, "portid", 0),
+                    persist=False,
+                )
+            except ServiceError as exc:
+                errors.append(f"{where}: {exc.message}; skipped")
+                failed("referral", where, item, exc.message)
+
+    def _inventory(self) -> tuple[set[str], set[tuple[str, int]], set[str], list[Referral]]:
+        return (
+            set(self.target.subsystems),
+            {(sub.nqn, ns.nsid) for sub, ns in self._all_namespaces()},
+            set(self.target.listeners),
+            list(self.target.referrals),
+        )
+
+    async def _save_or_roll_back(
+        self,
+        before: tuple[set[str], set[tuple[str, int]], set[str], list[Referral]],
+        unrestored: list[Unrestored],
+        what: str,
+    ) -> None:
+        """Save after a multi-item change; if saving fails, take out everything added since
+        ``before`` (and put the unrestored list back), so memory matches the file again."""
+        if self.config_path is None:
+            return
+        try:
+            await asyncio.to_thread(configmod.save_config, self.config_path, self.snapshot())
+        except configmod.ConfigError as exc:
+            subsystems, namespaces, listeners, referrals = before
+            for sub, ns in list(self._all_namespaces()):
+                if sub.nqn in subsystems and (sub.nqn, ns.nsid) not in namespaces:
+                    del sub.namespaces[ns.nsid]
+                    self.target.namespace_changed(sub.nqn, ns.nsid)
+                    ns.backend.close()
+            for nqn in set(self.target.subsystems) - subsystems:
+                sub = self.target.subsystems.pop(nqn)
+                self.target.disconnect_subsystem(nqn)
+                for ns in sub.namespaces.values():
+                    ns.backend.close()
+            for lid in set(self.target.listeners) - listeners:
+                await self.target.stop_listener(self.target.listeners.pop(lid))
+            self.target.referrals[:] = referrals
+            self._unrestored = unrestored
+            self.target.discovery_changed()
+            raise ServiceError(500, f"{exc}; {what} was undone") from exc
 
 
 def _items(config: dict[str, Any], key: str, errors: list[str]) -> list[Any]:
@@ -856,6 +1074,31 @@ def _items(config: dict[str, Any], key: str, errors: list[str]) -> list[Any]:
         errors.append(f"{key!r} must be a list, got {type(value).__name__}; none restored")
         return []
     return value
+
+
+def _keepable(kind: str, item: Any) -> bool:
+    """Only items whose structure is sound go back into the file: anything else would make the
+    whole file unloadable at the next start."""
+    if configmod.item_problems(kind, item, "item"):
+        return False
+    if kind == "subsystem":
+        return not any(configmod.item_problems("namespace", ns, "ns") for ns in item.get("namespaces") or [])
+    return True
+
+
+def _endpoint_key(item: dict[str, Any]) -> str | None:
+    """The listener/referral id an item would get, or None if its address does not parse."""
+    try:
+        trtype, _, traddr, port = _address(_given(item, "trtype", "tcp"), item.get("traddr"),
+                                           item.get("trsvcid"), item.get("adrfam"))
+    except ServiceError:
+        return None
+    return endpoint_id(trtype, traddr, port)
+
+
+def _nsid_order(entry: dict[str, Any]) -> tuple[int, int]:
+    nsid = entry.get("nsid")
+    return (0, nsid) if isinstance(nsid, int) else (1, 0)
 
 
 def _given(item: dict[str, Any], key: str, default: Any) -> Any:

@@ -1,38 +1,30 @@
 """/config: the whole configuration as JSON, ours (version 1) or the Linux nvmetcli dump.
 
 An import replays the configuration through TargetService.restore, the path the daemon's start-up
-uses, so an item is accepted or refused exactly as a live request would be. A file whose structure
-is wrong is refused as a whole before anything is applied.
+uses, so an item is accepted or refused exactly as a live request would be; the service saves the
+result under its lock. A file whose structure is wrong is refused as a whole before anything is
+applied.
+
+/config/unrestored lists what the daemon's start-up could not restore (a file on a disk not
+mounted yet, a port still in use): those items stay in the config file until they are retried
+successfully or discarded.
 """
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
-from fastapi import APIRouter, Body
+from fastapi import APIRouter, Body, Response, status
 
 from api import schemas
 from api.deps import Service
 from api.errors import ERRORS
 from target import config as configmod
-from target.service import ServiceError, TargetService
+from target.service import ServiceError
 
 router = APIRouter(prefix="/config", tags=["config"], responses=ERRORS)
 
 ConfigBody = Body(description="A configuration object", examples=[{"version": 1, "subsystems": []}])
-
-
-async def _import(service: TargetService, config: dict[str, Any], warnings: list[str]) -> schemas.ImportResult:
-    errors = await service.restore(config)
-    # restore() leaves the file alone (at start-up it is the file being read); an import is a live
-    # change, so the file must now describe what is running.
-    if service.config_path is not None:
-        try:
-            await asyncio.to_thread(configmod.save_config, service.config_path, service.snapshot())
-        except configmod.ConfigError as exc:
-            raise ServiceError(500, f"the import was applied but not saved: {exc}") from exc
-    return schemas.ImportResult(errors=errors, warnings=warnings)
 
 
 @router.get("", response_model=dict[str, Any])
@@ -46,7 +38,7 @@ async def import_config(service: Service, body: dict[str, Any] = ConfigBody) -> 
         config = configmod.validate_config(body, source="request body")
     except configmod.ConfigError as exc:
         raise ServiceError(400, str(exc)) from None
-    return await _import(service, config, [])
+    return schemas.ImportResult(errors=await service.restore(config, persist=True), warnings=[])
 
 
 @router.get("/nvmetcli", response_model=schemas.NvmetcliExport)
@@ -62,7 +54,24 @@ async def import_nvmetcli(service: Service, body: dict[str, Any] = ConfigBody) -
         config = configmod.validate_config(dict(converted), source="converted nvmetcli configuration")
     except configmod.ConfigError as exc:
         raise ServiceError(400, str(exc)) from None
-    except (AttributeError, KeyError, TypeError, ValueError) as exc:
-        # The converter expects nvmetcli's shapes; a value of another type is the file's fault.
-        raise ServiceError(400, f"malformed nvmetcli configuration: {type(exc).__name__}: {exc}") from None
-    return await _import(service, config, converted.warnings)
+    errors = await service.restore(config, persist=True)
+    return schemas.ImportResult(errors=errors, warnings=converted.warnings)
+
+
+@router.get("/unrestored", response_model=list[schemas.UnrestoredOut],
+            summary="Configuration items the start-up could not restore (kept in the file)")
+async def list_unrestored(service: Service) -> list[schemas.UnrestoredOut]:
+    return [schemas.UnrestoredOut(**entry) for entry in service.unrestored()]
+
+
+@router.post("/unrestored/retry", response_model=schemas.ImportResult,
+             summary="Try to restore them again; what still fails stays listed")
+async def retry_unrestored(service: Service) -> schemas.ImportResult:
+    return schemas.ImportResult(errors=await service.retry_unrestored(), warnings=[])
+
+
+@router.delete("/unrestored", status_code=status.HTTP_204_NO_CONTENT,
+               summary="Forget them: they are removed from the config file")
+async def discard_unrestored(service: Service) -> Response:
+    await service.discard_unrestored()
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
