@@ -273,3 +273,33 @@ def test_token(tmp_path, monkeypatch):
         assert [s.nqn for s in live.service.list_subsystems()] == [NQN]
     finally:
         live.close()
+
+
+
+def test_config_unrestored_lists_retries_and_discards(run, server, tmp_path):
+    """A namespace whose file is missing at restore is listed, then restored by --retry once it exists."""
+    image = tmp_path / "disk.img"
+    config = {"version": 1, "subsystems": [{"nqn": NQN, "allow_any_host": True, "namespaces": [
+        {"nsid": 1, "backend": "file", "path": str(image), "block_size": 512}]}],
+        "listeners": [], "referrals": []}
+    errors = asyncio.run_coroutine_threadsafe(server.service.restore(config), server.loop).result(10)
+    assert len(errors) == 1 and str(image) in errors[0]
+    out = run("config", "unrestored").stdout
+    assert "namespace" in out and str(image) in out
+    listed = json.loads(run("config", "unrestored", "--json").stdout)
+    assert [i["kind"] for i in listed] == ["namespace"]
+    run("config", "unrestored", "--retry", code=1)           # still missing: reported, exit 1
+    image.write_bytes(bytes(1 << 20))
+    run("config", "unrestored", "--retry")
+    assert run("config", "unrestored").stdout.strip() == "everything in the configuration was restored"
+    assert [n["nsid"] for n in json.loads(run("ns", "list", NQN, "--json").stdout)] == [1]
+    run("config", "unrestored", "--retry", "--discard", code=2)
+
+
+def test_config_unrestored_discard(run, server, tmp_path):
+    config = {"version": 1, "subsystems": [{"nqn": NQN, "allow_any_host": True, "namespaces": [
+        {"nsid": 1, "backend": "file", "path": str(tmp_path / "missing.img"), "block_size": 512}]}],
+        "listeners": [], "referrals": []}
+    asyncio.run_coroutine_threadsafe(server.service.restore(config), server.loop).result(10)
+    run("config", "unrestored", "--discard")
+    assert json.loads(run("config", "unrestored", "--json").stdout) == []

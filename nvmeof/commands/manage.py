@@ -618,6 +618,30 @@ def config_export_nvmetcli(api: Api, as_json: bool, file: Path) -> None:
     _write_json(file, result if as_json else result["nvmetcli"])
 
 
+@api_command(config, "unrestored")
+@click.option("--retry", is_flag=True, help="Try to restore them again (e.g. once a disk is mounted).")
+@click.option("--discard", is_flag=True, help="Forget them: the next save drops them from the file.")
+def config_unrestored(api: Api, as_json: bool, retry: bool, discard: bool) -> None:
+    """List configuration items the daemon could not restore at start (kept in the file), or retry or
+    discard them."""
+    if retry and discard:
+        raise click.UsageError("give at most one of --retry and --discard")
+    if retry:
+        _report_import(api.call("POST", "/api/v1/config/unrestored/retry"), as_json, "retry")
+        return
+    if discard:
+        api.call("DELETE", "/api/v1/config/unrestored")
+        click.echo("discarded the unrestored items", err=True)
+        return
+    items = api.call("GET", "/api/v1/config/unrestored")
+    if as_json:
+        echo_json(items)
+    elif not items:
+        click.echo("everything in the configuration was restored")
+    else:
+        click.echo(table(["kind", "where", "error"], [[i["kind"], i["where"], i["error"]] for i in items]))
+
+
 GROUPS = (subsystem, ns, host, listener, referral, controller, config)
 
 
