@@ -30,6 +30,8 @@ from nvmeof.spec.identify import (
     IDENTIFY_DATA_SIZE,
     OAES_DISC_CHANGE,
     OAES_NS_ATTR,
+    SGLS_KEYED,
+    SGLS_OFFSET,
     IdentifyController,
     IdentifyNamespace,
     parse_active_ns_list,
@@ -133,8 +135,8 @@ class HostController(NvmIo):
                  timeout: float = 30.0, target: Any = None, disable_sqflow: bool = False,
                  event_callback: Callable[[AsyncEvent], Any] | None = None,
                  event_queue: asyncio.Queue[AsyncEvent | None] | None = None) -> None:
-        if transport not in ("tcp", "loop"):
-            raise ValueError(f"transport {transport!r} is not supported by the Python host (tcp or loop)")
+        if transport not in ("tcp", "loop", "rdma"):
+            raise ValueError(f"transport {transport!r} is not supported by the Python host (tcp, rdma or loop)")
         if transport == "loop" and target is None:
             raise ValueError("transport 'loop' needs target=<target.core.Target>")
         if nr_io_queues < 0 or nr_io_queues > 0xFFFE:
@@ -188,6 +190,8 @@ class HostController(NvmIo):
         return f"{self.transport}://{self.traddr}:{self.trsvcid} {self.subnqn} qid {qid}"
 
     async def _open_queue(self, qid: int, size: int, incapsule: int) -> HostQueue:
+        if self.transport == "rdma":
+            return await self._open_rdma_queue(qid, size, incapsule)
         queue = HostQueue(qid, queue_size=size, name=self._queue_name(qid), hdr_digest=self.hdr_digest,
                           data_digest=self.data_digest, incapsule_size=incapsule, timeout=self.timeout)
         if self.transport == "loop":
@@ -202,6 +206,17 @@ class HostController(NvmIo):
                 return loop.create_connection(pf, self.traddr, self.trsvcid)
         queue.on_broken = self._queue_broken
         return await open_queue(factory, queue, self.timeout)
+
+    async def _open_rdma_queue(self, qid: int, size: int, incapsule: int) -> HostQueue:
+        from initiator.rdma import RdmaQueue, open_rdma_queue
+
+        # in-capsule data on NVMe/RDMA only where the controller advertises offset SGLs (SGLS.SAOS)
+        if qid == 0 or self.identity is None or not self.identity.sgls & SGLS_OFFSET:
+            incapsule = 0
+        queue = RdmaQueue(qid, queue_size=size, name=self._queue_name(qid), incapsule_size=incapsule,
+                          timeout=self.timeout, cntlid=self.cntlid if qid else 0)
+        queue.on_broken = self._queue_broken
+        return await open_rdma_queue(queue, self.traddr, self.trsvcid, self.timeout)  # type: ignore[return-value]
 
     def _queue_broken(self, err: TransportError) -> None:
         if self._closed:
@@ -323,6 +338,8 @@ class HostController(NvmIo):
                 raise RuntimeError(f"{where}: KAS is 0; keep-alive support is mandatory for fabrics")
             if ident.ioccsz < 4:
                 raise RuntimeError(f"{where}: IOCCSZ {ident.ioccsz} is below the minimum of 4 (64 bytes)")
+        if self.transport == "rdma" and not ident.sgls & SGLS_KEYED:
+            raise RuntimeError(f"{where}: SGLS {ident.sgls:#x} lacks keyed SGL data blocks, which NVMe/RDMA needs")
         self.mdts_bytes = (1 << ident.mdts) * defaults.PAGE_SIZE if ident.mdts else 0
         self.io_incapsule_size = max(ident.ioccsz * 16 - 64, 0)
 
@@ -344,7 +361,7 @@ class HostController(NvmIo):
             *(self._open_queue(qid, size, self.io_incapsule_size) for qid in range(1, n + 1)),
             return_exceptions=True)
         errors = [q for q in queues if isinstance(q, BaseException)]
-        self.io_queues = [q for q in queues if isinstance(q, HostQueue)]
+        self.io_queues = [q for q in queues if not isinstance(q, BaseException)]
         if errors:
             raise errors[0]
         results = await asyncio.gather(

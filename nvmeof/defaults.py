@@ -30,3 +30,7 @@ IEEE_OUI = b"\x00\x00\x00"
 MAX_NAMESPACES = 1024
 TCP_MAX_C2H_DATA = 16 * 1024 * 1024  # host side: largest C2HData payload one PDU may carry before TermReq
 FILE_IO_THREADS = 4          # threads for blocking file-backend calls (preadv/pwritev/fdatasync/fallocate)
+RDMA_IO_BUFFER_POOL = 4 << 20      # registered data buffer per NVMe/RDMA I/O queue (>= MDTS), reused by every command
+RDMA_ADMIN_BUFFER_POOL = 1 << 20   # the same for admin queues: Identify, log pages, Connect data
+RDMA_READ_DEPTH = 16               # RDMA READs one side keeps outstanding (CM initiator depth / responder resources)
+RDMA_CM_TIMEOUT_MS = 3000          # NVME_RDMA_CM_TIMEOUT_MS: address and route resolution

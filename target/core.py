@@ -16,7 +16,14 @@ from typing import Any
 
 from nvmeof import defaults
 from nvmeof.spec.fabrics import FABRICS_OPCODE
-from nvmeof.spec.nvme import SGL_ID_INCAPSULE, SGL_ID_TRANSPORT, SQE_FLAGS_PSDT_SGL, FabricsType
+from nvmeof.spec.nvme import (
+    SGL_ID_INCAPSULE,
+    SGL_ID_KEYED,
+    SGL_ID_KEYED_INVALIDATE,
+    SGL_ID_TRANSPORT,
+    SQE_FLAGS_PSDT_SGL,
+    FabricsType,
+)
 from nvmeof.status import NvmeError, Status, describe
 from target import admin, discovery, fabrics, io
 from target.controller import Controller
@@ -254,6 +261,10 @@ def check_sgl(req: Request) -> None:
         if length > req.queue.max_incapsule:
             raise NvmeError(Status.SGL_INVALID_OFFSET,
                             f"{length} bytes of in-capsule data; this queue accepts {req.queue.max_incapsule}")
+    elif req.queue.transport == "rdma":
+        if sgl_id not in (SGL_ID_KEYED, SGL_ID_KEYED_INVALIDATE):
+            raise NvmeError(Status.SGL_INVALID_TYPE,
+                            f"SGL identifier {sgl_id:#04x}; NVMe/RDMA takes in-capsule (0x01) or keyed (0x40/0x4F)")
     elif sgl_id != SGL_ID_TRANSPORT:
         raise NvmeError(Status.SGL_INVALID_TYPE,
                         f"SGL identifier {sgl_id:#04x}; NVMe/TCP takes in-capsule (0x01) or transport (0x5A) SGLs")

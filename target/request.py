@@ -99,5 +99,12 @@ class Request:
         self.data_len = length
         self.execute = execute
 
+    def reply_payload(self) -> bytes | bytearray | memoryview:
+        """The controller-to-host data to send: ``reply`` cut or zero-padded to exactly ``data_len``."""
+        reply = self.reply if self.reply is not None else b""
+        if len(reply) != self.data_len:
+            reply = bytes(reply[:self.data_len]).ljust(self.data_len, b"\x00")
+        return reply
+
     def __repr__(self) -> str:
         return f"Request(qid={self.queue.qid}, {self.cmd!r}, {self.direction.name}, data_len={self.data_len})"

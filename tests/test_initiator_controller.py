@@ -283,8 +283,8 @@ async def test_host_not_allowed_is_named(env: Env) -> None:
 
 
 async def test_bad_arguments() -> None:
-    with pytest.raises(ValueError, match="transport 'rdma' is not supported"):
-        HostController("127.0.0.1", 4420, NQN, transport="rdma")
+    with pytest.raises(ValueError, match="transport 'fc' is not supported"):
+        HostController("127.0.0.1", 4420, NQN, transport="fc")
     with pytest.raises(ValueError, match="needs target="):
         HostController("x", 0, NQN, transport="loop")
     with pytest.raises(ValueError, match="subsystem NQN"):

@@ -19,8 +19,13 @@ def get_transport(trtype: str) -> Callable[..., Any]:
         from target.transports.tcp import TcpListener
 
         register_transport("tcp", TcpListener)
+    elif trtype not in _REGISTRY and trtype == "rdma":
+        # importable without pyverbs: starting the listener says how to install it
+        from target.transports.rdma import RdmaListener
+
+        register_transport("rdma", RdmaListener)
     factory = _REGISTRY.get(trtype)
     if factory is None:
-        have = ", ".join(sorted(_REGISTRY) or ["tcp"])
+        have = ", ".join(sorted({*_REGISTRY, "tcp", "rdma"}))
         raise ValueError(f"no target transport for trtype {trtype!r} (available: {have})")
     return factory
