@@ -1,0 +1,528 @@
+"""The Linux kernel host (nvme-tcp, nvme-cli, fio) in a QEMU guest against our `nvmeof serve`.
+
+One guest boot runs every check (a boot costs 8-15 s under TCG).  The guest script prints one
+`@@CHECK <name> PASS|FAIL <seconds>s <reason>@@` line per check and keeps going after a failure; at
+`@@HOST <step>@@` lines the test changes the target over its REST API (add, resize, remove a
+namespace) or inspects it, while the guest polls for the effect or waits on a tiny HTTP "barrier" the
+test serves.  Host-side checks land in the same table, and each pytest test below asserts a group of
+checks, so a failure names exactly which check failed and why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import http.server
+import re
+import shlex
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.interop import vm
+from tests.interop.ourtarget import IcSniffer, OurTarget, serve_target
+
+# The module's one guest run (~1.5-2 min under TCG) is set up inside the first test.
+pytestmark = [pytest.mark.vm, pytest.mark.timeout(600)]
+
+TARGET_SIZE = 128 << 20
+BLOCK = 512
+NS2_SIZE = 16 << 20
+NS2_RESIZED = 32 << 20
+STEP_TIMEOUT = 180.0  # the longest stretch between two host steps (dd + fio under TCG: ~60 s)
+
+
+# ------------------------------------------------------------------------------- the guest script
+
+GUEST_SCRIPT = r"""
+# Kernel messages would interleave with the marker lines: keep them off the console (dmesg still
+# has them, and failing checks print what they need).
+dmesg -n 1
+T=@HOST_ADDR@; IOP=@IOP@; DP=@DP@; DIGP=@DIGP@; NQN=@NQN@; GO=http://@HOST_ADDR@:@GOP@/
+SIZE=@SIZE@; NS2_SIZE=@NS2_SIZE@; NS2_RESIZED=@NS2_RESIZED@
+exec 3>&1
+HOSTNQN=$(cat /etc/nvme/hostnqn)
+echo "@@INFO hostnqn=$HOSTNQN@@"
+
+# run NAME FUNCTION: one check; its output is shown (indented) only when it fails
+run() {
+    _name=$1; shift
+    _t0=$(date +%s)
+    if "$@" > /tmp/check.log 2>&1; then
+        echo "@@CHECK $_name PASS $(( $(date +%s) - _t0 ))s@@"
+    else
+        _rc=$?
+        tail -n 40 /tmp/check.log | sed 's/^/    | /'
+        echo "@@CHECK $_name FAIL $(( $(date +%s) - _t0 ))s rc=$_rc: $(tail -n 1 /tmp/check.log | tr -d '@')@@"
+    fi
+}
+# await_host STEP: wait until the test has done its part of STEP (it serves the released steps)
+await_host() {
+    _i=0
+    while [ $_i -lt 600 ]; do
+        # busybox 1.35's `wget -T` crashes (SIGSEGV): bound it with timeout instead
+        case " $(timeout 5 wget -q -O - "$GO" 2>/dev/null) " in *" $1 "*) return 0 ;; esac
+        sleep 0.2; _i=$((_i + 1))
+    done
+    echo "the test did not release step $1 within 120 s"; return 1
+}
+need_dev() { [ -n "$DEV" ] && [ -b "$DEV" ] || { echo "no block device (the connect check failed)"; return 1; }; }
+# wait_for SECONDS SHELL-CONDITION
+wait_for() {
+    _i=0
+    while [ $_i -lt $(( $1 * 10 )) ]; do eval "$2" && return 0; sleep 0.1; _i=$((_i + 1)); done
+    return 1
+}
+
+check_discover() {  # $1: port
+    nvme discover -t tcp -a $T -s $1 > /tmp/disc || { echo "nvme discover -s $1 exited $?"; return 1; }
+    cat /tmp/disc
+    grep -Eq "subnqn: *$NQN( |\$)" /tmp/disc || { echo "$NQN missing from the discovery log on port $1"; return 1; }
+    grep -Eq "trsvcid: *$IOP( |\$)" /tmp/disc || { echo "no entry with trsvcid $IOP on port $1"; return 1; }
+}
+
+# connect PORT EXTRA-ARGS: sets CTRL and DEV
+connect() {
+    CTRL=""; DEV=""; rm -f /tmp/conn
+    dmesg -c > /dev/null
+    _port=$1; shift
+    ( @CONNECT@
+      echo "$CTRL $DEV" > /tmp/conn ) || return 1
+    read CTRL DEV < /tmp/conn
+    echo "@@INFO connected=$CTRL dev=$DEV cntlid=$(cat /sys/class/nvme/$CTRL/cntlid)@@" >&3
+    dmesg | grep -i nvme
+}
+
+check_list() {
+    need_dev || return 1
+    nvme list > /tmp/list || { echo "nvme list exited $?"; return 1; }
+    cat /tmp/list
+    grep -q "^$DEV " /tmp/list || { echo "nvme list does not show $DEV"; return 1; }
+}
+
+check_id_ctrl() {
+    need_dev || return 1
+    nvme id-ctrl /dev/$CTRL > /tmp/idc || { echo "nvme id-ctrl exited $?"; return 1; }
+    head -n 20 /tmp/idc
+    sub=$(sed -n 's/^subnqn *: *//p' /tmp/idc)
+    [ "$sub" = "$NQN" ] || { echo "id-ctrl subnqn is '$sub', expected $NQN"; return 1; }
+    idc_cntlid=$(( $(sed -n 's/^cntlid *: *//p' /tmp/idc) ))
+    sys_cntlid=$(cat /sys/class/nvme/$CTRL/cntlid)
+    [ "$idc_cntlid" = "$sys_cntlid" ] || { echo "id-ctrl cntlid $idc_cntlid != connect cntlid $sys_cntlid"; return 1; }
+    echo "@@INFO id_ctrl_cntlid=$idc_cntlid@@" >&3
+}
+
+check_id_ns() {
+    need_dev || return 1
+    nvme id-ns $DEV > /tmp/idns || { echo "nvme id-ns exited $?"; return 1; }
+    head -n 12 /tmp/idns
+    nsze=$(( $(sed -n 's/^nsze *: *//p' /tmp/idns) ))
+    [ "$nsze" = $((SIZE / @BLOCK@)) ] || { echo "id-ns nsze $nsze, expected $((SIZE / @BLOCK@))"; return 1; }
+    grep -q "in use" /tmp/idns || { echo "id-ns shows no LBA format in use"; return 1; }
+    sectors=$(cat /sys/block/${DEV#/dev/}/size)
+    [ "$sectors" = $((SIZE / 512)) ] || { echo "/sys/block size $sectors sectors, expected $((SIZE / 512))"; return 1; }
+}
+
+check_smart_log() {
+    need_dev || return 1
+    nvme smart-log /dev/$CTRL > /tmp/smart || { echo "nvme smart-log exited $?"; return 1; }
+    cat /tmp/smart
+    grep -q "^critical_warning" /tmp/smart || { echo "smart-log output has no critical_warning"; return 1; }
+}
+
+check_error_log() {
+    need_dev || return 1
+    nvme error-log /dev/$CTRL > /tmp/elog || { echo "nvme error-log exited $?"; return 1; }
+    head -n 20 /tmp/elog
+    grep -q "Error Log Entries" /tmp/elog || { echo "error-log output has no entries header"; return 1; }
+}
+
+check_dd() {  # $1: MiB
+    need_dev || return 1
+    dd if=/dev/urandom of=/tmp/data bs=1M count=$1 2>/dev/null || { echo "cannot make random data"; return 1; }
+    dd if=/tmp/data of=$DEV bs=1M oflag=direct conv=fsync || { echo "dd write of $1 MiB to $DEV failed"; return 1; }
+    written=$(sha256sum < /tmp/data | cut -d' ' -f1)
+    read_back=$(dd if=$DEV bs=1M count=$1 iflag=direct 2>/dev/null | sha256sum | cut -d' ' -f1)
+    rm -f /tmp/data
+    echo "written $written read $read_back"
+    [ "$written" = "$read_back" ] || { echo "sha256 of the $1 MiB read back differs from what was written"; return 1; }
+}
+
+ENGINE=libaio
+fio --enghelp 2>/dev/null | grep -qw libaio || ENGINE=io_uring
+run_fio() {  # fio arguments; passes only with exit 0, "err= 0" for every job and no verify complaint
+    need_dev || return 1
+    fio --name=check --filename=$DEV --ioengine=$ENGINE --direct=1 --verify=crc32c --verify_fatal=1 \
+        --group_reporting "$@" > /tmp/fio 2>&1
+    rc=$?
+    cat /tmp/fio
+    [ $rc = 0 ] || { echo "fio exited $rc"; return 1; }
+    grep -q "err= 0" /tmp/fio || { echo "fio reported an error"; return 1; }
+    ! grep -qi "verify.*\(bad\|fail\|mismatch\)" /tmp/fio || { echo "fio reported verify errors"; return 1; }
+}
+
+# Each namespace step prints its @@HOST@@ line first, so the test's sequence goes on even when the
+# step cannot work.
+check_ns_add() {
+    echo "@@HOST ns-add@@" >&3
+    need_dev || return 1
+    NS2=${DEV%n1}n2
+    wait_for 30 "[ -b $NS2 ]" || { echo "$NS2 did not appear within 30 s of the namespace add"; return 1; }
+    wait_for 10 "[ \$(cat /sys/block/${NS2#/dev/}/size) = $((NS2_SIZE / 512)) ]" || {
+        echo "$NS2 has $(cat /sys/block/${NS2#/dev/}/size) sectors, expected $((NS2_SIZE / 512))"; return 1; }
+}
+
+check_ns_resize() {
+    echo "@@HOST ns-resize@@" >&3
+    [ -n "$NS2" ] && [ -b "$NS2" ] || { echo "no second namespace (ns_add failed)"; return 1; }
+    wait_for 30 "[ \$(cat /sys/block/${NS2#/dev/}/size) = $((NS2_RESIZED / 512)) ]" || {
+        echo "$NS2 still has $(cat /sys/block/${NS2#/dev/}/size) sectors 30 s after the resize"; return 1; }
+    bytes=$(blockdev --getsize64 $NS2)
+    [ "$bytes" = $NS2_RESIZED ] || { echo "blockdev --getsize64 $NS2 says $bytes"; return 1; }
+    # The new capacity is usable: write and read back the last MiB.
+    dd if=/dev/urandom of=/tmp/tail bs=1M count=1 2>/dev/null
+    dd if=/tmp/tail of=$NS2 bs=1M seek=$((NS2_RESIZED / 1048576 - 1)) oflag=direct 2>/dev/null || {
+        echo "writing the last MiB of the resized $NS2 failed"; return 1; }
+    [ "$(dd if=$NS2 bs=1M skip=$((NS2_RESIZED / 1048576 - 1)) iflag=direct 2>/dev/null | sha256sum)" = \
+      "$(sha256sum < /tmp/tail)" ] || { echo "the last MiB of the resized $NS2 reads back different"; return 1; }
+}
+
+check_ns_remove() {
+    echo "@@HOST ns-remove@@" >&3
+    [ -n "$NS2" ] || { echo "no second namespace (ns_add failed)"; return 1; }
+    wait_for 30 "[ ! -e $NS2 ]" || { echo "$NS2 still present 30 s after the namespace was removed"; return 1; }
+    [ -b "$DEV" ] || { echo "$DEV vanished together with $NS2"; return 1; }
+}
+
+check_disconnect() {
+    [ -n "$CTRL" ] || { echo "nothing to disconnect (the connect check failed)"; return 1; }
+    nvme disconnect -d $CTRL || { echo "nvme disconnect -d $CTRL exited $?"; return 1; }
+    wait_for 10 "[ ! -e /sys/class/nvme/$CTRL ]" || { echo "$CTRL still present after disconnect"; return 1; }
+    CTRL=""; DEV=""
+}
+
+check_mapped_queues() {  # $1: queue count
+    dmesg | grep "mapped" || true
+    dmesg | grep -q "mapped $1/0/0 default/read/poll queues" || {
+        echo "dmesg has no 'mapped $1/0/0 default/read/poll queues'"; return 1; }
+}
+
+host_step_queues() {
+    echo "@@HOST queues@@" >&3
+    await_host queues
+}
+
+# ---- discovery
+run discover_discovery_port check_discover $DP
+run discover_io_port check_discover $IOP
+
+# ---- plain connect: identify, logs, I/O, namespace changes
+run connect_plain connect $IOP
+run nvme_list check_list
+run id_ctrl check_id_ctrl
+run id_ns check_id_ns
+run smart_log check_smart_log
+run error_log check_error_log
+run dd_64mib_sha256 check_dd 64
+run fio_randrw_4k_qd32 run_fio --rw=randrw --bs=4k --iodepth=32 --size=8M --numjobs=2 --offset_increment=8M \
+    --cpus_allowed=0-1 --cpus_allowed_policy=split
+run fio_seq_128k run_fio --rw=write --bs=128k --iodepth=8 --size=32M --offset=64M
+run ns_add check_ns_add
+run ns_resize check_ns_resize
+run ns_remove check_ns_remove
+run disconnect_plain check_disconnect
+
+# ---- header and data digests (through the test's ICReq/ICResp sniffer on port DIGP)
+run connect_digests connect $DIGP --hdr-digest --data-digest
+run digests_dd_16mib_sha256 check_dd 16
+run digests_fio_randrw run_fio --rw=randrw --bs=4k --iodepth=16 --size=4M
+run disconnect_digests check_disconnect
+
+# ---- two I/O queues
+run connect_2_io_queues connect $IOP --nr-io-queues 2
+run dmesg_2_io_queues check_mapped_queues 2
+run rest_step_queues host_step_queues
+run two_queue_fio run_fio --rw=randrw --bs=4k --iodepth=16 --size=4M --numjobs=2 --offset_increment=4M \
+    --cpus_allowed=0-1 --cpus_allowed_policy=split
+run disconnect_2_io_queues check_disconnect
+
+echo "@@HOST all-disconnected@@"
+await_host done || echo "the test did not finish its last checks"
+dmesg | grep -i -e nvme -e tcp | tail -n 40 | sed 's/^/    dmesg| /'
+exit 0
+"""
+
+GUEST_CHECKS = (
+    "discover_discovery_port", "discover_io_port",
+    "connect_plain", "nvme_list", "id_ctrl", "id_ns", "smart_log", "error_log",
+    "dd_64mib_sha256", "fio_randrw_4k_qd32", "fio_seq_128k",
+    "ns_add", "ns_resize", "ns_remove", "disconnect_plain",
+    "connect_digests", "digests_dd_16mib_sha256", "digests_fio_randrw", "disconnect_digests",
+    "connect_2_io_queues", "dmesg_2_io_queues", "rest_step_queues", "two_queue_fio", "disconnect_2_io_queues",
+)  # fmt: skip
+HOST_CHECKS = (
+    "rest_cntlid_matches", "rest_two_io_queues", "digests_negotiated",
+    "no_leaked_controller", "target_log_clean", "target_clean_exit",
+)  # fmt: skip
+
+
+def guest_script(*, io_port: int, disc_port: int, digest_port: int, go_port: int, subnqn: str) -> str:
+    connect = vm.guest_nvme_connect_script(vm.HOST_ADDR, "PORTVAR", subnqn, '"$@"')
+    connect = connect.replace("-s PORTVAR", '-s "$_port"').replace(":PORTVAR", ":$_port")
+    values = {
+        "@HOST_ADDR@": vm.HOST_ADDR, "@IOP@": str(io_port), "@DP@": str(disc_port), "@DIGP@": str(digest_port),
+        "@GOP@": str(go_port), "@NQN@": shlex.quote(subnqn), "@SIZE@": str(TARGET_SIZE), "@BLOCK@": str(BLOCK),
+        "@NS2_SIZE@": str(NS2_SIZE), "@NS2_RESIZED@": str(NS2_RESIZED), "@CONNECT@": connect,
+    }  # fmt: skip
+    script = GUEST_SCRIPT
+    for key, value in values.items():
+        script = script.replace(key, value)
+    return script
+
+
+# ------------------------------------------------------------------------------- host side
+
+
+class Barrier:
+    """Serves the names of the released steps over HTTP; the guest polls it with busybox wget."""
+
+    def __init__(self) -> None:
+        self.released: list[str] = []
+        released = self.released
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = (" ".join(released) + "\n").encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def release(self, step: str) -> None:
+        self.released.append(step)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@dataclasses.dataclass
+class CheckResult:
+    ok: bool
+    seconds: float | None
+    reason: str
+
+
+@dataclasses.dataclass
+class Report:
+    checks: dict[str, CheckResult] = dataclasses.field(default_factory=dict)
+    info: dict[str, str] = dataclasses.field(default_factory=dict)
+    error: str = ""  # why the run stopped early, if it did
+    console: Path | None = None
+    target_log: Path | None = None
+    seconds: float = 0.0
+    boot_seconds: float | None = None
+
+    def record(self, name: str, ok: bool, reason: str = "", seconds: float | None = None) -> None:
+        self.checks[name] = CheckResult(ok, seconds, reason)
+
+    def assert_passed(self, *names: str) -> None:
+        problems = []
+        for name in names:
+            result = self.checks.get(name)
+            if result is None:
+                problems.append(f"{name}: not reported ({self.error or 'the guest never reached it'})")
+            elif not result.ok:
+                problems.append(f"{name}: FAILED: {result.reason}")
+        assert not problems, ("kernel host checks failed:\n  " + "\n  ".join(problems)
+                              + f"\nguest console: {self.console}\ntarget log: {self.target_log}")
+
+
+_CHECK_RE = re.compile(r"@@CHECK (\S+) (PASS|FAIL) (\d+)s(?: ([^@\n]*))?@@")
+_INFO_RE = re.compile(r"@@INFO ([^@\n]*)@@")
+
+
+def _parse_guest(output: str, report: Report) -> None:
+    for m in _INFO_RE.finditer(output):
+        for pair in m.group(1).split():
+            key, _, value = pair.partition("=")
+            report.info.setdefault(key, value)
+    for m in _CHECK_RE.finditer(output):
+        report.record(m.group(1), m.group(2) == "PASS", m.group(4) or "", float(m.group(3)))
+
+
+def _poll(condition: Callable[[], bool], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while True:
+        if condition():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+
+
+def _host_steps(guest: vm.Guest, target: OurTarget, barrier: Barrier, sniffer: IcSniffer, report: Report) -> None:
+    """React to the guest's @@HOST step@@ lines in order; record the host-side checks."""
+    pos = 0
+    while True:
+        match = guest.wait_for(r"@@HOST (\S+)@@", STEP_TIMEOUT, start=pos)
+        pos = match.end()
+        _parse_guest(guest.output, report)
+        if _host_step(match.group(1), target, barrier, sniffer, report):
+            return
+
+
+def _namespace_ids(target: OurTarget) -> set[int]:
+    return {ns["nsid"] for ns in target.api("GET", f"/subsystems/{target.subnqn}/namespaces")}
+
+
+def _host_step(name: str, target: OurTarget, barrier: Barrier, sniffer: IcSniffer, report: Report) -> bool:
+    """Do the test's part of one guest step; True after the last one."""
+    if name == "ns-add":
+        # Still connected with the plain controller: the REST view must list the cntlid the guest saw.
+        _rest_cntlid_check(target, report)
+        target.add_namespace(NS2_SIZE, nsid=2)
+    elif name == "ns-resize":
+        if 2 in _namespace_ids(target):
+            target.resize_namespace(2, NS2_RESIZED)
+    elif name == "ns-remove":
+        if 2 in _namespace_ids(target):
+            target.remove_namespace(2)
+    elif name == "queues":
+        mine = [c for c in target.controllers()
+                if c["subnqn"] == target.subnqn and c["hostnqn"] == report.info.get("hostnqn")]
+        qids = [sorted(q["qid"] for q in c["queues"]) for c in mine]
+        report.record("rest_two_io_queues", qids == [[0, 1, 2]],
+                      f"REST queues of the guest's controller(s): {qids}, expected [[0, 1, 2]]")
+        barrier.release("queues")
+    elif name == "all-disconnected":
+        _final_checks(target, barrier, sniffer, report)
+        return True
+    else:
+        raise AssertionError(f"the guest script asked for an unknown host step {name!r}")
+    return False
+
+
+def _rest_cntlid_check(target: OurTarget, report: Report) -> None:
+    cntlid = report.info.get("id_ctrl_cntlid")
+    ctrls = target.controllers()
+    mine = [c for c in ctrls if c["subnqn"] == target.subnqn and c["hostnqn"] == report.info.get("hostnqn")]
+    report.record("rest_cntlid_matches", cntlid is not None and [c["cntlid"] for c in mine] == [int(cntlid)],
+                  f"guest id-ctrl cntlid {cntlid}, REST controllers of the guest: {mine}")
+
+
+def _final_checks(target: OurTarget, barrier: Barrier, sniffer: IcSniffer, report: Report) -> None:
+    leftovers: list[dict] = []
+
+    def none_left() -> bool:
+        leftovers[:] = target.controllers()
+        return not leftovers
+
+    report.record("no_leaked_controller", _poll(none_left, 10),
+                  f"controllers still listed 10 s after the last disconnect: {leftovers}")
+    barrier.release("done")
+
+    # Every connection of the digest controller (admin + I/O queues) asked for and got HDGST|DDGST.
+    req, resp = list(sniffer.icreq_digests), list(sniffer.icresp_digests)
+    report.record("digests_negotiated", bool(req) and set(req) == {3} and set(resp) == {3} and len(req) == len(resp),
+                  f"ICReq digest bytes {req}, ICResp digest bytes {resp}; expected 3 (HDGST|DDGST) on each")
+
+
+@pytest.fixture(scope="module")
+def kernel_host_report(vm_assets: vm.Assets, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Report]:
+    log_dir = tmp_path_factory.mktemp("kernel-host")
+    report = Report(console=log_dir / "guest-console.log", target_log=log_dir / "nvmeof-serve.log")
+    began = time.monotonic()
+    barrier = Barrier()
+    try:
+        with serve_target(log_dir, size=f"{TARGET_SIZE >> 20}M", block_size=BLOCK, check_clean_exit=False) as target:
+            sniffer = IcSniffer(target.io_port)
+            guest = vm.Guest(vm_assets, fio=True)
+            try:
+                script = guest_script(io_port=target.io_port, disc_port=target.discovery_port,
+                                      digest_port=sniffer.port, go_port=barrier.port, subnqn=target.subnqn)
+                guest.start(script)
+                report.boot_seconds = guest.boot_seconds
+                try:
+                    _host_steps(guest, target, barrier, sniffer, report)
+                    code = guest.wait_exit(60)
+                    if code != 0:
+                        report.error = f"guest script exited with status {code}"
+                except (vm.GuestExited, vm.GuestTimeout) as exc:
+                    report.error = exc.args[0].splitlines()[0]
+            finally:
+                report.console.write_text(guest.output)
+                guest.stop()
+                sniffer.close()
+            _parse_guest(guest.output, report)
+            target_proc = target.proc
+    finally:
+        barrier.close()
+    code = target_proc.returncode
+    report.record("target_clean_exit", code == 0, f"nvmeof serve exited with status {code} on SIGTERM")
+    errors = target.log_lines("ERROR", "CRITICAL") + [
+        line for line in target.log_text().splitlines() if line.startswith("Traceback")]
+    report.record("target_log_clean", not errors, "target log has errors:\n    " + "\n    ".join(errors[:30]))
+    report.seconds = time.monotonic() - began
+    missing = set(GUEST_CHECKS + HOST_CHECKS) - set(report.checks)
+    print(f"\nkernel host interop: {report.seconds:.1f} s total, boot {report.boot_seconds or 0:.1f} s; "
+          f"console {report.console}")
+    for name, result in report.checks.items():
+        took = f"{result.seconds:4.0f}s" if result.seconds is not None else "    -"
+        print(f"  {'PASS' if result.ok else 'FAIL'} {took} {name}{'' if result.ok else ': ' + result.reason}")
+    for name in sorted(missing):
+        print(f"  MISSING     {name}")
+    yield report
+
+
+def test_discover_on_discovery_and_io_ports(kernel_host_report: Report) -> None:
+    kernel_host_report.assert_passed("discover_discovery_port", "discover_io_port")
+
+
+def test_connect_identify_and_logs(kernel_host_report: Report) -> None:
+    kernel_host_report.assert_passed("connect_plain", "nvme_list", "id_ctrl", "id_ns", "smart_log", "error_log",
+                                     "rest_cntlid_matches")
+
+
+def test_dd_64mib_sha256(kernel_host_report: Report) -> None:
+    kernel_host_report.assert_passed("dd_64mib_sha256")
+
+
+def test_fio_verify(kernel_host_report: Report) -> None:
+    kernel_host_report.assert_passed("fio_randrw_4k_qd32", "fio_seq_128k")
+
+
+def test_namespace_add_resize_remove_reach_the_host(kernel_host_report: Report) -> None:
+    kernel_host_report.assert_passed("ns_add", "ns_resize", "ns_remove")
+
+
+def test_header_and_data_digests(kernel_host_report: Report) -> None:
+    kernel_host_report.assert_passed("connect_digests", "digests_negotiated", "digests_dd_16mib_sha256",
+                                     "digests_fio_randrw", "disconnect_digests")
+
+
+def test_two_io_queues(kernel_host_report: Report) -> None:
+    kernel_host_report.assert_passed("connect_2_io_queues", "dmesg_2_io_queues", "rest_step_queues",
+                                     "rest_two_io_queues", "two_queue_fio", "disconnect_2_io_queues")
+
+
+def test_disconnect_leaves_no_controller_and_no_error(kernel_host_report: Report) -> None:
+    kernel_host_report.assert_passed("disconnect_plain", "no_leaked_controller", "target_log_clean",
+                                     "target_clean_exit")
+
+
+def test_every_check_reported(kernel_host_report: Report) -> None:
+    missing = set(GUEST_CHECKS + HOST_CHECKS) - set(kernel_host_report.checks)
+    unknown = set(kernel_host_report.checks) - set(GUEST_CHECKS + HOST_CHECKS)
+    assert not missing and not unknown, (f"checks not reported: {sorted(missing)}; unexpected: {sorted(unknown)}; "
+                                         f"{kernel_host_report.error}")
