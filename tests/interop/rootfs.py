@@ -364,8 +364,8 @@ def build_rootfs(cache_dir: Path | str | None = None) -> RootfsAssets:
                 shutil.rmtree(work, ignore_errors=True)
             built = True
         if not pydeps.is_dir():
-            for stale in out.glob("pydeps-*"):
-                shutil.rmtree(stale, ignore_errors=True)
+            # No clean-up of other pydeps-* folders: a guest of another environment (another venv with
+            # other versions) may be reading one over 9p right now, and each is only a few MiB.
             _copy_distributions(pydeps)
             built = True
     return RootfsAssets(image=image, initramfs=initramfs, pydeps=pydeps, vm_assets=assets,
