@@ -95,8 +95,10 @@ def connect(traddr: str, trsvcid: int = defaults.TCP_IO_PORT, *, subnqn: str, tr
     """Connect through the kernel host and return the controller with its block devices."""
     if not os.path.exists(FABRICS_DEV):
         raise KernelAttachError(
+            # One module name only: modprobe reads any further words as parameters of the first module.
+            # nvme-TRANSPORT pulls nvme-fabrics (and nvme-core) in as its dependencies.
             f"{FABRICS_DEV} does not exist: this kernel has no NVMe over Fabrics host loaded. Load it with "
-            f"'modprobe nvme-fabrics nvme-{transport}' (the kernel needs CONFIG_NVME_FABRICS and "
+            f"'modprobe nvme-{transport}' as root (the kernel needs CONFIG_NVME_FABRICS and "
             f"CONFIG_NVME_{transport.upper()})")
     if not hostnqn or not hostid:
         # The same identity the Python initiator presents: /etc/nvme/hostnqn and hostid as nvme-cli reads them.
@@ -125,6 +127,9 @@ def connect(traddr: str, trsvcid: int = defaults.TCP_IO_PORT, *, subnqn: str, tr
         instance = int(fields["instance"])
     except (KeyError, ValueError) as e:
         raise KernelAttachError(f"unexpected reply from {FABRICS_DEV}: {reply!r}") from e
+    if instance < 0:
+        # Newer kernels answer "instance=-1,cntlid=-1,<option list>" when no controller was created.
+        raise KernelAttachError(f"the kernel created no controller: {FABRICS_DEV} answered {reply.strip()!r}")
     ctrl = KernelController(name=f"nvme{instance}", instance=instance, cntlid=int(fields.get("cntlid", -1)),
                             subnqn=subnqn, transport=transport, traddr=traddr, trsvcid=trsvcid)
     deadline = time.monotonic() + wait_for_devices
@@ -150,7 +155,12 @@ def block_devices(ctrl_name: str) -> list[str]:
         parent = Path(dev.sys_path, "device").resolve()
         if parent.name == ctrl_name or (subsys_dir is not None and parent == subsys_dir):
             found.append(dev.device_node or f"/dev/{name}")
-    return sorted(found, key=lambda p: [int(x) for x in re.findall(r"\d+", p)])
+    return sorted(found, key=_numeric_key)
+
+
+def _numeric_key(name: str) -> list[int]:
+    """nvme2n1 before nvme10n1: sort device names by their numbers, not as text."""
+    return [int(x) for x in re.findall(r"\d+", name)]
 
 
 def _subsystem_dir(ctrl_name: str) -> Path | None:
@@ -167,13 +177,16 @@ def controllers() -> list[dict]:
     out = []
     if not SYS_NVME.exists():
         return out
-    for c in sorted(SYS_NVME.iterdir(), key=lambda p: p.name):
+    for c in sorted(SYS_NVME.iterdir(), key=lambda p: _numeric_key(p.name)):
         def attr(name: str, c: Path = c) -> str:
             try:
                 return (c / name).read_text().strip()
             except OSError:
                 return ""
-        out.append({"name": c.name, "transport": attr("transport"), "address": attr("address"),
+        transport = attr("transport")
+        if transport == "pcie":
+            continue  # local NVMe drives: not ours to list, nor to delete by NQN
+        out.append({"name": c.name, "transport": transport, "address": attr("address"),
                     "subsysnqn": attr("subsysnqn"), "state": attr("state"), "cntlid": attr("cntlid"),
                     "block_devices": block_devices(c.name)})
     return out

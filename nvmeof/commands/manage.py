@@ -14,16 +14,18 @@ import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import click
-import httpx
 
 from nvmeof import defaults
 from nvmeof.uri import parse_address
 
 from .common import echo_json, format_size, parse_size, table
+
+if TYPE_CHECKING:
+    import httpx
 
 DEFAULT_API = f"http://{defaults.LISTEN_ADDRESS}:{defaults.API_PORT}"
 EXIT_API_ERROR = 1
@@ -47,6 +49,8 @@ class ApiUnreachable(Exception):
 
 def make_http_client(base_url: str, headers: dict[str, str]) -> httpx.Client:
     """The HTTP client every command uses; tests replace it to point at an in-process app."""
+    import httpx  # imported when a management command runs, so `nvmeof serve` and host commands don't need it
+
     return httpx.Client(base_url=base_url, headers=headers, timeout=TIMEOUT)
 
 
@@ -73,6 +77,8 @@ class Api:
         self.token = token
 
     def call(self, method: str, path: str, *, json_body: Any = None, params: dict[str, Any] | None = None) -> Any:
+        import httpx
+
         if not logging.getLogger().isEnabledFor(logging.DEBUG):
             # httpx logs every request at INFO, which is the command line's default level.
             logging.getLogger("httpx").setLevel(logging.WARNING)
