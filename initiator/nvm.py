@@ -98,6 +98,14 @@ class NvmIo:
     async def _transfer(self, opcode: int, nsid: int, slba: int, nlb: int, view: memoryview | None,
                         bs: int, *, write: bool, fua: bool = False) -> None:
         step = self._max_blocks(bs)
+        if nlb <= step:
+            # One command: straight to a queue, without the gather machinery.
+            cmd = c.rw(opcode, nsid, slba, nlb, fua=fua)
+            if write:
+                await self._io_queue().submit(cmd, data_out=view)
+            else:
+                await self._io_queue().submit(cmd, data_in=view)
+            return
         pieces = []
         for first in range(0, nlb, step):
             n = min(step, nlb - first)
@@ -113,7 +121,8 @@ class NvmIo:
                    buf: bytearray | memoryview | None = None) -> bytes | None:
         """Read ``nlb`` blocks at ``slba``; returns bytes, or fills ``buf`` (and returns None)."""
         _check_lba(slba, nlb)
-        bs = (await self.namespace_geometry(nsid)).block_size
+        geo = self._ns_cache.get(nsid)
+        bs = (geo or await self.namespace_geometry(nsid)).block_size
         total = nlb * bs
         if buf is None:
             out = bytearray(total)
@@ -130,13 +139,17 @@ class NvmIo:
     async def _data_blocks(self, nsid: int, data: Buffer) -> tuple[memoryview, int, int]:
         view = _byte_view(data)
         bs = (await self.namespace_geometry(nsid)).block_size
-        if not view or len(view) % bs:
-            raise ValueError(f"data is {len(view)} bytes; it must be a positive multiple of namespace "
-                             f"{nsid}'s block size {bs}")
-        return view, bs, len(view) // bs
+        return view, bs, _whole_blocks(view, nsid, bs)
 
     async def write(self, nsid: int, slba: int, data: Buffer, *, fua: bool = False) -> None:
-        view, bs, nlb = await self._data_blocks(nsid, data)
+        geo = self._ns_cache.get(nsid)
+        if geo is None:
+            view, bs, nlb = await self._data_blocks(nsid, data)
+        else:
+            # The cached geometry spares a coroutine per I/O; the checks are _data_blocks' own.
+            view = _byte_view(data)
+            bs = geo.block_size
+            nlb = _whole_blocks(view, nsid, bs)
         _check_lba(slba, nlb)
         await self._transfer(IoOpcode.WRITE, nsid, slba, nlb, view, bs, write=True, fua=fua)
 
@@ -184,6 +197,13 @@ def _check_lba(slba: int, nlb: int) -> None:
         raise ValueError(f"slba must be 0..2**64-1, got {slba}")
     if nlb < 1:
         raise ValueError(f"nlb must be at least 1, got {nlb}")
+
+
+def _whole_blocks(view: memoryview, nsid: int, bs: int) -> int:
+    if not view or len(view) % bs:
+        raise ValueError(f"data is {len(view)} bytes; it must be a positive multiple of namespace "
+                         f"{nsid}'s block size {bs}")
+    return len(view) // bs
 
 
 def _byte_view(data: Buffer) -> memoryview:

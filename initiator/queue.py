@@ -53,7 +53,8 @@ class CommandTimeout(TransportError, TimeoutError):
 
 
 class _Pending:
-    __slots__ = ("cid", "data_in", "data_out", "error", "future", "opcode", "received", "sent", "timer")
+    __slots__ = ("cid", "data_in", "data_out", "deadline", "error", "future", "opcode", "received", "sent",
+                 "timeout")
 
     def __init__(self, cid: int, opcode: int, future: asyncio.Future[Completion],
                  data_out: memoryview | None, data_in: memoryview | None) -> None:
@@ -65,7 +66,8 @@ class _Pending:
         self.sent = 0          # H2C bytes already sent for R2Ts
         self.received = 0      # C2H bytes already copied into data_in
         self.error: NvmeError | None = None  # set by a data digest mismatch; reported at completion
-        self.timer: asyncio.TimerHandle | None = None
+        self.timeout: float | None = None   # seconds, as given to submit
+        self.deadline = 0.0                 # loop.time() by which the completion must arrive
 
 
 def _as_view(data: bytes | bytearray | memoryview) -> memoryview:
@@ -75,7 +77,10 @@ def _as_view(data: bytes | bytearray | memoryview) -> memoryview:
     return view
 
 
-class HostQueue(asyncio.Protocol):
+RECV_BUFFER_SIZE = 256 * 1024
+
+
+class HostQueue(asyncio.BufferedProtocol):
     """One queue (admin qid 0 or an I/O queue) over one transport connection.
 
     Use :meth:`open` (or build it as the protocol of ``create_connection``, then call
@@ -99,6 +104,10 @@ class HostQueue(asyncio.Protocol):
         self.maxh2cdata = 0
         self.commands_submitted = 0
         self._conn = TcpConnection(Role.HOST)
+        # Large C2HData payloads are received straight into the reader's buffer (see _place).
+        self._conn.place = self._place
+        self._recv = memoryview(bytearray(RECV_BUFFER_SIZE))
+        self._recv_direct = False   # the last get_buffer() handed out a direct-placement buffer
         self._transport: asyncio.Transport | None = None
         self._pending: dict[int, _Pending] = {}
         # A circular SQ of N entries holds N-1 commands (full when tail+1 == head), so at most
@@ -112,6 +121,13 @@ class HostQueue(asyncio.Protocol):
         self._write_paused = False
         self._drain_waiters: list[asyncio.Future[None]] = []
         self.on_broken: Any = None  # optional callback(TransportError) run once when the queue breaks
+        # One timer for the whole queue, armed at the earliest deadline of the commands in flight
+        # (a timer per command costs more than the command itself at high queue depth).
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+        # Commands submitted in one loop iteration leave in one write (see _flush_soon).
+        self._flush_scheduled = False
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # ---- opening -------------------------------------------------------------------------------
 
@@ -148,15 +164,35 @@ class HostQueue(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
-        self._closed_future = asyncio.get_running_loop().create_future()
+        self._loop = asyncio.get_running_loop()
+        self._closed_future = self._loop.create_future()
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-    def data_received(self, data: bytes) -> None:
+    def get_buffer(self, sizehint: int) -> memoryview:
+        direct = self._conn.direct_buffer()
+        if direct is not None:
+            self._recv_direct = True
+            return direct
+        self._recv_direct = False
+        return self._recv
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._recv_direct:
+            self._recv_direct = False
+            if self._error is None:
+                self._on_events(self._conn.direct_received(nbytes))
+        else:
+            self.data_received(self._recv[:nbytes])
+
+    def data_received(self, data: bytes | memoryview) -> None:  # type: ignore[override]
         if self._error is not None:
             return
-        for event in self._conn.receive_data(data):
+        self._on_events(self._conn.receive_data(data))
+
+    def _on_events(self, events: list[Any]) -> None:
+        for event in events:
             kind = type(event)
             if kind is ResponseReceived:
                 self._on_response(event.cqe)
@@ -228,8 +264,8 @@ class HostQueue(asyncio.Protocol):
         in_view = _as_view(data_in) if data_in is not None else None
         if in_view is not None and in_view.readonly:
             raise ValueError("data_in must be a writable buffer (bytearray or writable memoryview)")
-        cid = await self._acquire_cid()
-        loop = asyncio.get_running_loop()
+        cid = self._free_cids.pop() if self._free_cids and not self._cid_waiters else await self._acquire_cid()
+        loop = self._loop or asyncio.get_running_loop()
         pending = _Pending(cid, cmd.opcode, loop.create_future(), out_view, in_view)
         self._pending[cid] = pending
         cmd.cid = cid
@@ -244,10 +280,13 @@ class HostQueue(asyncio.Protocol):
         if timeout is DEFAULT_TIMEOUT:
             timeout = self.timeout
         if timeout is not None:
-            pending.timer = loop.call_later(timeout, self._on_timeout, cid, timeout)
+            pending.timeout = timeout
+            pending.deadline = deadline = loop.time() + timeout
+            if self._timer is None or deadline < self._timer_at:
+                self._arm_timer(deadline)
         self._conn.send_command(cmd.to_bytes(), incapsule)
         self.commands_submitted += 1
-        self._flush()
+        self._flush_soon()
         if self._write_paused:
             await self._drain()
         try:
@@ -294,16 +333,13 @@ class HostQueue(asyncio.Protocol):
 
     def _retire(self, pending: _Pending) -> None:
         del self._pending[pending.cid]
-        if pending.timer is not None:
-            pending.timer.cancel()
+        pending.timeout = None
         self._free_cids.append(pending.cid)
         self._wake_cid_waiter()
 
     def _finish(self, pending: _Pending, cqe: Completion) -> None:
         fut = pending.future
-        if pending.timer is not None:
-            pending.timer.cancel()
-            pending.timer = None
+        pending.timeout = None
         if fut.done():
             # The caller was cancelled; the cid becomes free only now that the controller is done.
             self._retire(pending)
@@ -326,6 +362,16 @@ class HostQueue(asyncio.Protocol):
             return
         self._finish(pending, cqe)
 
+    def _place(self, cccid: int, ttag: int, datao: int, datal: int) -> memoryview | None:
+        """Where a large C2HData payload may go directly: the reader's buffer, if the PDU fits it."""
+        pending = self._pending.get(cccid)
+        if pending is None:
+            return None
+        buf = pending.data_in
+        if buf is None or datao != pending.received or datao + datal > len(buf):
+            return None   # the general path reports it
+        return buf[datao:datao + datal]
+
     def _on_c2h_data(self, ev: C2HDataReceived) -> None:
         pending = self._pending.get(ev.cccid)
         if pending is None:
@@ -344,7 +390,8 @@ class HostQueue(asyncio.Protocol):
                 f"C2HData for cid {ev.cccid} at offset {ev.offset} length {length}: expected offset "
                 f"{pending.received} within a {len(buf)}-byte buffer")
             return
-        buf[ev.offset:ev.offset + length] = ev.data
+        if not ev.placed:
+            buf[ev.offset:ev.offset + length] = ev.data
         pending.received += length
         if not ev.digest_ok and pending.error is None:
             pending.error = NvmeError(Status.DATA_XFER_ERROR,
@@ -380,11 +427,35 @@ class HostQueue(asyncio.Protocol):
             offset += n
         pending.sent = end
 
-    def _on_timeout(self, cid: int, timeout: float) -> None:
-        pending = self._pending.get(cid)
-        if pending is None:
+    def _arm_timer(self, when: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        assert self._loop is not None
+        self._timer_at = when
+        self._timer = self._loop.call_at(when, self._check_timeouts)
+
+    def _check_timeouts(self) -> None:
+        """The timer fired: time out the first expired command, or re-arm at the earliest deadline."""
+        self._timer = None
+        if self._error is not None:
             return
-        pending.timer = None
+        assert self._loop is not None
+        now = self._loop.time()
+        earliest: float | None = None
+        for pending in self._pending.values():
+            if pending.timeout is None:
+                continue
+            if pending.deadline <= now:
+                self._on_timeout(pending)
+                return
+            if earliest is None or pending.deadline < earliest:
+                earliest = pending.deadline
+        if earliest is not None:
+            self._arm_timer(earliest)
+
+    def _on_timeout(self, pending: _Pending) -> None:
+        cid, timeout = pending.cid, pending.timeout
+        pending.timeout = None
         err = CommandTimeout(self.name, f"cid {cid} opcode {pending.opcode:#04x} got no completion in "
                                         f"{timeout} s; the queue is torn down")
         if not pending.future.done():
@@ -401,12 +472,13 @@ class HostQueue(asyncio.Protocol):
         if self._error is not None:
             return
         self._error = err
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self._ic_future is not None and not self._ic_future.done():
             self._ic_future.set_exception(err)
             self._ic_future.exception()  # retrieved here so an unawaited future does not warn
         for pending in list(self._pending.values()):
-            if pending.timer is not None:
-                pending.timer.cancel()
             if not pending.future.done():
                 pending.future.set_exception(err)
             self._retire(pending)
@@ -419,6 +491,21 @@ class HostQueue(asyncio.Protocol):
         self._wake_drain_waiters()
         if self.on_broken is not None:
             self.on_broken(err)
+
+    def _flush_soon(self) -> None:
+        """Write what submit queued: now if it is the only command in flight (no one to wait for),
+        else once at the next loop iteration, together with whatever else is submitted meanwhile."""
+        if self._flush_scheduled:
+            return
+        if len(self._pending) <= 1 or self._loop is None:
+            self._flush()
+            return
+        self._flush_scheduled = True
+        self._loop.call_soon(self._scheduled_flush)
+
+    def _scheduled_flush(self) -> None:
+        self._flush_scheduled = False
+        self._flush()
 
     def _flush(self) -> None:
         out = self._conn.data_to_send()

@@ -34,3 +34,4 @@ RDMA_IO_BUFFER_POOL = 4 << 20      # registered data buffer per NVMe/RDMA I/O qu
 RDMA_ADMIN_BUFFER_POOL = 1 << 20   # the same for admin queues: Identify, log pages, Connect data
 RDMA_READ_DEPTH = 16               # RDMA READs one side keeps outstanding (CM initiator depth / responder resources)
 RDMA_CM_TIMEOUT_MS = 3000          # NVME_RDMA_CM_TIMEOUT_MS: address and route resolution
+TCP_DIRECT_PLACEMENT_MIN = 16 * 1024  # missing data PDU payload from which it is received straight into its buffer

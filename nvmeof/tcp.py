@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from nvmeof import defaults
@@ -98,6 +99,7 @@ class H2CDataReceived:
     data: memoryview
     last: bool
     digest_ok: bool
+    placed: bool = False            # data already sits in the buffer the ``place`` callback returned
 
 
 @dataclass(slots=True)
@@ -108,6 +110,7 @@ class C2HDataReceived:
     last: bool
     success: bool
     digest_ok: bool
+    placed: bool = False            # data already sits in the buffer the ``place`` callback returned
 
 
 @dataclass(slots=True)
@@ -191,6 +194,7 @@ _LAST = spec.DATA_LAST
 _SUCCESS = spec.DATA_SUCCESS
 _DGST_LEN = spec.DIGEST_LENGTH
 _TERM_DATA_MAX = spec.TERM_REQ_MAX_DATA
+_DIRECT_MIN = defaults.TCP_DIRECT_PLACEMENT_MIN
 
 
 def _pdu_name(ptype: int) -> str:
@@ -259,6 +263,15 @@ class TcpConnection:
         self._fast_key = -1
         self._fast_hlen = 0
         self._fast_plen = 0
+        # Direct data placement: when a data PDU we receive (host: C2HData, controller: H2CData)
+        # still misses at least TCP_DIRECT_PLACEMENT_MIN payload bytes, ``place(cccid, ttag, datao,
+        # datal)`` may return a writable view of exactly ``datal`` bytes; the payload then goes there
+        # (the adapter can receive straight into ``direct_buffer()``) instead of through our buffer.
+        # Only without data digests. None, or a callback returning None, keeps the general path.
+        self.place: Callable[[int, int, int, int], memoryview | None] | None = None
+        self._direct: memoryview | None = None
+        self._direct_got = 0
+        self._direct_pdu: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)   # ptype, flags, cccid, ttag, datao
 
     # ------------------------------------------------------------------------------------ state
 
@@ -287,6 +300,17 @@ class TcpConnection:
         """Feed received bytes; return the events of every PDU completed by them (never raises)."""
         if self.state is State.CLOSED or not data:
             return []
+        if self._direct is not None:
+            # The payload being placed comes first; what follows it is parsed as usual.
+            mv = data if isinstance(data, memoryview) else memoryview(data)
+            if mv.format != "B" or mv.ndim != 1:
+                mv = mv.cast("B")
+            take = min(len(mv), len(self._direct) - self._direct_got)
+            self._direct[self._direct_got:self._direct_got + take] = mv[:take]
+            events = self.direct_received(take)
+            if take < len(mv):
+                events += self.receive_data(mv[take:])
+            return events
         buf = self._buf
         pos = self._pos
         if pos == len(buf):
@@ -311,19 +335,61 @@ class TcpConnection:
         elif pos:
             del buf[:pos]
         self._pos = 0
-        buf += data
+        # The buffer holds the start of one PDU. Append only what that PDU still needs, one step at
+        # a time (common header, full header, whole PDU), so its payload may still be placed
+        # directly and the PDUs after it are parsed in place instead of being copied behind it.
+        src = data if isinstance(data, memoryview) else memoryview(data)
+        if src.format != "B" or src.ndim != 1:
+            src = src.cast("B")
         events = []
-        mv = memoryview(buf)
-        consumed = self._parse(mv, 0, events)
-        del mv
-        if self.state is State.CLOSED:
-            self._buf = bytearray()
-            self._pos = 0
-        else:
-            self._pos = consumed
-            if events:
-                self._exported = True
-        return events
+        while True:
+            have = len(buf)
+            if self._pending is not None:
+                want = self._pending[4]
+            elif have < 8:
+                want = 8
+            else:
+                plen = _unpack_le32(buf, 4)[0]
+                want = min(plen, buf[2] + (_DGST_LEN if self.hdgst else 0))
+            n = min(len(src), want - have) if want > have else 0
+            if n:
+                buf += src[:n]
+                src = src[n:]
+            mv = memoryview(buf)
+            consumed = self._parse(mv, 0, events)
+            del mv
+            if self.state is State.CLOSED:
+                self._buf = bytearray()
+                self._pos = 0
+                return events
+            if consumed == len(buf):
+                # That PDU is done (or its payload is being placed): the rest goes the usual way.
+                self._pos = consumed
+                self._exported = bool(events)
+                if src:
+                    events += self.receive_data(src)
+                return events
+            if not src:
+                self._pos = consumed
+                self._exported = bool(events)
+                return events
+            if consumed or (n == 0 and self._pending is None and have >= 8):
+                # Not expected (one PDU at most is buffered); take the general path for the rest.
+                if events:
+                    buf = self._buf = buf[consumed:]
+                elif consumed:
+                    del buf[:consumed]
+                buf += src
+                mv = memoryview(buf)
+                consumed = self._parse(mv, 0, events)
+                del mv
+                if self.state is State.CLOSED:
+                    self._buf = bytearray()
+                    self._pos = 0
+                else:
+                    self._pos = consumed
+                    self._exported = bool(events)
+                return events
 
     def _parse(self, mv: memoryview, pos: int, events: list[Event]) -> int:
         end = len(mv)
@@ -357,6 +423,9 @@ class TcpConnection:
                 self._pending = pending
             ptype, flags, hlen, pdo, plen, hd, dd = pending
             if avail < plen:
+                if (self.place is not None and not dd and (ptype == _C2H or ptype == _H2C) and avail >= pdo
+                        and plen - avail >= _DIRECT_MIN and self._start_direct(mv, pos, avail, ptype, flags, pdo)):
+                    pos = end
                 break
             self._pending = None
             try:
@@ -366,6 +435,42 @@ class TcpConnection:
                 break
             pos += plen
         return pos
+
+    def _start_direct(self, mv: memoryview, pos: int, avail: int, ptype: int, flags: int, pdo: int) -> bool:
+        _t, _f, _h, _p, _l, cccid, ttag, datao, datal = _unpack_data_hdr(mv, pos)
+        assert self.place is not None
+        dest = self.place(cccid, ttag, datao, datal)
+        if dest is None:
+            return False
+        if len(dest) != datal or dest.readonly:
+            raise ValueError(f"place() must return a writable view of {datal} bytes, got {len(dest)}")
+        have = avail - pdo
+        dest[:have] = mv[pos + pdo:pos + avail]
+        self._pending = None
+        self._direct = dest
+        self._direct_got = have
+        self._direct_pdu = (ptype, flags, cccid, ttag, datao)
+        return True
+
+    def direct_buffer(self) -> memoryview | None:
+        """Where the next received bytes belong while a payload is being placed, else None."""
+        if self._direct is None:
+            return None
+        return self._direct[self._direct_got:]
+
+    def direct_received(self, nbytes: int) -> list[Event]:
+        """``nbytes`` were written into ``direct_buffer()``; the data event once the payload is whole."""
+        dest = self._direct
+        if dest is None or not 0 <= nbytes <= len(dest) - self._direct_got:
+            raise ValueError(f"direct_received({nbytes}) without that much room in a direct buffer")
+        self._direct_got += nbytes
+        if self._direct_got < len(dest):
+            return []
+        self._direct = None
+        ptype, flags, cccid, ttag, datao = self._direct_pdu
+        if ptype == _H2C:
+            return [H2CDataReceived(cccid, ttag, datao, dest, bool(flags & _LAST), True, True)]
+        return [C2HDataReceived(cccid, datao, dest, bool(flags & _LAST), bool(flags & _SUCCESS), True, True)]
 
     def _check_header(self, mv: memoryview, pos: int, avail: int):
         """Check one PDU header; return its lengths, or None until the whole header is here."""
@@ -746,6 +851,7 @@ class TcpConnection:
         ptype = _H2C_TERM if self.role is Role.HOST else _C2H_TERM
         hlen = spec.TERM_REQ_HEADER_SIZE
         self._out.append(_TERM.pack(ptype, 0, hlen, 0, hlen + len(data), fes, fei & 0xFFFFFFFF) + data)
+        self._direct = None
         self._set_state(State.CLOSED)
 
     def _send_data(

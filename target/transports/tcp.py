@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+from collections.abc import Coroutine, Generator
 from typing import TYPE_CHECKING, Any
 
 from nvmeof import defaults
@@ -57,6 +58,46 @@ class _PendingH2C:
         self.digest_ok = True
 
 
+class _Continue:
+    """Awaitable that finishes a coroutine which was started by hand and suspended at ``first``.
+
+    The target runs each command's coroutine eagerly inside ``data_received``; most (RAM-disk I/O,
+    admin commands) finish without suspending and never cost a Task. One that does suspend yields
+    the future it waits on; a Task running this relays that future and every later one, and
+    forwards whatever the Task sends or throws (cancellation), as if the Task had run it from the start.
+    """
+
+    __slots__ = ("coro", "first")
+
+    def __init__(self, coro: Coroutine[Any, Any, None], first: Any) -> None:
+        self.coro = coro
+        self.first = first
+
+    def __await__(self) -> Generator[Any, None, None]:
+        coro = self.coro
+        value = self.first
+        while True:
+            try:
+                yield value
+            except GeneratorExit:
+                coro.close()
+                raise
+            except BaseException as exc:   # relayed to the coroutine, which decides
+                try:
+                    value = coro.throw(exc)
+                except StopIteration:
+                    return
+            else:
+                try:
+                    value = coro.send(None)
+                except StopIteration:
+                    return
+
+
+async def _finish(coro: Coroutine[Any, Any, None], first: Any) -> None:
+    await _Continue(coro, first)
+
+
 def _format_peer(addr: Any) -> str:
     if isinstance(addr, tuple) and len(addr) >= 2:
         host, port = addr[0], addr[1]
@@ -66,6 +107,10 @@ def _format_peer(addr: Any) -> str:
 
 class TargetConnection(asyncio.BufferedProtocol):
     """The controller end of one NVMe/TCP queue (also used over the in-memory loop transport)."""
+
+    # Run each command's coroutine inline first and make a Task only if it suspends; False makes a
+    # Task per command (the general path the fast path is tested against).
+    eager = True
 
     def __init__(self, target: Target, listener: Listener | None = None, *, transport_name: str = "tcp",
                  on_lost: Any = None) -> None:
@@ -84,12 +129,15 @@ class TargetConnection(asyncio.BufferedProtocol):
         self._on_lost = on_lost
         self._write_paused = False
         self._read_paused = False
+        # Set while data_received handles one batch of PDUs: what they queue goes out in one write.
+        self._batching = False
 
     # --- asyncio protocol -----------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # No isinstance check: uvloop's TCPTransport (used by `nvmeof serve` when installed) does not
+        # subclass asyncio.Transport, yet has every method this protocol calls.
+        self.transport = transport  # type: ignore[assignment]
         self.queue.peer = _format_peer(transport.get_extra_info("peername"))
         sockname = transport.get_extra_info("sockname")
         if isinstance(sockname, tuple) and sockname:
@@ -108,24 +156,30 @@ class TargetConnection(asyncio.BufferedProtocol):
     def data_received(self, data: bytes | memoryview) -> None:  # type: ignore[override]
         if self._closed:
             return
-        for event in self.conn.receive_data(data):
-            if isinstance(event, CommandReceived):
-                self._on_command(event)
-            elif isinstance(event, H2CDataReceived):
-                self._on_h2c_data(event)
-            elif isinstance(event, ICReqReceived):
-                self.conn.send_icresp(maxh2cdata=defaults.MAXH2CDATA)
-            elif isinstance(event, ProtocolError):
-                log.warning("NVMe/TCP protocol error from %s (fes %#x, fei %d): %s; closing the connection",
-                            self.queue.peer, event.fes, event.fei, event.reason)
-                self._flush()
-                self.close()
-                return
-            elif isinstance(event, TermReqReceived):
-                log.warning("host %s terminated the connection (H2CTermReq fes %#x fei %d)",
-                            self.queue.peer, event.fes, event.fei)
-                self.close()
-                return
+        self._batching = True
+        try:
+            for event in self.conn.receive_data(data):
+                kind = type(event)
+                if kind is CommandReceived:
+                    self._on_command(event)
+                elif kind is H2CDataReceived:
+                    self._on_h2c_data(event)
+                elif kind is ICReqReceived:
+                    self.conn.send_icresp(maxh2cdata=defaults.MAXH2CDATA)
+                elif kind is ProtocolError:
+                    log.warning("NVMe/TCP protocol error from %s (fes %#x, fei %d): %s; closing the connection",
+                                self.queue.peer, event.fes, event.fei, event.reason)
+                    self.close()
+                    return
+                elif kind is TermReqReceived:
+                    log.warning("host %s terminated the connection (H2CTermReq fes %#x fei %d)",
+                                self.queue.peer, event.fes, event.fei)
+                    self.close()
+                    return
+                if self._closed:
+                    return   # a command tore the connection down; close() flushed what it queued
+        finally:
+            self._batching = False
         self._flush()
 
     def eof_received(self) -> bool:
@@ -167,6 +221,8 @@ class TargetConnection(asyncio.BufferedProtocol):
         """Close the connection (after flushing what is queued) and fail everything in flight."""
         if self._closed:
             return
+        self._batching = False
+        self._flush()   # what earlier commands of this batch queued goes out before the FIN
         self._closed = True
         transport = self.transport
         self._cleanup()
@@ -189,6 +245,8 @@ class TargetConnection(asyncio.BufferedProtocol):
         self.target.queue_closed(self.queue)
 
     def _flush(self) -> None:
+        if self._batching:
+            return   # data_received writes everything the batch queued at its end
         out = self.conn.data_to_send()
         if out and self.transport is not None:
             self.transport.writelines(out)
@@ -199,7 +257,15 @@ class TargetConnection(asyncio.BufferedProtocol):
         req = Request(self.queue, Command.from_bytes(event.sqe))
         # The event's views die at the next receive_data: keep a copy of in-capsule data.
         data = bytes(event.data) if event.data is not None else None
-        task = asyncio.get_running_loop().create_task(self._run(req, data, event.digest_ok))
+        coro = self._run(req, data, event.digest_ok)
+        if self.eager:
+            try:
+                first = coro.send(None)
+            except StopIteration:
+                return   # completed without waiting: no Task
+            task = asyncio.get_running_loop().create_task(_finish(coro, first))
+        else:
+            task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
         if len(self._tasks) >= MAX_INFLIGHT:
