@@ -15,7 +15,6 @@ connection.
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import Any
 
 from initiator.queue import DEFAULT_TIMEOUT, CommandTimeout, TransportError
@@ -24,8 +23,6 @@ from nvmeof import rdma as core
 from nvmeof.spec.nvme import SQE_SIZE, Command, Completion
 from nvmeof.status import NvmeError, Status
 from target.transports import rdma_verbs as rv
-
-log = logging.getLogger(__name__)
 
 CQE_SIZE = 16
 
@@ -361,12 +358,7 @@ class RdmaQueue:
             self.qp.close()
         for region in self.regions:
             region.close()
-        for obj in (self.cmid, self.channel):
-            if obj is not None:
-                try:
-                    obj.close()
-                except Exception as exc:  # teardown goes on
-                    log.debug("closing %s failed: %s", type(obj).__name__, exc)
+        rv.close_quietly(self.cmid, self.channel)
         self.cmid = self.channel = None
         if self._closed is not None and not self._closed.done():
             self._closed.set_result(None)

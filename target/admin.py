@@ -128,13 +128,9 @@ def _identify_namespace(req: Request, ctrl: Controller) -> bytes:
     return identify_namespace(ns)
 
 
-def _can_deallocate(ns: Namespace) -> bool:
-    return ns.backend.kind != "null"
-
-
 def identify_namespace(ns: Namespace) -> bytes:
     nsze = ns.nsze
-    thin = _can_deallocate(ns)
+    thin = ns.backend.can_deallocate
     return IdentifyNamespace.build({
         "nsze": nsze,
         "ncap": nsze,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import sys
@@ -13,7 +12,7 @@ import click
 
 from nvmeof import __version__, defaults
 
-from .common import parse_size
+from .common import parse_size, run_async
 
 _TIME = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(us|ms|s|m|h)?\s*$", re.IGNORECASE)
 _TIME_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -149,7 +148,7 @@ class ProgressLine:
 # --- fio's normal output ------------------------------------------------------------------------------
 
 def _dir_lines(label: str, d: Any) -> list[str]:
-    from initiator.bench import FIO_PERCENTILES
+    from initiator.bench.histogram import FIO_PERCENTILES
 
     if not d.ios:
         return []
@@ -174,13 +173,11 @@ def _dir_lines(label: str, d: Any) -> list[str]:
 
 
 def format_normal(report: Any) -> str:
-    spec = report.job
-    results = [report.group()] if spec.group_reporting else report.results
+    results = report.reported()
     cpu = report.cpu_us_per_io()
     out: list[str] = []
     for r in results:
-        err = 84 if (r.verify is not None and r.verify.errors) else (5 if r.error else 0)
-        out.append(f"{r.name}: (groupid=0, jobs={r.jobs}): err={err:2d}: pid={r.pid}: "
+        out.append(f"{r.name}: (groupid=0, jobs={r.jobs}): err={r.fio_error:2d}: pid={r.pid}: "
                    f"{time.ctime(report.started)}")
         out += _dir_lines("read", r.read)
         out += _dir_lines("write", r.write)
@@ -270,15 +267,10 @@ def bench(**opts: Any) -> None:
       nvmeof bench --rw write --bs 128k --size 64M --verify crc32c
       nvmeof bench --rw randrw --rwmixread 70 --numjobs 2 --runtime 5 --output-format json
     """
-    from initiator.bench import (
-        DEFAULT_RANDSEED,
-        DEFAULT_VERIFY_SEED,
-        BenchError,
-        ConnectSpec,
-        JobSpec,
-        fio_json,
-        run_bench,
-    )
+    from initiator.bench.jobspec import DEFAULT_RANDSEED, BenchError, ConnectSpec, JobSpec
+    from initiator.bench.report import fio_json
+    from initiator.bench.run import run_bench
+    from initiator.bench.verify import DEFAULT_VERIFY_SEED
 
     if opts["bs"] <= 0 or opts["bs"] % 512:
         raise click.BadParameter(f"{opts['bs']} bytes is not a positive multiple of 512", param_hint="'--bs'")
@@ -308,7 +300,7 @@ def bench(**opts: Any) -> None:
             total = spec.size * spec.numjobs * (2 if spec.verify and spec.read_fraction == 0.0 else 1)
         progress = ProgressLine(sys.stderr, runtime=spec.runtime, ramp=spec.ramp_time, total_bytes=total)
     try:
-        report = _run(run_bench(cspec, spec, target_pids=tuple(opts["target_pids"]), progress=progress))
+        report = run_async(run_bench(cspec, spec, target_pids=tuple(opts["target_pids"]), progress=progress))
     except BenchError as e:
         raise click.ClickException(str(e)) from None
     except (OSError, ConnectionError, TimeoutError, ValueError) as e:
@@ -337,14 +329,6 @@ def bench(**opts: Any) -> None:
             click.echo(f"{r.name}: {r.error}", err=True)
     if report.failed:
         sys.exit(1)
-
-
-def _run(coro: Any) -> Any:
-    try:
-        import uvloop  # optional: faster event loop when installed
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
 
 
 def register(cli: click.Group) -> None:

@@ -1,12 +1,16 @@
-"""Helpers shared by the command-line modules: sizes, output tables, JSON."""
+"""Helpers shared by the command-line modules: sizes, output tables, JSON, running the event loop."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Coroutine, Iterable, Sequence
+from typing import Any, TypeVar
 
 import click
+
+T = TypeVar("T")
 
 _SIZE = re.compile(r"^\s*(\d+)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
@@ -48,3 +52,12 @@ def _json_default(o: object):
     if hasattr(o, "isoformat"):
         return o.isoformat()
     return str(o)
+
+
+def run_async(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` to completion on uvloop when it is installed (faster), else on asyncio's loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)

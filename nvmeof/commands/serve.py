@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import sys
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import click
 from nvmeof import defaults
 from nvmeof.uri import parse_address
 
-from .common import parse_size
+from .common import parse_size, run_async
 
 
 def _addresses(values: tuple[str, ...], default_port: int, what: str):
@@ -54,7 +53,10 @@ def _api(value: str):
               help="Size of the default RAM-disk namespace (K, M, G suffixes).")
 @click.option("--block-size", type=click.Choice(["512", "4096"]), default="512", show_default=True,
               help="Block size of the default namespace.")
-def serve(config_path, listen, discovery, api, api_token, nqn, ramdisk_size, block_size) -> None:
+@click.option("--workers", type=click.IntRange(0, 256), default=0, show_default=True, metavar="N",
+              help="Serve TCP I/O queues from N worker processes (one core each); admin queues and controller "
+                   "state stay in the main process. 0 serves everything in one process.")
+def serve(config_path, listen, discovery, api, api_token, nqn, ramdisk_size, block_size, workers) -> None:
     """Run the NVMe-oF target: by default one subsystem with a 1 GiB RAM disk, allowing any host,
     I/O on 127.0.0.1:4420, discovery on 127.0.0.1:8009 and the REST API on 127.0.0.1:8080."""
     from target.daemon import DaemonError, DaemonOptions
@@ -69,7 +71,7 @@ def serve(config_path, listen, discovery, api, api_token, nqn, ramdisk_size, blo
         listen=_addresses(listen, defaults.TCP_IO_PORT, "--listen"),
         discovery=_addresses(discovery, defaults.TCP_DISCOVERY_PORT, "--discovery"),
         api=_api(api), api_token=api_token, subsystem_nqn=nqn, ramdisk_size=size,
-        block_size=int(block_size),
+        block_size=int(block_size), workers=workers,
     )
 
     def ready(daemon) -> None:
@@ -77,19 +79,11 @@ def serve(config_path, listen, discovery, api, api_token, nqn, ramdisk_size, blo
         sys.stdout.flush()
 
     try:
-        code = _run(run(options, ready=ready))
+        code = run_async(run(options, ready=ready))
     except DaemonError as e:
         click.echo(f"nvmeof serve: {e}", err=True)
         sys.exit(1)
     sys.exit(code)
-
-
-def _run(coro):
-    try:
-        import uvloop  # optional: faster event loop when installed
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
 
 
 def register(cli: click.Group) -> None:

@@ -364,12 +364,34 @@ def parse_ns_descriptor_list(buf: bytes | bytearray | memoryview) -> dict[str, b
     return result
 
 
-# --- Active Namespace ID list (CNS 02h) ---
+# --- Namespace List: 1024 NSIDs, zero-terminated (Identify CNS 02h, Changed Namespace List log) ---
 
 NS_LIST_ENTRIES = IDENTIFY_DATA_SIZE // 4
 NSID_MAX = 0xFFFFFFFE  # FFFFFFFFh is the broadcast value, never a namespace
 
 ActiveNsList = Array(NS_LIST_ENTRIES, Int32ul)
+
+
+def check_nsid(nsid: object) -> int:
+    """``nsid`` if it names a namespace (1..FFFFFFFEh), else ValueError."""
+    if not isinstance(nsid, int) or not 1 <= nsid <= NSID_MAX:
+        raise ValueError(f"NSID {nsid!r} is outside 1..0x{NSID_MAX:X}")
+    return nsid
+
+
+def parse_ns_list(buf: bytes | bytearray | memoryview, what: str = "namespace list") -> list[int]:
+    """NSIDs of a Namespace List, up to the first zero entry. Accepts a short (dword-multiple) read;
+    ``what`` names the list in the error."""
+    data = bytes(buf)
+    if len(data) % 4 or len(data) > IDENTIFY_DATA_SIZE:
+        raise ValueError(f"{what} must be a multiple of 4 bytes up to {IDENTIFY_DATA_SIZE}, got {len(data)}")
+    out: list[int] = []
+    for off in range(0, len(data), 4):
+        nsid = int.from_bytes(data[off : off + 4], "little")
+        if nsid == 0:
+            break
+        out.append(nsid)
+    return out
 
 
 def build_active_ns_list(nsids: Iterable[int], start_after: int) -> bytes:
@@ -378,9 +400,7 @@ def build_active_ns_list(nsids: Iterable[int], start_after: int) -> bytes:
         raise ValueError(f"start_after must be an NSID in 0..0xFFFFFFFF, got {start_after!r}")
     chosen: set[int] = set()
     for nsid in nsids:
-        if not isinstance(nsid, int) or not 1 <= nsid <= NSID_MAX:
-            raise ValueError(f"NSID {nsid!r} is outside 1..0x{NSID_MAX:X}")
-        if nsid > start_after:
+        if check_nsid(nsid) > start_after:
             chosen.add(nsid)
     entries = sorted(chosen)[:NS_LIST_ENTRIES]
     return ActiveNsList.build(entries + [0] * (NS_LIST_ENTRIES - len(entries)))
@@ -388,15 +408,4 @@ def build_active_ns_list(nsids: Iterable[int], start_after: int) -> bytes:
 
 def parse_active_ns_list(buf: bytes | bytearray | memoryview) -> list[int]:
     """NSIDs of a CNS 02h reply, up to the first zero entry. Accepts a short (dword-multiple) read."""
-    data = bytes(buf)
-    if len(data) % 4 or len(data) > IDENTIFY_DATA_SIZE:
-        raise ValueError(
-            f"namespace list must be a multiple of 4 bytes up to {IDENTIFY_DATA_SIZE}, got {len(data)}"
-        )
-    out: list[int] = []
-    for off in range(0, len(data), 4):
-        nsid = int.from_bytes(data[off : off + 4], "little")
-        if nsid == 0:
-            break
-        out.append(nsid)
-    return out
+    return parse_ns_list(buf)

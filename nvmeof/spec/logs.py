@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 from construct import Array, Default, Int8ul, Int16ul, Int32ul, Int64ul, Padding, Struct
 
 from nvmeof.spec.fields import Int128ul, SpacePaddedString
+from nvmeof.spec.identify import check_nsid, parse_ns_list
 
 __all__ = [
     "CHANGED_NS_LIST_OVERFLOW",
@@ -104,25 +105,14 @@ def build_changed_ns_list(nsids: Iterable[int]) -> bytes:
     """The 4096-byte Changed Namespace List: ascending NSIDs, or FFFFFFFFh alone past 1024 changes."""
     chosen: set[int] = set()
     for nsid in nsids:
-        if not isinstance(nsid, int) or not 1 <= nsid <= 0xFFFFFFFE:
-            raise ValueError(f"NSID {nsid!r} is outside 1..0xFFFFFFFE")
-        chosen.add(nsid)
+        chosen.add(check_nsid(nsid))
     entries = [CHANGED_NS_LIST_OVERFLOW] if len(chosen) > CHANGED_NS_MAX else sorted(chosen)
     return ChangedNsList.build(entries + [0] * (CHANGED_NS_MAX - len(entries)))
 
 
 def parse_changed_ns_list(buf: bytes | bytearray | memoryview) -> list[int]:
     """NSIDs up to the first zero; `[CHANGED_NS_LIST_OVERFLOW]` means "more than 1024, rescan all"."""
-    data = bytes(buf)
-    if len(data) % 4 or len(data) > CHANGED_NS_MAX * 4:
-        raise ValueError(f"changed namespace list must be a multiple of 4 bytes up to 4096, got {len(data)}")
-    out: list[int] = []
-    for off in range(0, len(data), 4):
-        nsid = int.from_bytes(data[off : off + 4], "little")
-        if nsid == 0:
-            break
-        out.append(nsid)
-    return out
+    return parse_ns_list(buf, "changed namespace list")
 
 
 # Log identifier 05h: one dword per admin (acs) and I/O (iocs) opcode.

@@ -16,16 +16,28 @@ class BackendError(Exception):
 
 
 class Backend(ABC):
+    """What every backend shares: its capacity, its read-only flag and the checks on both.
+
+    A subclass sets ``_size`` (bytes, positive) and ``_read_only`` in its constructor; ``resize``
+    updates ``_size``.
+    """
+
     kind: str = "abstract"
+    # Deallocate frees storage, so the namespace is thin provisioned (Identify Namespace NSFEAT
+    # THIN, DLFEAT reads-as-zeros); a backend with nothing to free says False.
+    can_deallocate: bool = True
+
+    _size: int
+    _read_only: bool
 
     @property
-    @abstractmethod
     def size(self) -> int:
         """Capacity in bytes."""
+        return self._size
 
     @property
-    @abstractmethod
-    def read_only(self) -> bool: ...
+    def read_only(self) -> bool:
+        return self._read_only
 
     @abstractmethod
     async def read_into(self, offset: int, buf: memoryview) -> None:
@@ -57,8 +69,8 @@ class Backend(ABC):
     @abstractmethod
     def close(self) -> None: ...
 
-    @abstractmethod
-    def describe(self) -> dict[str, Any]: ...
+    def describe(self) -> dict[str, Any]:
+        return {"kind": self.kind, "size": self._size, "read_only": self._read_only}
 
     # shared checks -----------------------------------------------------------------------------
 
@@ -73,6 +85,16 @@ class Backend(ABC):
     def _check_writable(self) -> None:
         if self.read_only:
             raise BackendError(f"{self._name()} is read-only; writes are refused")
+
+    def _check_write_range(self, offset: int, length: int) -> None:
+        self._check_writable()
+        self._check_range(offset, length)
+
+    def _positive_size(self, value: Any, what: str = "size") -> int:
+        """``value`` if it is a positive number of bytes; else BackendError naming ``what``."""
+        if not isinstance(value, int) or value <= 0:
+            raise BackendError(f"{self._name()}: {what} must be a positive number of bytes, got {value!r}")
+        return value
 
     def _name(self) -> str:
         return f"{self.kind} backend"

@@ -140,10 +140,8 @@ class FileBackend(Backend):
         self._inflight = 0
         self._closing = False
         self._fd = -1
-        if size is not None and (not isinstance(size, int) or size <= 0):
-            raise BackendError(
-                f"file backend {self.path}: size must be a positive number of bytes, got {size!r}"
-            )
+        if size is not None:
+            self._positive_size(size)
         if create and read_only:
             raise BackendError(
                 f"file backend {self.path}: cannot create a file read-only; drop one of the two"
@@ -234,14 +232,6 @@ class FileBackend(Backend):
             except OSError:
                 pass
 
-    @property
-    def size(self) -> int:
-        return self._size
-
-    @property
-    def read_only(self) -> bool:
-        return self._read_only
-
     def _name(self) -> str:
         return f"file backend {self.path}"
 
@@ -276,8 +266,7 @@ class FileBackend(Backend):
         return buf
 
     async def write(self, offset: int, data: bytes | bytearray | memoryview, *, fua: bool = False) -> None:
-        self._check_writable()
-        self._check_range(offset, len(data))
+        self._check_write_range(offset, len(data))
         view = memoryview(data)
         if not fua:
             await self._run("write", _pwrite_all, view, offset)
@@ -298,22 +287,17 @@ class FileBackend(Backend):
         await self._run("fdatasync", os.fdatasync)
 
     async def write_zeroes(self, offset: int, length: int) -> None:
-        self._check_writable()
-        self._check_range(offset, length)
+        self._check_write_range(offset, length)
         if length:
             await self._run("write zeroes", _zero_range, offset, length)
 
     async def discard(self, offset: int, length: int) -> None:
-        self._check_writable()
-        self._check_range(offset, length)
+        self._check_write_range(offset, length)
         if length:
             await self._run("deallocate", _punch_hole, offset, length)
 
     async def resize(self, new_size: int) -> None:
-        if not isinstance(new_size, int) or new_size <= 0:
-            raise BackendError(
-                f"{self._name()}: new size must be a positive number of bytes, got {new_size!r}"
-            )
+        self._positive_size(new_size, "new size")
         if self.block_device:
             capacity = await self._run("size lookup", _blockdev_size)
             if new_size > capacity:
@@ -340,10 +324,4 @@ class FileBackend(Backend):
             os.close(fd)
 
     def describe(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "path": self.path,
-            "size": self._size,
-            "read_only": self._read_only,
-            "block_device": self.block_device,
-        }
+        return {**super().describe(), "path": self.path, "block_device": self.block_device}

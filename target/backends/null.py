@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from target.backends.base import Backend, BackendError
+from target.backends.base import Backend
 
 # One shared zero buffer serves every read up to this size without allocating.
 ZERO_BUFFER_SIZE = 4 << 20
@@ -14,20 +12,11 @@ _ZEROS_VIEW = memoryview(_ZEROS)
 
 class NullBackend(Backend):
     kind = "null"
+    can_deallocate = False  # nothing is ever stored, so there is nothing to free
 
     def __init__(self, size: int, *, read_only: bool = False) -> None:
-        if not isinstance(size, int) or size <= 0:
-            raise BackendError(f"null backend: size must be a positive number of bytes, got {size!r}")
-        self._size = size
+        self._size = self._positive_size(size)
         self._read_only = read_only
-
-    @property
-    def size(self) -> int:
-        return self._size
-
-    @property
-    def read_only(self) -> bool:
-        return self._read_only
 
     async def read_into(self, offset: int, buf: memoryview) -> None:
         length = len(buf)
@@ -45,27 +34,19 @@ class NullBackend(Backend):
         return bytes(length)
 
     async def write(self, offset: int, data: bytes | bytearray | memoryview, *, fua: bool = False) -> None:
-        self._check_writable()
-        self._check_range(offset, len(data))
+        self._check_write_range(offset, len(data))
 
     async def flush(self) -> None:
         return None
 
     async def write_zeroes(self, offset: int, length: int) -> None:
-        self._check_writable()
-        self._check_range(offset, length)
+        self._check_write_range(offset, length)
 
     async def discard(self, offset: int, length: int) -> None:
-        self._check_writable()
-        self._check_range(offset, length)
+        self._check_write_range(offset, length)
 
     async def resize(self, new_size: int) -> None:
-        if not isinstance(new_size, int) or new_size <= 0:
-            raise BackendError(f"null backend: new size must be a positive number of bytes, got {new_size!r}")
-        self._size = new_size
+        self._size = self._positive_size(new_size, "new size")
 
     def close(self) -> None:
         return None
-
-    def describe(self) -> dict[str, Any]:
-        return {"kind": self.kind, "size": self._size, "read_only": self._read_only}

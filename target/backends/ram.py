@@ -8,7 +8,6 @@ little memory; discard and write zeroes hand whole pages back to the kernel with
 from __future__ import annotations
 
 import mmap
-from typing import Any
 
 from target.backends.base import Backend, BackendError
 
@@ -27,21 +26,11 @@ class RamBackend(Backend):
     kind = "ram"
 
     def __init__(self, size: int, *, read_only: bool = False) -> None:
-        if not isinstance(size, int) or size <= 0:
-            raise BackendError(f"ram backend: size must be a positive number of bytes, got {size!r}")
+        self._size = self._positive_size(size)
+        self._read_only = read_only
         self._map = _new_map(size)
         self._view = memoryview(self._map)
-        self._size = size
-        self._read_only = read_only
         self._closed = False
-
-    @property
-    def size(self) -> int:
-        return self._size
-
-    @property
-    def read_only(self) -> bool:
-        return self._read_only
 
     def _check_open(self) -> None:
         if self._closed:
@@ -60,8 +49,7 @@ class RamBackend(Backend):
 
     async def write(self, offset: int, data: bytes | bytearray | memoryview, *, fua: bool = False) -> None:
         self._check_open()
-        self._check_writable()
-        self._check_range(offset, len(data))
+        self._check_write_range(offset, len(data))
         self._view[offset : offset + len(data)] = data
 
     async def flush(self) -> None:
@@ -69,14 +57,12 @@ class RamBackend(Backend):
 
     async def write_zeroes(self, offset: int, length: int) -> None:
         self._check_open()
-        self._check_writable()
-        self._check_range(offset, length)
+        self._check_write_range(offset, length)
         self._zero(offset, length)
 
     async def discard(self, offset: int, length: int) -> None:
         self._check_open()
-        self._check_writable()
-        self._check_range(offset, length)
+        self._check_write_range(offset, length)
         self._zero(offset, length)
 
     def _zero(self, offset: int, length: int) -> None:
@@ -98,8 +84,7 @@ class RamBackend(Backend):
 
     async def resize(self, new_size: int) -> None:
         self._check_open()
-        if not isinstance(new_size, int) or new_size <= 0:
-            raise BackendError(f"ram backend: new size must be a positive number of bytes, got {new_size!r}")
+        self._positive_size(new_size, "new size")
         if new_size == self._size:
             return
         old_map, old_view = self._map, self._view
@@ -128,6 +113,3 @@ class RamBackend(Backend):
         except BufferError:
             # A transport still holds a read view; the mapping goes when that view is dropped.
             pass
-
-    def describe(self) -> dict[str, Any]:
-        return {"kind": self.kind, "size": self._size, "read_only": self._read_only}

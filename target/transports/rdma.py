@@ -365,12 +365,7 @@ class RdmaListener:
         self._close_ids()
 
     def _close_ids(self) -> None:
-        for obj in (self.listen_id, self.channel):
-            if obj is not None:
-                try:
-                    obj.close()
-                except Exception as exc:  # teardown goes on
-                    log.debug("closing %s failed: %s", type(obj).__name__, exc)
+        rv.close_quietly(self.listen_id, self.channel)
         self.listen_id = self.channel = None
 
     # --- CM events ------------------------------------------------------------------------------

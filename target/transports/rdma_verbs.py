@@ -166,6 +166,16 @@ def cmid_addresses(cmid: object) -> tuple[str, str]:
     return _format_sockaddr(route), _format_sockaddr(route + _SOCKADDR_STORAGE)
 
 
+def close_quietly(*objs: Any) -> None:
+    """Close each object given (None is skipped); teardown goes on whatever one of them says."""
+    for obj in objs:
+        if obj is not None:
+            try:
+                obj.close()
+            except Exception as exc:
+                log.debug("closing %s failed: %s", type(obj).__name__, exc)
+
+
 def host_of(address: str) -> str:
     return address.rsplit(":", 1)[0].strip("[]") if address else ""
 
@@ -341,11 +351,7 @@ class VerbsQueuePair:
             return
         self.closed = True
         self.loop.remove_reader(self.fd)
-        for obj in (self.qp, self.cq, self.channel):
-            try:
-                obj.close()
-            except Exception as exc:  # teardown goes on whatever one object says
-                log.debug("closing %s failed: %s", type(obj).__name__, exc)
+        close_quietly(self.qp, self.cq, self.channel)
 
 
 _WC_STATUS = {1: "LOC_LEN_ERR", 2: "LOC_QP_OP_ERR", 4: "LOC_PROT_ERR", 5: "WR_FLUSH_ERR", 9: "REM_INV_REQ_ERR",
