@@ -35,3 +35,4 @@ RDMA_ADMIN_BUFFER_POOL = 1 << 20   # the same for admin queues: Identify, log pa
 RDMA_READ_DEPTH = 16               # RDMA READs one side keeps outstanding (CM initiator depth / responder resources)
 RDMA_CM_TIMEOUT_MS = 3000          # NVME_RDMA_CM_TIMEOUT_MS: address and route resolution
 TCP_DIRECT_PLACEMENT_MIN = 16 * 1024  # missing data PDU payload from which it is received straight into its buffer
+TCP_CLOSE_GRACE = 2.0             # seconds a closing NVMe/TCP connection may wait for its peer to read before abort

@@ -9,8 +9,13 @@ Framing rules follow the NVMe/TCP transport specification and what the Linux hos
 each PDU header is checked (type legal for role and state, hlen, digest flags, pdo, plen) from its
 first 8 bytes and then its full header, before any of its data is waited for, so a bad length never
 makes us buffer more than one PDU header. A framing violation yields a ``ProtocolError`` event, queues
-a TermReq of our role and closes the connection. A data digest mismatch is not fatal: the event
-carries ``digest_ok=False`` and the command fails with a transport status instead.
+a TermReq of our role and closes the connection; nothing after the bad PDU is parsed. A data digest
+mismatch is not fatal: the event carries ``digest_ok=False`` and the command fails with a transport
+status instead.
+
+The controller keeps the R2Ts it sent (``send_r2t``) until their data is in, and checks each H2CData
+header against them (ttag, cccid, offset, length) in the same pass as its framing, as nvmet does, so
+a bad H2CData is reported with its own FES/FEI even when later PDUs of the same read are bad too.
 
 Memoryviews in events point into the received bytes and stay valid until the next ``receive_data``
 call; a consumer keeping data longer copies it.
@@ -272,6 +277,12 @@ class TcpConnection:
         self._direct: memoryview | None = None
         self._direct_got = 0
         self._direct_pdu: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)   # ptype, flags, cccid, ttag, datao
+        # Controller: the R2Ts we sent whose data is still due, ttag -> [cccid, next datao, end, r2to]. Each
+        # H2CData header is checked against it as soon as it is parsed (nvmet_tcp_handle_h2c_data_pdu),
+        # so a bad one fails in stream order, before any later PDU of the same read is looked at.
+        self._r2t: dict[int, list[int]] = {}
+        # A TermReq for a PDU found bad while parsing, held back until data_to_send() (see _fail).
+        self._term: bytes | None = None
 
     # ------------------------------------------------------------------------------------ state
 
@@ -587,24 +598,56 @@ class TcpConnection:
     def _check_data_header(
         self, mv: memoryview, pos: int, ptype: int, flags: int, pdo: int, plen: int, dd: int
     ) -> None:
-        datal = _unpack_le32(mv, pos + spec.OFF_DATAL)[0]
-        name = _pdu_name(ptype)
+        _t, _f, _h, _p, _l, cccid, ttag, datao, datal = _unpack_data_hdr(mv, pos)
         if datal == 0:
-            raise _Fatal(Fes.INVALID_HEADER_FIELD, spec.OFF_DATAL, f"{name} with datal 0")
+            raise _Fatal(Fes.INVALID_HEADER_FIELD, spec.OFF_DATAL, f"{_pdu_name(ptype)} with datal 0")
         limit = self.maxh2cdata if ptype == _H2C else self.max_data
         if datal > limit:
             raise _Fatal(
                 Fes.DATA_LIMIT_EXCEEDED, 0,
-                f"{name} datal {datal} exceeds {'MAXH2CDATA' if ptype == _H2C else 'max_data'} {limit}",
+                f"{_pdu_name(ptype)} datal {datal} exceeds "
+                f"{'MAXH2CDATA' if ptype == _H2C else 'max_data'} {limit}",
             )
         if plen != pdo + datal + dd:
             raise _Fatal(
                 Fes.INVALID_HEADER_FIELD, spec.OFF_DATAL,
-                f"{name} datal {datal} disagrees with plen {plen} (pdo {pdo}, data digest {dd})",
+                f"{_pdu_name(ptype)} datal {datal} disagrees with plen {plen} (pdo {pdo}, data digest {dd})",
             )
-        if ptype == _C2H and flags & _SUCCESS and not flags & _LAST:
-            # The Linux host rejects this combination too (nvme_tcp_handle_c2h_data).
-            raise _Fatal(Fes.INVALID_HEADER_FIELD, spec.OFF_FLAGS, "C2H_DATA with SUCCESS but not LAST")
+        if ptype == _C2H:
+            if flags & _SUCCESS and not flags & _LAST:
+                # The Linux host rejects this combination too (nvme_tcp_handle_c2h_data).
+                raise _Fatal(Fes.INVALID_HEADER_FIELD, spec.OFF_FLAGS, "C2H_DATA with SUCCESS but not LAST")
+            return
+        # H2CData: it must continue the R2T its ttag names (nvmet_tcp_handle_h2c_data_pdu), and
+        # moves that R2T on here, once per PDU, before its data is waited for.
+        r2t = self._r2t.get(ttag)
+        if r2t is None:
+            raise _Fatal(
+                Fes.INVALID_HEADER_FIELD, spec.OFF_TTAG,
+                f"H2CData with ttag {ttag}, which no outstanding R2T carries",
+            )
+        r2t_cccid, expected, end, r2to = r2t
+        if cccid != r2t_cccid:
+            raise _Fatal(
+                Fes.INVALID_HEADER_FIELD, spec.OFF_CCCID,
+                f"H2CData cccid {cccid} but ttag {ttag} belongs to command {r2t_cccid}",
+            )
+        if datao != expected:
+            raise _Fatal(
+                Fes.DATA_OUT_OF_RANGE, spec.OFF_DATAO,
+                f"H2CData offset {datao} for command {cccid}; expected {expected}",
+            )
+        stop = datao + datal
+        if stop > end or (flags & _LAST and stop != end):
+            raise _Fatal(
+                Fes.DATA_OUT_OF_RANGE, spec.OFF_DATAL,
+                f"H2CData {datao}+{datal}{' (LAST)' if flags & _LAST else ''} for command {cccid} does not "
+                f"fit its R2T of {end - r2to} bytes{f' at offset {r2to}' if r2to else ''}",
+            )
+        if stop == end:
+            del self._r2t[ttag]   # all the R2T asked for is on its way: that ttag is done
+        else:
+            r2t[1] = stop
 
     def _dispatch(
         self, mv: memoryview, pos: int, ptype: int, flags: int, hlen: int, pdo: int, plen: int,
@@ -696,7 +739,9 @@ class TcpConnection:
         copy_len = min(avail, max(hlen, 8), _TERM_DATA_MAX)
         self._pending = None
         events.append(ProtocolError(err.fes, err.fei, err.reason))
-        self._queue_term_req(err.fes, err.fei, bytes(mv[pos:pos + copy_len]))
+        # The PDUs before the bad one were good: what the adapter sends while handling their events
+        # (ahead of this ProtocolError) still goes out, and the TermReq follows it, in stream order.
+        self._queue_term_req(err.fes, err.fei, bytes(mv[pos:pos + copy_len]), after_replies=True)
 
     # ------------------------------------------------------------------------------------- send
 
@@ -704,6 +749,9 @@ class TcpConnection:
         """Return and forget the buffers queued for the peer (header and data kept apart)."""
         out = self._out
         self._out = []
+        if self._term is not None:
+            out.append(self._term)   # last: nothing is sent after a TermReq
+            self._term = None
         return out
 
     def _require(self, role: Role, what: str) -> bool:
@@ -711,7 +759,7 @@ class TcpConnection:
         if self.role is not role:
             raise RuntimeError(f"{what} is a {role.value} PDU; this connection is the {self.role.value}")
         if self.state is State.CLOSED:
-            return False
+            return self._term is not None   # replies to the PDUs before a bad one, until the TermReq leaves
         if self.state is not State.READY:
             raise RuntimeError(f"{what} before the connection is initialized (state {self.state.value})")
         return True
@@ -834,9 +882,18 @@ class TcpConnection:
             return
         if length <= 0:
             raise ValueError(f"R2T length must be > 0, got {length}")
+        if not 0 <= ttag <= 0xFFFF:
+            raise ValueError(f"ttag must fit 16 bits, got {ttag}")
+        if ttag in self._r2t:
+            raise ValueError(f"ttag {ttag} already has an outstanding R2T (command {self._r2t[ttag][0]})")
+        self._r2t[ttag] = [cccid, offset, offset + length, offset]
         hd = _DGST_LEN if self.hdgst else 0
         hdr = _DATA_HDR.pack(_R2T, _HDGSTF if hd else 0, 24, 0, 24 + hd, cccid, ttag, offset, length)
         self._out.append(self._header(hdr))
+
+    def drop_r2t(self, ttag: int) -> None:
+        """Forget an R2T whose data is no longer wanted (its command ended); later H2CData for it is fatal."""
+        self._r2t.pop(ttag, None)
 
     # both roles
 
@@ -846,11 +903,15 @@ class TcpConnection:
             return
         self._queue_term_req(fes, fei, data)
 
-    def _queue_term_req(self, fes: int, fei: int, data: bytes) -> None:
+    def _queue_term_req(self, fes: int, fei: int, data: bytes, *, after_replies: bool = False) -> None:
         data = bytes(data[:_TERM_DATA_MAX])
         ptype = _H2C_TERM if self.role is Role.HOST else _C2H_TERM
         hlen = spec.TERM_REQ_HEADER_SIZE
-        self._out.append(_TERM.pack(ptype, 0, hlen, 0, hlen + len(data), fes, fei & 0xFFFFFFFF) + data)
+        pdu = _TERM.pack(ptype, 0, hlen, 0, hlen + len(data), fes, fei & 0xFFFFFFFF) + data
+        if after_replies and self.state is State.READY:
+            self._term = pdu          # data_to_send() appends it after whatever is sent until then
+        else:
+            self._out.append(pdu)
         self._direct = None
         self._set_state(State.CLOSED)
 

@@ -358,6 +358,7 @@ class _StuckTransport(asyncio.Transport):
         super().__init__()
         self.written = bytearray()
         self.closing = False
+        self.aborted = False
 
     def write(self, data) -> None:  # type: ignore[no-untyped-def]
         self.written += data
@@ -368,6 +369,13 @@ class _StuckTransport(asyncio.Transport):
 
     def close(self) -> None:
         self.closing = True
+
+    def abort(self) -> None:
+        self.closing = True
+        self.aborted = True
+
+    def get_write_buffer_size(self) -> int:
+        return len(self.written)   # nothing ever drains
 
     def is_closing(self) -> bool:
         return self.closing
@@ -416,28 +424,25 @@ def _feed_one_read(s, data: bytes) -> tuple[object, _StuckTransport]:  # type: i
     return conn, transport
 
 
-# Known issue, not fixed here: TargetConnection checks H2CData against its R2Ts only after the sans-IO
-# layer has parsed the whole read, so a later PDU of the same read that closes the sans-IO connection
-# (a framing error, or the host's H2CTermReq) wins over the earlier bad H2CData. The fix belongs in
-# the H2CData path (checking ttag/cccid/offset while parsing, as nvmet does per PDU).
-_STREAM_ORDER = pytest.mark.xfail(strict=True, reason="H2CData is checked after the whole read is parsed")
-
-
-@_STREAM_ORDER
+# A bad H2CData followed, in the same read, by a PDU that would itself close the connection (a framing
+# error, or the host's H2CTermReq): the H2CData is checked against its R2T while the read is parsed,
+# PDU by PDU, so its own C2HTermReq goes out and nothing after it is looked at.
 async def test_h2c_error_then_framing_error_in_one_read_reports_the_first():
     s = await serve()
     try:
         bad_h2c = h2c_data(1, 0, 0, bytes(512), last=True)          # no R2T outstanding: ttag unknown
         unknown = bytes([0x0A, 0, 24, 0]) + (24).to_bytes(4, "little") + bytes(16)
         _, transport = _feed_one_read(s, bad_h2c + unknown)
-        assert transport.written[:1] == b"\x03"
+        assert transport.written[:1] == b"\x03" and transport.closing
         fes, fei = int.from_bytes(transport.written[8:10], "little"), int.from_bytes(transport.written[10:14], "little")
         assert (fes, fei) == (1, 10), "the C2HTermReq describes the later PDU, not the bad H2CData"
+        # Its data is the bad H2CData's header, and only one TermReq was sent.
+        plen = int.from_bytes(transport.written[4:8], "little")
+        assert transport.written[24:plen] == bad_h2c[:24] and len(transport.written) == plen
     finally:
         await s.target.close()
 
 
-@_STREAM_ORDER
 async def test_h2c_error_then_term_req_in_one_read_still_gets_c2h_term_req(caplog):
     from raw_pdu import h2c_term_req
 
@@ -448,5 +453,98 @@ async def test_h2c_error_then_term_req_in_one_read_still_gets_c2h_term_req(caplo
         _, transport = _feed_one_read(s, bad_h2c + h2c_term_req(1))
         assert "which no outstanding R2T carries; sending C2HTermReq and closing" in caplog.text
         assert transport.written[:1] == b"\x03", "logged 'sending C2HTermReq' but sent nothing"
+        assert transport.closing and "terminated the connection" not in caplog.text
     finally:
         await s.target.close()
+
+
+# ------------------------------------------------------------ a close the peer never lets finish
+
+async def test_close_to_a_peer_that_stopped_reading_is_aborted_after_the_grace(monkeypatch, caplog):
+    """After a fatal PDU the close waits for our C2HTermReq to drain; a stuck peer gets an abort instead."""
+    from nvmeof import defaults
+    from target.transports.tcp import TargetConnection
+
+    assert TargetConnection.close_grace == defaults.TCP_CLOSE_GRACE
+    monkeypatch.setattr(TargetConnection, "close_grace", 0.05)
+    caplog.set_level(logging.INFO)
+    s = await serve()
+    try:
+        _, stuck = _feed_one_read(s, bytes([0x0A, 0, 24, 0]) + (24).to_bytes(4, "little") + bytes(16))
+        assert stuck.closing and not stuck.aborted and stuck.written[:1] == b"\x03"
+        await asyncio.sleep(0.2)
+        assert stuck.aborted, "the close never finished and nothing aborted it"
+        assert "did not read the last 48 bytes within 0.1 s of the close; aborting" in caplog.text
+        # A close whose transport reports connection_lost in time is left alone.
+        conn, drained = _feed_one_read(s, bytes([0x0A, 0, 24, 0]) + (24).to_bytes(4, "little") + bytes(16))
+        conn.connection_lost(None)   # type: ignore[attr-defined]
+        await asyncio.sleep(0.2)
+        assert drained.closing and not drained.aborted
+    finally:
+        await s.target.close()
+
+
+async def test_peer_that_never_reads_cannot_hold_its_socket(served, monkeypatch, caplog):
+    """Over a real socket: 16 MiB of reads and a bad PDU in one write, then the host never reads.
+
+    The target answers everything, queues its C2HTermReq behind it and closes; that close cannot
+    finish, so the transport is aborted after TargetConnection.close_grace.
+    """
+    import socket
+
+    from target.transports.tcp import TargetConnection
+
+    grace = 0.5
+    monkeypatch.setattr(TargetConnection, "close_grace", grace)
+    caplog.set_level(logging.INFO)
+    s = served
+    admin, cntlid = await admin_host(s.port)
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)   # a small window: the target's send stalls
+    sock.setblocking(False)
+    try:
+        await loop.sock_connect(sock, ("127.0.0.1", s.port))
+
+        async def recv_exactly(n: int) -> bytes:
+            got = b""
+            while len(got) < n:
+                chunk = await asyncio.wait_for(loop.sock_recv(sock, n - len(got)), 5)
+                assert chunk, "the target closed early"
+                got += chunk
+            return got
+
+        await loop.sock_sendall(sock, icreq())
+        assert (await recv_exactly(128))[:1] == b"\x01"
+        await loop.sock_sendall(sock, connect_pdu(1, SUBNQN, qid=1, cntlid=cntlid))
+        rsp = await recv_exactly(24)
+        assert rsp[:1] == b"\x05" and int.from_bytes(rsp[22:24], "little") >> 1 == 0
+        conn = next(c for c in s.server.connections if c.queue.qid == 1)
+        mib = 1 << 20
+        reads = b"".join(capsule_cmd(sqe(Command(IoOpcode.READ, nsid=1, cdw10=0, cdw12=mib // 512 - 1), cid=10 + i,
+                                         data_len=mib)) for i in range(16))
+        bad = bytes([0x0A, 0, 24, 0]) + (24).to_bytes(4, "little") + bytes(16)
+        await loop.sock_sendall(sock, reads + bad)
+        start = loop.time()
+        await wait_until(lambda: conn._closed, what="the target to close after the bad PDU")
+        assert conn in s.server.connections and conn._linger is not None, "the close finished at once"
+        await wait_until(lambda: conn not in s.server.connections, timeout=grace + 5,
+                         what="the stuck connection to be aborted")
+        assert loop.time() - start >= grace * 0.9
+        assert "within 0.5 s of the close; aborting" in caplog.text
+        # The socket really is gone: reading now ends (reset or EOF) long before 16 MiB arrived.
+        received = 0
+        try:
+            while True:
+                chunk = await asyncio.wait_for(loop.sock_recv(sock, 1 << 16), 5)
+                if not chunk:
+                    break
+                received += len(chunk)
+        except ConnectionResetError:
+            pass
+        assert received < 16 * mib
+        assert list(s.target.controllers[cntlid].queues) == [0]
+        assert (await admin.prop_get(Property.CSTS)).cqe.dw0 & 1
+    finally:
+        sock.close()
+        admin.close()

@@ -182,8 +182,11 @@ def stream_of_many(host, ctrl, n=50):
             host.send_command(sqe(i))
             expected.append(("CommandReceived", sqe(i), None))
         else:
+            # the controller's R2T this H2CData answers (the controller checks each H2CData against it)
+            ctrl.send_r2t(i, i + 1, 4 * i, 10 + i)
             host.send_h2c_data(i, i + 1, 4 * i, bytes([7]) * (10 + i), last=bool(i % 2))
             expected.append(("H2CDataReceived", i, bytes([7]) * (10 + i)))
+    ctrl.data_to_send()
     return wire(host), expected
 
 
@@ -261,6 +264,8 @@ def test_data_digest_mismatch_is_not_fatal():
     [ev] = host.receive_data(bytes(raw))
     assert isinstance(ev, C2HDataReceived) and not ev.digest_ok and host.state is State.READY
 
+    ctrl.send_r2t(3, 4, 0, 64)
+    ctrl.data_to_send()
     host.send_h2c_data(3, 4, 0, b"z" * 64, last=True)
     raw = bytearray(wire(host))
     raw[30] ^= 1
@@ -442,6 +447,7 @@ def test_h2c_data_framing(hd, dd):
     ctrl, raw = mk(hlen=32, pdo=32 + h4)
     expect_error(ctrl, raw, Fes.INVALID_HEADER_FIELD, 2)
     ctrl, raw = mk(datal=8192)
+    ctrl.send_r2t(1, 2, 0, 8192)
     tail = bytes(8192) + (digest_bytes(bytes(8192)) if dd else b"")
     [ev] = ctrl.receive_data(raw + tail)
     assert isinstance(ev, H2CDataReceived) and len(ev.data) == 8192 and ev.digest_ok

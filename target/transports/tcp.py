@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 
 from nvmeof import defaults
 from nvmeof.spec.nvme import SGL_ID_INCAPSULE, Command
-from nvmeof.spec.tcp import OFF_CCCID, OFF_DATAL, OFF_DATAO, OFF_TTAG, FatalErrorStatus
 from nvmeof.status import NvmeError, Status
 from nvmeof.tcp import (
     CommandReceived,
@@ -111,6 +110,8 @@ class TargetConnection(asyncio.BufferedProtocol):
     # Run each command's coroutine inline first and make a Task only if it suspends; False makes a
     # Task per command (the general path the fast path is tested against).
     eager = True
+    # Seconds a closing connection may spend flushing to a peer that does not read before it is aborted.
+    close_grace = defaults.TCP_CLOSE_GRACE
 
     def __init__(self, target: Target, listener: Listener | None = None, *, transport_name: str = "tcp",
                  on_lost: Any = None) -> None:
@@ -131,6 +132,7 @@ class TargetConnection(asyncio.BufferedProtocol):
         self._read_paused = False
         # Set while data_received handles one batch of PDUs: what they queue goes out in one write.
         self._batching = False
+        self._linger: asyncio.TimerHandle | None = None   # aborts a graceful close that never finishes
 
     # --- asyncio protocol -----------------------------------------------------------------------
 
@@ -167,7 +169,7 @@ class TargetConnection(asyncio.BufferedProtocol):
                 elif kind is ICReqReceived:
                     self.conn.send_icresp(maxh2cdata=defaults.MAXH2CDATA)
                 elif kind is ProtocolError:
-                    log.warning("NVMe/TCP protocol error from %s (fes %#x, fei %d): %s; closing the connection",
+                    log.warning("NVMe/TCP protocol error from %s (fes %#x, fei %d): %s; sending C2HTermReq and closing",
                                 self.queue.peer, event.fes, event.fei, event.reason)
                     self.close()
                     return
@@ -186,6 +188,9 @@ class TargetConnection(asyncio.BufferedProtocol):
         return False   # let the transport close; connection_lost cleans up
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._linger is not None:
+            self._linger.cancel()
+            self._linger = None
         if self._closed and self.transport is None:
             return
         self._closed = True
@@ -228,6 +233,19 @@ class TargetConnection(asyncio.BufferedProtocol):
         self._cleanup()
         if transport is not None:
             transport.close()
+            # close() waits until the peer has taken everything queued; one that stops reading (after
+            # a C2HTermReq, say) would hold the socket open for ever.
+            with contextlib.suppress(RuntimeError):   # no running loop: nothing can linger either
+                self._linger = asyncio.get_running_loop().call_later(
+                    self.close_grace, self._abort_lingering, transport)
+
+    def _abort_lingering(self, transport: asyncio.Transport) -> None:
+        self._linger = None
+        if self.transport is not transport:
+            return   # connection_lost came first
+        log.warning("NVMe/TCP peer %s did not read the last %d bytes within %.1f s of the close; aborting",
+                    self.queue.peer, transport.get_write_buffer_size(), self.close_grace)
+        transport.abort()
 
     def abort(self) -> None:
         transport = self.transport
@@ -340,6 +358,7 @@ class TargetConnection(asyncio.BufferedProtocol):
             return await fut
         finally:
             self._h2c.pop(ttag, None)
+            self.conn.drop_r2t(ttag)
 
     def _alloc_ttag(self) -> int | None:
         for _ in range(MAX_TTAGS):
@@ -350,27 +369,12 @@ class TargetConnection(asyncio.BufferedProtocol):
         return None
 
     def _on_h2c_data(self, event: H2CDataReceived) -> None:
-        pending = self._h2c.get(event.ttag)
-        if pending is None:
-            self._fatal(FatalErrorStatus.INVALID_HEADER_FIELD, OFF_TTAG,
-                        f"H2CData with ttag {event.ttag}, which no outstanding R2T carries")
-            return
+        # The sans-IO connection checked this PDU against the R2T we sent (ttag, cccid, offset, length)
+        # before parsing on: an event is only made for data that fits the next part of a live R2T,
+        # whose ttag stays in _h2c until the command's finally drops both entries together.
+        pending = self._h2c[event.ttag]
         req = pending.req
-        if event.cccid != req.cmd.cid:
-            self._fatal(FatalErrorStatus.INVALID_HEADER_FIELD, OFF_CCCID,
-                        f"H2CData cccid {event.cccid} but ttag {event.ttag} belongs to command {req.cmd.cid}")
-            return
-        length = len(event.data)
-        if event.offset != pending.received:
-            self._fatal(FatalErrorStatus.DATA_OUT_OF_RANGE, OFF_DATAO,
-                        f"H2CData offset {event.offset} for command {req.cmd.cid}; expected {pending.received}")
-            return
-        end = pending.received + length
-        if end > req.data_len or (event.last and end != req.data_len):
-            self._fatal(FatalErrorStatus.DATA_OUT_OF_RANGE, OFF_DATAL,
-                        f"H2CData {event.offset}+{length}{' (LAST)' if event.last else ''} for command "
-                        f"{req.cmd.cid} does not fit its R2T of {req.data_len} bytes")
-            return
+        end = pending.received + len(event.data)
         if pending.buf is None:
             pending.buf = bytearray(req.data_len)
         pending.buf[pending.received:end] = event.data
@@ -383,12 +387,6 @@ class TargetConnection(asyncio.BufferedProtocol):
             else:
                 pending.future.set_exception(
                     NvmeError(Status.TRANSIENT_TR_ERR, "H2CData failed its data digest", dnr=False))
-
-    def _fatal(self, fes: int, fei: int, reason: str) -> None:
-        log.warning("NVMe/TCP protocol error from %s: %s; sending C2HTermReq and closing", self.queue.peer, reason)
-        self.conn.send_term_req(fes, fei)
-        self._flush()
-        self.close()
 
 
 class TcpListener:
