@@ -33,6 +33,7 @@ class DaemonOptions:
     subsystem_nqn: str = defaults.DEFAULT_SUBSYSTEM_NQN
     ramdisk_size: int = defaults.RAMDISK_DEFAULT_SIZE
     block_size: int = defaults.DEFAULT_BLOCK_SIZE
+    workers: int = 0   # processes serving TCP I/O queues; 0 serves everything in this process
 
 
 def is_loopback(host: str) -> bool:
@@ -79,7 +80,14 @@ class Daemon:
         from target.service import TargetService
 
         self.options = options
-        self.target = Target()
+        if options.workers < 0:
+            raise DaemonError(f"--workers {options.workers}: give 0 (one process) or a positive number of workers")
+        if options.workers:
+            from target.workers import PooledTarget
+
+            self.target: Target = PooledTarget(options.workers)
+        else:
+            self.target = Target()
         self.service = TargetService(self.target, config_path=options.config_path)
         self.api_server: _EmbeddedServer | None = None
         self.restore_errors: list[str] = []
@@ -87,6 +95,10 @@ class Daemon:
 
     async def start(self) -> None:
         opts = self.options
+        start_workers = getattr(self.target, "start_workers", None)
+        if start_workers is not None:
+            # Before the configuration is replayed, so every namespace reaches the workers as it appears.
+            await start_workers()
         if opts.api is not None:
             host, port = opts.api
             token = opts.api_token or os.environ.get("NVMEOF_API_TOKEN") or None

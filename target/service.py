@@ -248,6 +248,13 @@ class TargetService:
             await undo()
             raise ServiceError(500, f"{exc}; the change was undone") from exc
 
+    async def _settle(self) -> None:
+        """With worker processes (`serve --workers`), wait until they have applied a namespace change,
+        so I/O the host sends after this call returns sees it."""
+        settle = getattr(self.target, "settle", None)
+        if settle is not None:
+            await settle()
+
     async def save(self) -> None:
         """Write the running configuration to the config file now (under the lock, like a mutation)."""
         async with self._lock:
@@ -648,6 +655,7 @@ class TargetService:
 
         await self._commit(persist, undo)
         self.target.namespace_changed(subnqn, nsid)
+        await self._settle()
         return ns
 
     @staticmethod
@@ -687,6 +695,7 @@ class TargetService:
 
             await self._commit(True, undo)
             self.target.namespace_changed(subnqn, nsid)
+            await self._settle()
             return ns
 
     async def set_namespace_enabled(self, subnqn: str, nsid: int, enabled: bool) -> Namespace:
@@ -702,6 +711,7 @@ class TargetService:
 
             await self._commit(True, undo)
             self.target.namespace_changed(subnqn, nsid)
+            await self._settle()
             return ns
 
     async def remove_namespace(self, subnqn: str, nsid: int) -> None:
@@ -715,6 +725,7 @@ class TargetService:
 
             await self._commit(True, undo)
             self.target.namespace_changed(subnqn, nsid)
+            await self._settle()
             ns.backend.close()
 
     # --- listeners and referrals ---------------------------------------------------------------

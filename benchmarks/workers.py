@@ -1,0 +1,104 @@
+#!/usr/bin/env python3
+"""`nvmeof serve --workers 0` against `--workers N` in one run, through `nvmeof bench`.
+
+For each round and each worker count: start ``nvmeof serve --api none --workers W`` with a RAM disk,
+run every row with ``nvmeof bench --numjobs J --nr-io-queues Q --group_reporting`` (target CPU
+measured over the serve process and its live descendants, i.e. the workers), stop the target.
+Worker counts alternate within a round so both see the same background load as far as possible.
+
+    python3 benchmarks/workers.py                      # 2 rounds, workers 0 and 2, 3 s per row
+    python3 benchmarks/workers.py --workers 0 --workers 2 --rounds 3 --runtime 5 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from run import ROOT, Row, env, free_port, machine, stop, wait_port
+
+ROWS = (
+    Row("4k-randread-qd32", "randread", 4096, 32),
+    Row("4k-randwrite-qd32", "randwrite", 4096, 32),
+    Row("128k-read-qd8", "read", 131072, 8),
+)
+
+
+def bench(row: Row, port: int, target_pid: int, args: argparse.Namespace) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "nvmeof.cli", "bench", "-a", "127.0.0.1", "-s", str(port),
+           "--name", row.name, "--rw", row.rw, "--bs", str(row.bs), "--iodepth", str(row.iodepth),
+           "--runtime", str(args.runtime), "--time_based", "--ramp_time", str(args.ramp),
+           "--numjobs", str(args.numjobs), "--nr-io-queues", str(args.nr_io_queues), "--group_reporting",
+           "--output-format", "json", "--eta", "never", "--target-pid", str(target_pid)]
+    out = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=args.runtime * 4 + 120)
+    if out.returncode != 0:
+        raise SystemExit(f"nvmeof bench failed for {row.name} (status {out.returncode}):\n{out.stderr}")
+    report = json.loads(out.stdout)
+    job = report["jobs"][0]
+    d = job["read"] if "read" in row.rw else job["write"]
+    return {"iops": d["iops"], "bw_bytes": d["bw_bytes"], "mean_lat_ns": d["clat_ns"]["mean"],
+            "target_cpu_us_per_io": report["cpu_us_per_io"]["target"],
+            "initiator_cpu_us_per_io": report["cpu_us_per_io"]["initiator"]}
+
+
+def run_target(workers: int, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    port, disc = free_port(), free_port()
+    target = subprocess.Popen(
+        [sys.executable, "-m", "nvmeof.cli", "serve", "--api", "none", "--workers", str(workers),
+         "-l", f"127.0.0.1:{port}", "-d", f"127.0.0.1:{disc}", "--ramdisk-size", args.ramdisk_size],
+        env=env(), stdout=subprocess.DEVNULL, cwd=ROOT)
+    try:
+        wait_port(port, target, f"nvmeof serve --workers {workers}")
+        return {row.name: bench(row, port, target.pid, args) for row in ROWS}
+    finally:
+        stop(target)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", type=int, action="append", help="worker counts to compare (default 0 and 2)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--runtime", type=float, default=3.0)
+    parser.add_argument("--ramp", type=float, default=0.5)
+    parser.add_argument("--numjobs", type=int, default=2)
+    parser.add_argument("--nr-io-queues", type=int, default=2)
+    parser.add_argument("--ramdisk-size", default="256M")
+    parser.add_argument("--json", type=Path, help="write every measurement here")
+    args = parser.parse_args(argv)
+    counts = args.workers or [0, 2]
+    runs: dict[int, list[dict[str, dict[str, Any]]]] = {w: [] for w in counts}
+    for rnd in range(args.rounds):
+        for w in counts if rnd % 2 == 0 else list(reversed(counts)):
+            print(f"round {rnd + 1}: --workers {w}", file=sys.stderr, flush=True)
+            runs[w].append(run_target(w, args))
+    print(f"machine: {machine()}; {args.rounds} round(s), {args.runtime:g} s + {args.ramp:g} s ramp per row, "
+          f"--numjobs {args.numjobs} --nr-io-queues {args.nr_io_queues}; medians")
+    print("| job | workers | IOPS | MiB/s | mean lat µs | target µs/IO | initiator µs/IO | IOPS per round |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    for row in ROWS:
+        for w in counts:
+            got = [r[row.name] for r in runs[w]]
+
+            def med(key: str, got: list[dict[str, Any]] = got) -> float:
+                vals = [g[key] for g in got if g[key] is not None]
+                return statistics.median(vals) if vals else float("nan")
+
+            each = ", ".join(f"{g['iops']:.0f}" for g in got)
+            print(f"| {row.name} | {w} | {med('iops'):.0f} | {med('bw_bytes') / 2**20:.1f} | "
+                  f"{med('mean_lat_ns') / 1000:.1f} | {med('target_cpu_us_per_io'):.1f} | "
+                  f"{med('initiator_cpu_us_per_io'):.1f} | {each} |")
+    if args.json:
+        args.json.write_text(json.dumps({"machine": machine(), "args": vars(args) | {"json": str(args.json)},
+                                         "runs": {str(w): r for w, r in runs.items()}}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
