@@ -296,3 +296,23 @@ async def test_numjobs_workers_over_tcp(target) -> None:
     (job,) = fio_json(report, "t")["jobs"]
     assert job["read"]["total_ios"] == 256
     assert set(seen) <= {2}
+
+
+def test_local_listener_pid_finds_the_process_that_listens():
+    import os
+    import socket
+
+    from initiator.bench.cpu import local_listener_pid
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert local_listener_pid("127.0.0.1", port) == os.getpid()
+        assert local_listener_pid("192.0.2.1", port) is None       # bound to loopback only: not that address
+        assert local_listener_pid("not-an-address", port) is None
+    assert local_listener_pid("127.0.0.1", port) is None            # closed: nobody listens
+    with socket.socket(socket.AF_INET6) as s6:
+        s6.bind(("::", 0))
+        s6.listen()
+        assert local_listener_pid("127.0.0.1", s6.getsockname()[1]) == os.getpid()   # wildcard (dual-stack)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import time
@@ -189,7 +190,7 @@ def format_normal(report: Any) -> str:
         if r.error:
             out.append(f"  error        : {r.error}")
     ini = "n/a" if cpu["initiator"] is None else f"{cpu['initiator']:.1f} us"
-    tgt = "n/a (give --target-pid)" if cpu["target"] is None else f"{cpu['target']:.1f} us"
+    tgt = "n/a (target not local; give --target-pid)" if cpu["target"] is None else f"{cpu['target']:.1f} us"
     out.append(f"  cpu per I/O  : initiator={ini}, target={tgt}")
     group = report.group()
     out.append("")
@@ -245,7 +246,8 @@ def format_normal(report: Any) -> str:
 @click.option("--eta", type=click.Choice(["auto", "always", "never"]), default="auto",
               help="Progress line on stderr: auto shows it when stderr is a terminal.")
 @click.option("--target-pid", "target_pids", type=int, multiple=True,
-              help="PID of a local target process: report its CPU time per I/O (repeatable).")
+              help="PID of a local target process: report its CPU time per I/O (repeatable). "
+                   "Default: the local process listening on the target address, if any.")
 @click.option("-t", "--transport", type=click.Choice(["tcp", "rdma"]), default="tcp", help="Transport type.")
 @click.option("-a", "--traddr", default=defaults.LISTEN_ADDRESS, help="Target address.")
 @click.option("-s", "--trsvcid", type=click.IntRange(1, 65535), default=defaults.TCP_IO_PORT,
@@ -267,6 +269,7 @@ def bench(**opts: Any) -> None:
       nvmeof bench --rw write --bs 128k --size 64M --verify crc32c
       nvmeof bench --rw randrw --rwmixread 70 --numjobs 2 --runtime 5 --output-format json
     """
+    from initiator.bench.cpu import local_listener_pid
     from initiator.bench.jobspec import DEFAULT_RANDSEED, BenchError, ConnectSpec, JobSpec
     from initiator.bench.report import fio_json
     from initiator.bench.run import run_bench
@@ -300,7 +303,12 @@ def bench(**opts: Any) -> None:
             total = spec.size * spec.numjobs * (2 if spec.verify and spec.read_fraction == 0.0 else 1)
         progress = ProgressLine(sys.stderr, runtime=spec.runtime, ramp=spec.ramp_time, total_bytes=total)
     try:
-        report = run_async(run_bench(cspec, spec, target_pids=tuple(opts["target_pids"]), progress=progress))
+        target_pids = tuple(opts["target_pids"])
+        if not target_pids and cspec.transport == "tcp":
+            # A target on this machine: measure its CPU per I/O without being asked (fio-like `cpu` lines).
+            pid = local_listener_pid(cspec.traddr, cspec.trsvcid)
+            target_pids = (pid,) if pid is not None and pid != os.getpid() else ()
+        report = run_async(run_bench(cspec, spec, target_pids=target_pids, progress=progress))
     except BenchError as e:
         raise click.ClickException(str(e)) from None
     except (OSError, ConnectionError, TimeoutError, ValueError) as e:
