@@ -176,6 +176,8 @@ class ReferralOut(BaseModel):
 class QueueOut(BaseModel):
     qid: int
     sqsize: int
+    worker_pid: int | None = Field(None, description="With `nvmeof serve --workers N`: the process ID of the "
+                                   "worker serving this I/O queue; null when the main process serves it")
 
 
 class ControllerOut(BaseModel):

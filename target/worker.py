@@ -389,7 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--index", type=int, required=True)
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format=f"%(asctime)s worker{args.index} %(name)s %(levelname)s "
+    # The main process's layout (nvmeof/cli.py) with the worker named after the level, so whatever reads
+    # the shared stderr log for "<date> <time> LEVEL" sees the workers' errors too.
+    logging.basicConfig(level=args.log_level, format=f"%(asctime)s %(levelname)s worker{args.index} %(name)s: "
                         "%(message)s", stream=sys.stderr)
     sock = socket.socket(fileno=args.fd)
 

@@ -586,6 +586,16 @@ class PooledTarget(Target):
     async def settle(self) -> None:
         await self.pool.settle()
 
+    def controllers_info(self) -> list[dict[str, Any]]:
+        # Which process serves each queue, so an operator (or a test) can see the hand-off happened;
+        # None: this process serves it (the admin queue, or a hand-off that was given up).
+        where = self.pool.placement()
+        infos = super().controllers_info()
+        for info in infos:
+            for queue in info["queues"]:
+                queue["worker_pid"] = where.get((info["cntlid"], queue["qid"]))
+        return infos
+
     async def close(self) -> None:
         await super().close()
         await self.pool.stop()

@@ -158,6 +158,28 @@ async def test_queues_spread_over_workers_and_share_the_ram_disk(served: Served)
         assert ns.stats.write_bytes == 4 * 8192
 
 
+async def test_rest_controllers_show_the_worker_serving_each_queue(served: Served) -> None:
+    import httpx
+
+    from api.app import create_app
+
+    app = create_app(served.daemon.service)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as client:
+        async with served.connect(nr_io_queues=2) as ctrl:
+            resp = await client.get("/api/v1/controllers")
+            assert resp.status_code == 200, resp.text
+            [info] = [c for c in resp.json() if c["cntlid"] == ctrl.cntlid]
+            shown = {q["qid"]: q["worker_pid"] for q in info["queues"]}
+            placement = served.pool.placement()
+            assert shown == {0: None, 1: placement[(ctrl.cntlid, 1)], 2: placement[(ctrl.cntlid, 2)]}
+            assert set(shown.values()) - {None} == set(served.pool.pids())
+            # What the API names is where the socket really is.
+            for q in ctrl.io_queues:
+                assert socket_owner(served.io, host_port(q), served.pool.pids()) == shown[q.qid]
+        await eventually(lambda: served.pool.placement() == {}, what="worker queues to go")
+        assert (await client.get("/api/v1/controllers")).json() == []
+
+
 async def test_io_errors_reach_the_controller_error_log(served: Served) -> None:
     async with served.connect(nr_io_queues=2) as ctrl:
         main_ctrl = served.daemon.target.controllers[ctrl.cntlid]
@@ -343,3 +365,35 @@ async def test_sigterm_stops_the_target_and_its_workers() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_worker_log_lines_have_the_main_process_layout() -> None:
+    """`nvmeof serve` and its workers share one stderr log: a worker's ERROR must read "<date> <time> ERROR"
+    like the main process's, or log checks keyed on that layout (tests/interop/ourtarget.py) miss it."""
+    import json
+    import re
+
+    from target.worker_channel import socket_pair
+
+    parent, child = socket_pair()
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "target.worker", "--fd", str(child.fileno()), "--index", "3",
+                                 "--log-level", "INFO"], pass_fds=(child.fileno(),), cwd=ROOT,
+                                stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    finally:
+        child.close()
+    try:
+        parent.settimeout(10)
+        assert json.loads(parent.recv(1 << 16))["op"] == "ready"
+        parent.send(json.dumps({"op": "no-such-op"}).encode())
+        parent.send(json.dumps({"op": "exit"}).encode())
+        _out, err = proc.communicate(timeout=10)
+        assert proc.returncode == 0, err
+    finally:
+        parent.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    errors = [line for line in err.splitlines() if "no-such-op" in line]
+    assert len(errors) == 1, err
+    assert re.match(r"^\S+ \S+ ERROR worker3 nvmeof\.worker: ", errors[0]), errors[0]

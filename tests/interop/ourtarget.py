@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -107,7 +107,7 @@ def _wait_listening(port: int, deadline: float) -> None:
             time.sleep(0.05)
 
 
-def _start(log_path: Path, *, subnqn: str, size: str, block_size: int) -> OurTarget:
+def _start(log_path: Path, *, subnqn: str, size: str, block_size: int, extra_args: Sequence[str] = ()) -> OurTarget:
     io_port, disc_port, api_port = vm.free_ports(3)
     cmd = [
         sys.executable, "-m", "nvmeof.cli", "--log-level", "info", "serve",
@@ -117,6 +117,7 @@ def _start(log_path: Path, *, subnqn: str, size: str, block_size: int) -> OurTar
         "--listen", f"127.0.0.1:{io_port}",
         "--discovery", f"127.0.0.1:{disc_port}",
         "--api", f"127.0.0.1:{api_port}",
+        *extra_args,
     ]  # fmt: skip
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("NVMEOF_API_TOKEN", None)
@@ -170,15 +171,17 @@ def _stop(proc: subprocess.Popen[bytes]) -> int | None:
 
 @contextlib.contextmanager
 def serve_target(log_dir: Path, *, subnqn: str = SUBNQN, size: str = "128M", block_size: int = 512,
-                 check_clean_exit: bool = True) -> Iterator[OurTarget]:
+                 check_clean_exit: bool = True, extra_args: Sequence[str] = ()) -> Iterator[OurTarget]:
     """Run `nvmeof serve` for the duration of the block; its stderr goes to `log_dir/nvmeof-serve.log`.
+
+    `extra_args` are appended to the `serve` command line (e.g. ("--workers", "2")).
 
     On exit the daemon gets SIGTERM and must exit 0 within STOP_TIMEOUT s (asserted unless
     `check_clean_exit` is false or the block raised).
     """
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / "nvmeof-serve.log"
-    target = _start(log_path, subnqn=subnqn, size=size, block_size=block_size)
+    target = _start(log_path, subnqn=subnqn, size=size, block_size=block_size, extra_args=extra_args)
     failed = True
     try:
         yield target
