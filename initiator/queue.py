@@ -77,6 +77,19 @@ def _as_view(data: bytes | bytearray | memoryview) -> memoryview:
     return view
 
 
+def data_views(data_out: bytes | bytearray | memoryview | None,
+               data_in: bytearray | memoryview | None) -> tuple[memoryview | None, memoryview | None]:
+    """A command's data buffers as byte views (out, in); ValueError when both are given or
+    ``data_in`` cannot be written."""
+    if data_out is not None and data_in is not None:
+        raise ValueError("a command moves data in one direction only: pass data_out or data_in")
+    out_view = _as_view(data_out) if data_out is not None else None
+    in_view = _as_view(data_in) if data_in is not None else None
+    if in_view is not None and in_view.readonly:
+        raise ValueError("data_in must be a writable buffer (bytearray or writable memoryview)")
+    return out_view, in_view
+
+
 RECV_BUFFER_SIZE = 256 * 1024
 
 
@@ -258,12 +271,7 @@ class HostQueue(asyncio.BufferedProtocol):
         """
         if self._error is not None:
             raise self._error
-        if data_out is not None and data_in is not None:
-            raise ValueError("a command moves data in one direction only: pass data_out or data_in")
-        out_view = _as_view(data_out) if data_out is not None else None
-        in_view = _as_view(data_in) if data_in is not None else None
-        if in_view is not None and in_view.readonly:
-            raise ValueError("data_in must be a writable buffer (bytearray or writable memoryview)")
+        out_view, in_view = data_views(data_out, data_in)
         cid = self._free_cids.pop() if self._free_cids and not self._cid_waiters else await self._acquire_cid()
         loop = self._loop or asyncio.get_running_loop()
         pending = _Pending(cid, cmd.opcode, loop.create_future(), out_view, in_view)

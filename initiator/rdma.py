@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from initiator.queue import DEFAULT_TIMEOUT, CommandTimeout, TransportError
+from initiator.queue import DEFAULT_TIMEOUT, CommandTimeout, TransportError, data_views
 from nvmeof import defaults
 from nvmeof import rdma as core
 from nvmeof.spec.nvme import SQE_SIZE, Command, Completion
@@ -40,11 +40,6 @@ class _Pending:
         self.sent = False
         self.response: core.HostResponse | None = None
         self.timer: asyncio.TimerHandle | None = None
-
-
-def _as_view(data: Any) -> memoryview:
-    view = data if isinstance(data, memoryview) else memoryview(data)
-    return view.cast("B") if view.ndim != 1 or view.itemsize != 1 else view
 
 
 class RdmaQueue:
@@ -211,12 +206,7 @@ class RdmaQueue:
                      timeout: Any = DEFAULT_TIMEOUT) -> Completion:
         if self._error is not None:
             raise self._error
-        if data_out is not None and data_in is not None:
-            raise ValueError("a command moves data in one direction only: pass data_out or data_in")
-        out_view = _as_view(data_out) if data_out is not None else None
-        in_view = _as_view(data_in) if data_in is not None else None
-        if in_view is not None and in_view.readonly:
-            raise ValueError("data_in must be a writable buffer (bytearray or writable memoryview)")
+        out_view, in_view = data_views(data_out, data_in)
         length = len(out_view) if out_view is not None else len(in_view) if in_view is not None else 0
         if length > core.KEYED_SGL_MAX_LENGTH:
             raise ValueError(f"{length} bytes do not fit one keyed SGL (24-bit length)")

@@ -3,11 +3,15 @@
 Anonymous memory costs nothing until written, so a 1 GiB RAM disk that holds little data holds
 little memory; discard and write zeroes hand whole pages back to the kernel with MADV_DONTNEED
 (a private anonymous page reads as zeros afterwards).
+
+``MappedRam`` holds the I/O of a RAM disk on any mapping; the shared (memfd) RAM disk of
+``--workers`` derives from it too and differs only in how it maps, frees pages, resizes and closes.
 """
 
 from __future__ import annotations
 
 import mmap
+from abc import abstractmethod
 
 from target.backends.base import Backend, BackendError
 
@@ -22,15 +26,26 @@ def _new_map(size: int) -> mmap.mmap:
         raise BackendError(f"ram backend: cannot allocate {size} bytes of memory: {exc}") from exc
 
 
-class RamBackend(Backend):
+class MappedRam(Backend):
+    """A RAM disk whose bytes are one mapping; a subclass supplies the mapping and frees pages."""
+
     kind = "ram"
 
-    def __init__(self, size: int, *, read_only: bool = False) -> None:
-        self._size = self._positive_size(size)
-        self._read_only = read_only
-        self._map = _new_map(size)
-        self._view = memoryview(self._map)
-        self._closed = False
+    _map: mmap.mmap
+    _view: memoryview
+    _closed: bool
+
+    def _set_map(self, new_map: mmap.mmap, size: int) -> None:
+        """Present ``new_map`` as the disk's ``size`` bytes."""
+        # Views handed out by earlier reads keep the old mapping alive until they are released.
+        old_view = getattr(self, "_view", None)
+        self._map, self._view, self._size = new_map, memoryview(new_map), size
+        if old_view is not None:
+            old_view.release()
+
+    @abstractmethod
+    def _free_pages(self, offset: int, length: int) -> None:
+        """Hand back whole pages ``offset``..``offset+length`` (page aligned); they read as zeros."""
 
     def _check_open(self) -> None:
         if self._closed:
@@ -61,9 +76,7 @@ class RamBackend(Backend):
         self._zero(offset, length)
 
     async def discard(self, offset: int, length: int) -> None:
-        self._check_open()
-        self._check_write_range(offset, length)
-        self._zero(offset, length)
+        await self.write_zeroes(offset, length)
 
     def _zero(self, offset: int, length: int) -> None:
         end = offset + length
@@ -71,7 +84,7 @@ class RamBackend(Backend):
         last_page = end // _PAGE * _PAGE
         if last_page > first_page:
             self._fill_zero(offset, first_page)
-            self._map.madvise(mmap.MADV_DONTNEED, first_page, last_page - first_page)
+            self._free_pages(first_page, last_page - first_page)
             self._fill_zero(last_page, end)
         else:
             self._fill_zero(offset, end)
@@ -82,26 +95,15 @@ class RamBackend(Backend):
             self._view[start : start + chunk] = bytes(chunk)
             start += chunk
 
-    async def resize(self, new_size: int) -> None:
-        self._check_open()
-        self._positive_size(new_size, "new size")
-        if new_size == self._size:
-            return
-        old_map, old_view = self._map, self._view
-        new_map = _new_map(new_size)
-        new_view = memoryview(new_map)
-        keep = min(self._size, new_size)
-        # Copy only chunks holding data, so untouched pages stay unallocated in the new map.
+    def _copy_data_to(self, dst: memoryview, length: int) -> None:
+        """Copy the first ``length`` bytes into ``dst``, skipping all-zero chunks so the pages
+        behind them stay unallocated in ``dst``."""
         zero = bytes(_COPY_CHUNK)
-        for start in range(0, keep, _COPY_CHUNK):
-            end = min(start + _COPY_CHUNK, keep)
+        for start in range(0, length, _COPY_CHUNK):
+            end = min(start + _COPY_CHUNK, length)
             # Slicing the mmap compares with memcmp; a memoryview comparison walks item by item.
-            if old_map[start:end] != zero[: end - start]:
-                new_view[start:end] = old_view[start:end]
-        # Views handed out by earlier reads keep the old map alive until they are released.
-        self._map, self._view, self._size = new_map, new_view, new_size
-        old_view.release()
-        del old_map
+            if self._map[start:end] != zero[: end - start]:
+                dst[start:end] = self._view[start:end]
 
     def close(self) -> None:
         if self._closed:
@@ -113,3 +115,26 @@ class RamBackend(Backend):
         except BufferError:
             # A transport still holds a read view; the mapping goes when that view is dropped.
             pass
+
+
+class RamBackend(MappedRam):
+    def __init__(self, size: int, *, read_only: bool = False) -> None:
+        self._read_only = read_only
+        self._set_map(_new_map(self._positive_size(size)), size)
+        self._closed = False
+
+    def _free_pages(self, offset: int, length: int) -> None:
+        self._map.madvise(mmap.MADV_DONTNEED, offset, length)
+
+    async def resize(self, new_size: int) -> None:
+        self._check_open()
+        self._positive_size(new_size, "new size")
+        if new_size == self._size:
+            return
+        new_map = _new_map(new_size)
+        new_view = memoryview(new_map)
+        try:
+            self._copy_data_to(new_view, min(self._size, new_size))
+        finally:
+            new_view.release()
+        self._set_map(new_map, new_size)

@@ -34,17 +34,17 @@ NS2_RESIZED = 32 << 20
 STEP_TIMEOUT = 180.0  # the longest stretch between two host steps (dd + fio under TCG: ~60 s)
 
 
-# ------------------------------------------------------------------------------- the guest script
+# ------------------------------------------------------------------------------- the guest scripts
 
-GUEST_SCRIPT = r"""
+# The shell both kernel-host guest scripts (this module's and test_kernel_host_workers.py's) start
+# with: the check runner, the HTTP barrier, connect and the I/O checks.  A script sets T, IOP, NQN,
+# GO (and what its own checks use) after it; guest_script_text() fills in the @NAME@ placeholders.
+GUEST_PREAMBLE = r"""
 # Kernel messages would interleave with the marker lines: keep them off the console (dmesg still
 # has them, and failing checks print what they need).
 dmesg -n 1
-T=@HOST_ADDR@; IOP=@IOP@; DP=@DP@; DIGP=@DIGP@; NQN=@NQN@; GO=http://@HOST_ADDR@:@GOP@/
-SIZE=@SIZE@; NS2_SIZE=@NS2_SIZE@; NS2_RESIZED=@NS2_RESIZED@
 exec 3>&1
-HOSTNQN=$(cat /etc/nvme/hostnqn)
-echo "@@INFO hostnqn=$HOSTNQN@@"
+echo "@@INFO hostnqn=$(cat /etc/nvme/hostnqn)@@"
 
 # run NAME FUNCTION: one check; its output is shown (indented) only when it fails
 run() {
@@ -68,19 +68,17 @@ await_host() {
     done
     echo "the test did not release step $1 within 120 s"; return 1
 }
+# host_step NAME: the test acts on (or inspects) the target now; wait until it is done
+host_step() {
+    echo "@@HOST $1@@" >&3
+    await_host $1
+}
 need_dev() { [ -n "$DEV" ] && [ -b "$DEV" ] || { echo "no block device (the connect check failed)"; return 1; }; }
 # wait_for SECONDS SHELL-CONDITION
 wait_for() {
     _i=0
     while [ $_i -lt $(( $1 * 10 )) ]; do eval "$2" && return 0; sleep 0.1; _i=$((_i + 1)); done
     return 1
-}
-
-check_discover() {  # $1: port
-    nvme discover -t tcp -a $T -s $1 > /tmp/disc || { echo "nvme discover -s $1 exited $?"; return 1; }
-    cat /tmp/disc
-    grep -Eq "subnqn: *$NQN( |\$)" /tmp/disc || { echo "$NQN missing from the discovery log on port $1"; return 1; }
-    grep -Eq "trsvcid: *$IOP( |\$)" /tmp/disc || { echo "no entry with trsvcid $IOP on port $1"; return 1; }
 }
 
 # connect PORT EXTRA-ARGS: sets CTRL and DEV
@@ -93,6 +91,75 @@ connect() {
     read CTRL DEV < /tmp/conn
     echo "@@INFO connected=$CTRL dev=$DEV cntlid=$(cat /sys/class/nvme/$CTRL/cntlid)@@" >&3
     dmesg | grep -i nvme
+}
+
+check_dd() {  # $1: MiB
+    need_dev || return 1
+    dd if=/dev/urandom of=/tmp/data bs=1M count=$1 2>/dev/null || { echo "cannot make random data"; return 1; }
+    dd if=/tmp/data of=$DEV bs=1M oflag=direct conv=fsync || { echo "dd write of $1 MiB to $DEV failed"; return 1; }
+    written=$(sha256sum < /tmp/data | cut -d' ' -f1)
+    read_back=$(dd if=$DEV bs=1M count=$1 iflag=direct 2>/dev/null | sha256sum | cut -d' ' -f1)
+    rm -f /tmp/data
+    echo "written $written read $read_back"
+    [ "$written" = "$read_back" ] || { echo "sha256 of the $1 MiB read back differs from what was written"; return 1; }
+}
+
+ENGINE=libaio
+fio --enghelp 2>/dev/null | grep -qw libaio || ENGINE=io_uring
+run_fio() {  # fio arguments; passes only with exit 0, "err= 0" for every job and no verify complaint
+    need_dev || return 1
+    fio --name=check --filename=$DEV --ioengine=$ENGINE --direct=1 --verify=crc32c --verify_fatal=1 \
+        --group_reporting "$@" > /tmp/fio 2>&1
+    rc=$?
+    cat /tmp/fio
+    [ $rc = 0 ] || { echo "fio exited $rc"; return 1; }
+    grep -q "err= 0" /tmp/fio || { echo "fio reported an error"; return 1; }
+    ! grep -qi "verify.*\(bad\|fail\|mismatch\)" /tmp/fio || { echo "fio reported verify errors"; return 1; }
+    grep -E "^ *(read|write):" /tmp/fio | sed 's/^ */@@INFO fio_/; s/:.*IOPS=\([^,]*\),.*/_iops=\1@@/' >&3
+}
+
+check_disconnect() {
+    [ -n "$CTRL" ] || { echo "nothing to disconnect (the connect check failed)"; return 1; }
+    nvme disconnect -d $CTRL || { echo "nvme disconnect -d $CTRL exited $?"; return 1; }
+    wait_for 10 "[ ! -e /sys/class/nvme/$CTRL ]" || { echo "$CTRL still present after disconnect"; return 1; }
+    CTRL=""; DEV=""
+}
+
+check_mapped_queues() {  # $1: queue count
+    dmesg | grep "mapped" || true
+    dmesg | grep -q "mapped $1/0/0 default/read/poll queues" || {
+        echo "dmesg has no 'mapped $1/0/0 default/read/poll queues'"; return 1; }
+}
+"""
+
+GUEST_EPILOGUE = r"""
+echo "@@HOST all-disconnected@@"
+await_host done || echo "the test did not finish its last checks"
+dmesg | grep -i -e nvme -e tcp | tail -n 40 | sed 's/^/    dmesg| /'
+exit 0
+"""
+
+
+def guest_script_text(script: str, subnqn: str, values: dict[str, str]) -> str:
+    """``script`` with its @NAME@ placeholders filled in: @HOST_ADDR@, @NQN@ and connect's @CONNECT@
+    here, the rest from ``values``."""
+    connect = vm.guest_nvme_connect_script(vm.HOST_ADDR, "PORTVAR", subnqn, '"$@"')
+    connect = connect.replace("-s PORTVAR", '-s "$_port"').replace(":PORTVAR", ":$_port")
+    values = {"@HOST_ADDR@": vm.HOST_ADDR, **values, "@NQN@": shlex.quote(subnqn), "@CONNECT@": connect}
+    for key, value in values.items():
+        script = script.replace(key, value)
+    return script
+
+
+GUEST_SCRIPT = GUEST_PREAMBLE + r"""
+T=@HOST_ADDR@; IOP=@IOP@; DP=@DP@; DIGP=@DIGP@; NQN=@NQN@; GO=http://@HOST_ADDR@:@GOP@/
+SIZE=@SIZE@; NS2_SIZE=@NS2_SIZE@; NS2_RESIZED=@NS2_RESIZED@
+
+check_discover() {  # $1: port
+    nvme discover -t tcp -a $T -s $1 > /tmp/disc || { echo "nvme discover -s $1 exited $?"; return 1; }
+    cat /tmp/disc
+    grep -Eq "subnqn: *$NQN( |\$)" /tmp/disc || { echo "$NQN missing from the discovery log on port $1"; return 1; }
+    grep -Eq "trsvcid: *$IOP( |\$)" /tmp/disc || { echo "no entry with trsvcid $IOP on port $1"; return 1; }
 }
 
 check_list() {
@@ -139,30 +206,6 @@ check_error_log() {
     grep -q "Error Log Entries" /tmp/elog || { echo "error-log output has no entries header"; return 1; }
 }
 
-check_dd() {  # $1: MiB
-    need_dev || return 1
-    dd if=/dev/urandom of=/tmp/data bs=1M count=$1 2>/dev/null || { echo "cannot make random data"; return 1; }
-    dd if=/tmp/data of=$DEV bs=1M oflag=direct conv=fsync || { echo "dd write of $1 MiB to $DEV failed"; return 1; }
-    written=$(sha256sum < /tmp/data | cut -d' ' -f1)
-    read_back=$(dd if=$DEV bs=1M count=$1 iflag=direct 2>/dev/null | sha256sum | cut -d' ' -f1)
-    rm -f /tmp/data
-    echo "written $written read $read_back"
-    [ "$written" = "$read_back" ] || { echo "sha256 of the $1 MiB read back differs from what was written"; return 1; }
-}
-
-ENGINE=libaio
-fio --enghelp 2>/dev/null | grep -qw libaio || ENGINE=io_uring
-run_fio() {  # fio arguments; passes only with exit 0, "err= 0" for every job and no verify complaint
-    need_dev || return 1
-    fio --name=check --filename=$DEV --ioengine=$ENGINE --direct=1 --verify=crc32c --verify_fatal=1 \
-        --group_reporting "$@" > /tmp/fio 2>&1
-    rc=$?
-    cat /tmp/fio
-    [ $rc = 0 ] || { echo "fio exited $rc"; return 1; }
-    grep -q "err= 0" /tmp/fio || { echo "fio reported an error"; return 1; }
-    ! grep -qi "verify.*\(bad\|fail\|mismatch\)" /tmp/fio || { echo "fio reported verify errors"; return 1; }
-}
-
 # Each namespace step prints its @@HOST@@ line first, so the test's sequence goes on even when the
 # step cannot work.
 check_ns_add() {
@@ -196,24 +239,6 @@ check_ns_remove() {
     [ -b "$DEV" ] || { echo "$DEV vanished together with $NS2"; return 1; }
 }
 
-check_disconnect() {
-    [ -n "$CTRL" ] || { echo "nothing to disconnect (the connect check failed)"; return 1; }
-    nvme disconnect -d $CTRL || { echo "nvme disconnect -d $CTRL exited $?"; return 1; }
-    wait_for 10 "[ ! -e /sys/class/nvme/$CTRL ]" || { echo "$CTRL still present after disconnect"; return 1; }
-    CTRL=""; DEV=""
-}
-
-check_mapped_queues() {  # $1: queue count
-    dmesg | grep "mapped" || true
-    dmesg | grep -q "mapped $1/0/0 default/read/poll queues" || {
-        echo "dmesg has no 'mapped $1/0/0 default/read/poll queues'"; return 1; }
-}
-
-host_step_queues() {
-    echo "@@HOST queues@@" >&3
-    await_host queues
-}
-
 # ---- discovery
 run discover_discovery_port check_discover $DP
 run discover_io_port check_discover $IOP
@@ -243,16 +268,11 @@ run disconnect_digests check_disconnect
 # ---- two I/O queues
 run connect_2_io_queues connect $IOP --nr-io-queues 2
 run dmesg_2_io_queues check_mapped_queues 2
-run rest_step_queues host_step_queues
+run rest_step_queues host_step queues
 run two_queue_fio run_fio --rw=randrw --bs=4k --iodepth=16 --size=4M --numjobs=2 --offset_increment=4M \
     --cpus_allowed=0-1 --cpus_allowed_policy=split
 run disconnect_2_io_queues check_disconnect
-
-echo "@@HOST all-disconnected@@"
-await_host done || echo "the test did not finish its last checks"
-dmesg | grep -i -e nvme -e tcp | tail -n 40 | sed 's/^/    dmesg| /'
-exit 0
-"""
+""" + GUEST_EPILOGUE
 
 GUEST_CHECKS = (
     "discover_discovery_port", "discover_io_port",
@@ -269,17 +289,11 @@ HOST_CHECKS = (
 
 
 def guest_script(*, io_port: int, disc_port: int, digest_port: int, go_port: int, subnqn: str) -> str:
-    connect = vm.guest_nvme_connect_script(vm.HOST_ADDR, "PORTVAR", subnqn, '"$@"')
-    connect = connect.replace("-s PORTVAR", '-s "$_port"').replace(":PORTVAR", ":$_port")
-    values = {
-        "@HOST_ADDR@": vm.HOST_ADDR, "@IOP@": str(io_port), "@DP@": str(disc_port), "@DIGP@": str(digest_port),
-        "@GOP@": str(go_port), "@NQN@": shlex.quote(subnqn), "@SIZE@": str(TARGET_SIZE), "@BLOCK@": str(BLOCK),
-        "@NS2_SIZE@": str(NS2_SIZE), "@NS2_RESIZED@": str(NS2_RESIZED), "@CONNECT@": connect,
-    }  # fmt: skip
-    script = GUEST_SCRIPT
-    for key, value in values.items():
-        script = script.replace(key, value)
-    return script
+    return guest_script_text(GUEST_SCRIPT, subnqn, {
+        "@IOP@": str(io_port), "@DP@": str(disc_port), "@DIGP@": str(digest_port), "@GOP@": str(go_port),
+        "@SIZE@": str(TARGET_SIZE), "@BLOCK@": str(BLOCK), "@NS2_SIZE@": str(NS2_SIZE),
+        "@NS2_RESIZED@": str(NS2_RESIZED),
+    })  # fmt: skip
 
 
 # ------------------------------------------------------------------------------- host side

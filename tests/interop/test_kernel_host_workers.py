@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,7 +23,15 @@ import pytest
 
 from tests.interop import vm
 from tests.interop.ourtarget import IcSniffer, OurTarget, serve_target
-from tests.interop.test_kernel_host import Barrier, Report, _parse_guest, _poll
+from tests.interop.test_kernel_host import (
+    GUEST_EPILOGUE,
+    GUEST_PREAMBLE,
+    Barrier,
+    Report,
+    _parse_guest,
+    _poll,
+    guest_script_text,
+)
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(600)]
 
@@ -34,91 +41,8 @@ BLOCK = 512
 STEP_TIMEOUT = 180.0  # the longest stretch between two host steps (32 MiB dd + fio under TCG)
 MIN_WORKER_CPU = 0.03  # CPU seconds each worker must spend during dd + fio (idle: a few ms; busy: 0.2-0.5 s)
 
-GUEST_SCRIPT = r"""
-dmesg -n 1
+GUEST_SCRIPT = GUEST_PREAMBLE + r"""
 T=@HOST_ADDR@; IOP=@IOP@; DIGP=@DIGP@; NQN=@NQN@; GO=http://@HOST_ADDR@:@GOP@/
-exec 3>&1
-echo "@@INFO hostnqn=$(cat /etc/nvme/hostnqn)@@"
-
-run() {
-    _name=$1; shift
-    _t0=$(date +%s)
-    if "$@" > /tmp/check.log 2>&1; then
-        echo "@@CHECK $_name PASS $(( $(date +%s) - _t0 ))s@@"
-    else
-        _rc=$?
-        tail -n 40 /tmp/check.log | sed 's/^/    | /'
-        echo "@@CHECK $_name FAIL $(( $(date +%s) - _t0 ))s rc=$_rc: $(tail -n 1 /tmp/check.log | tr -d '@')@@"
-    fi
-}
-await_host() {
-    _i=0
-    while [ $_i -lt 600 ]; do
-        case " $(timeout 5 wget -q -O - "$GO" 2>/dev/null) " in *" $1 "*) return 0 ;; esac
-        sleep 0.2; _i=$((_i + 1))
-    done
-    echo "the test did not release step $1 within 120 s"; return 1
-}
-# host_step NAME: the test inspects the target now; wait until it is done
-host_step() {
-    echo "@@HOST $1@@" >&3
-    await_host $1
-}
-need_dev() { [ -n "$DEV" ] && [ -b "$DEV" ] || { echo "no block device (the connect check failed)"; return 1; }; }
-wait_for() {
-    _i=0
-    while [ $_i -lt $(( $1 * 10 )) ]; do eval "$2" && return 0; sleep 0.1; _i=$((_i + 1)); done
-    return 1
-}
-
-connect() {  # PORT EXTRA-ARGS: sets CTRL and DEV
-    CTRL=""; DEV=""; rm -f /tmp/conn
-    dmesg -c > /dev/null
-    _port=$1; shift
-    ( @CONNECT@
-      echo "$CTRL $DEV" > /tmp/conn ) || return 1
-    read CTRL DEV < /tmp/conn
-    echo "@@INFO connected=$CTRL dev=$DEV@@" >&3
-    dmesg | grep -i nvme
-}
-
-check_mapped_queues() {  # $1: queue count
-    dmesg | grep "mapped" || true
-    dmesg | grep -q "mapped $1/0/0 default/read/poll queues" || {
-        echo "dmesg has no 'mapped $1/0/0 default/read/poll queues'"; return 1; }
-}
-
-check_dd() {  # $1: MiB
-    need_dev || return 1
-    dd if=/dev/urandom of=/tmp/data bs=1M count=$1 2>/dev/null || { echo "cannot make random data"; return 1; }
-    dd if=/tmp/data of=$DEV bs=1M oflag=direct conv=fsync || { echo "dd write of $1 MiB to $DEV failed"; return 1; }
-    written=$(sha256sum < /tmp/data | cut -d' ' -f1)
-    read_back=$(dd if=$DEV bs=1M count=$1 iflag=direct 2>/dev/null | sha256sum | cut -d' ' -f1)
-    rm -f /tmp/data
-    echo "written $written read $read_back"
-    [ "$written" = "$read_back" ] || { echo "sha256 of the $1 MiB read back differs from what was written"; return 1; }
-}
-
-ENGINE=libaio
-fio --enghelp 2>/dev/null | grep -qw libaio || ENGINE=io_uring
-run_fio() {
-    need_dev || return 1
-    fio --name=check --filename=$DEV --ioengine=$ENGINE --direct=1 --verify=crc32c --verify_fatal=1 \
-        --group_reporting "$@" > /tmp/fio 2>&1
-    rc=$?
-    cat /tmp/fio
-    [ $rc = 0 ] || { echo "fio exited $rc"; return 1; }
-    grep -q "err= 0" /tmp/fio || { echo "fio reported an error"; return 1; }
-    ! grep -qi "verify.*\(bad\|fail\|mismatch\)" /tmp/fio || { echo "fio reported verify errors"; return 1; }
-    grep -E "^ *(read|write):" /tmp/fio | sed 's/^ */@@INFO fio_/; s/:.*IOPS=\([^,]*\),.*/_iops=\1@@/' >&3
-}
-
-check_disconnect() {
-    [ -n "$CTRL" ] || { echo "nothing to disconnect (the connect check failed)"; return 1; }
-    nvme disconnect -d $CTRL || { echo "nvme disconnect -d $CTRL exited $?"; return 1; }
-    wait_for 10 "[ ! -e /sys/class/nvme/$CTRL ]" || { echo "$CTRL still present after disconnect"; return 1; }
-    CTRL=""; DEV=""
-}
 
 # ---- plain, two I/O queues (one per worker)
 run connect_plain connect $IOP --nr-io-queues 2
@@ -138,12 +62,7 @@ run dmesg_digests_2_io_queues check_mapped_queues 2
 run host_placement_digests host_step placement-digests
 run digests_dd_16mib_sha256 check_dd 16
 run disconnect_digests check_disconnect
-
-echo "@@HOST all-disconnected@@"
-await_host done || echo "the test did not finish its last checks"
-dmesg | grep -i -e nvme -e tcp | tail -n 40 | sed 's/^/    dmesg| /'
-exit 0
-"""
+""" + GUEST_EPILOGUE
 
 GUEST_CHECKS = (
     "connect_plain", "dmesg_plain_2_io_queues", "host_placement_plain", "dd_32mib_sha256",
@@ -161,16 +80,8 @@ HOST_CHECKS = (
 
 
 def guest_script(*, io_port: int, digest_port: int, go_port: int, subnqn: str) -> str:
-    connect = vm.guest_nvme_connect_script(vm.HOST_ADDR, "PORTVAR", subnqn, '"$@"')
-    connect = connect.replace("-s PORTVAR", '-s "$_port"').replace(":PORTVAR", ":$_port")
-    values = {
-        "@HOST_ADDR@": vm.HOST_ADDR, "@IOP@": str(io_port), "@DIGP@": str(digest_port), "@GOP@": str(go_port),
-        "@NQN@": shlex.quote(subnqn), "@CONNECT@": connect,
-    }  # fmt: skip
-    script = GUEST_SCRIPT
-    for key, value in values.items():
-        script = script.replace(key, value)
-    return script
+    return guest_script_text(GUEST_SCRIPT, subnqn,
+                             {"@IOP@": str(io_port), "@DIGP@": str(digest_port), "@GOP@": str(go_port)})
 
 
 # ------------------------------------------------------------------------------- /proc views
