@@ -36,3 +36,4 @@ RDMA_READ_DEPTH = 16               # RDMA READs one side keeps outstanding (CM i
 RDMA_CM_TIMEOUT_MS = 3000          # NVME_RDMA_CM_TIMEOUT_MS: address and route resolution
 TCP_DIRECT_PLACEMENT_MIN = 16 * 1024  # missing data PDU payload from which it is received straight into its buffer
 TCP_CLOSE_GRACE = 2.0             # seconds a closing NVMe/TCP connection may wait for its peer to read before abort
+TCP_H2C_BUDGET = 32 << 20         # R2T'd write bytes one NVMe/TCP connection may ask for at once (>= MDTS)

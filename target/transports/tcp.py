@@ -3,7 +3,9 @@
 Modelled on Linux nvmet tcp.c: ICReq -> ICResp; each command capsule becomes a Request run as its own
 task (a queue's commands may complete out of order); host data arrives in-capsule or, for larger
 writes, after one R2T for the whole length (the host's MAXR2T is 0), its H2CData PDUs checked against
-that R2T before a buffer is allocated; reads go out as C2HData (SUCCESS only when SQ flow control is
+that R2T before a buffer is allocated. R2Ts are paced by a per-connection byte budget (``h2c_budget``):
+a write whose R2T would exceed it waits, first come first served, for earlier ones to finish, while
+commands without host data go on. Reads go out as C2HData (SUCCESS only when SQ flow control is
 off and nothing else must be said) plus a CapsuleResp. Losing the admin queue tears the controller down.
 """
 
@@ -13,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+from collections import deque
 from collections.abc import Coroutine, Generator
 from typing import TYPE_CHECKING, Any
 
@@ -112,6 +115,10 @@ class TargetConnection(asyncio.BufferedProtocol):
     eager = True
     # Seconds a closing connection may spend flushing to a peer that does not read before it is aborted.
     close_grace = defaults.TCP_CLOSE_GRACE
+    # Bytes of host data our outstanding R2Ts may ask for at once: each such write holds a buffer of its
+    # full length until it has executed. One write always goes when none holds any, so a budget below
+    # one transfer slows the queue down but never stops it.
+    h2c_budget = defaults.TCP_H2C_BUDGET
 
     def __init__(self, target: Target, listener: Listener | None = None, *, transport_name: str = "tcp",
                  on_lost: Any = None) -> None:
@@ -126,6 +133,8 @@ class TargetConnection(asyncio.BufferedProtocol):
         self._tasks: set[asyncio.Task[None]] = set()
         self._h2c: dict[int, _PendingH2C] = {}
         self._next_ttag = 0
+        self._h2c_bytes = 0   # of h2c_budget, held by the writes that got (or are getting) their R2T
+        self._h2c_waiters: deque[tuple[asyncio.Future[None], int]] = deque()   # writes waiting for budget
         self._closed = False
         self._on_lost = on_lost
         self._write_paused = False
@@ -258,6 +267,9 @@ class TargetConnection(asyncio.BufferedProtocol):
             if not pending.future.done():
                 pending.future.cancel()
         self._h2c.clear()
+        for fut, _ in self._h2c_waiters:
+            fut.cancel()
+        self._h2c_waiters.clear()
         for task in list(self._tasks):
             task.cancel()
         self.target.queue_closed(self.queue)
@@ -296,10 +308,16 @@ class TargetConnection(asyncio.BufferedProtocol):
 
     async def _run(self, req: Request, data: bytes | None, digest_ok: bool) -> None:
         target = self.target
+        reserved = 0
         try:
             target.parse(req)
             if req.direction == Direction.H2C:
-                req.data = await self._host_data(req, data, digest_ok)
+                if req.cmd.sgl_id == SGL_ID_INCAPSULE or data is not None:
+                    req.data = self._incapsule_data(req, data, digest_ok)
+                else:
+                    await self._reserve_h2c(req.data_len)
+                    reserved = req.data_len
+                    req.data = await self._r2t_data(req)
             elif data is not None:
                 raise NvmeError(Status.INVALID_FIELD,
                                 f"{len(data)} bytes of in-capsule data for a command that takes none")
@@ -314,6 +332,9 @@ class TargetConnection(asyncio.BufferedProtocol):
             log.exception("command %r failed unexpectedly", req)
             self._send_cqe(target.fail(req, NvmeError(Status.INTERNAL, f"internal error: {exc}")))
             return
+        finally:
+            if reserved:
+                self._release_h2c(reserved)   # the write is done with its buffer
         if self._closed:
             return
         if req.direction == Direction.C2H and req.reply is not None:
@@ -335,7 +356,7 @@ class TargetConnection(asyncio.BufferedProtocol):
         self.conn.send_response(cqe)
         self._flush()
 
-    async def _host_data(self, req: Request, data: bytes | None, digest_ok: bool) -> memoryview:
+    def _incapsule_data(self, req: Request, data: bytes | None, digest_ok: bool) -> memoryview:
         if req.cmd.sgl_id == SGL_ID_INCAPSULE:
             if data is None or len(data) != req.data_len:
                 got = 0 if data is None else len(data)
@@ -344,8 +365,43 @@ class TargetConnection(asyncio.BufferedProtocol):
             if not digest_ok:
                 raise NvmeError(Status.TRANSIENT_TR_ERR, "in-capsule data failed its data digest", dnr=False)
             return memoryview(data)
-        if data is not None:
-            raise NvmeError(Status.INVALID_FIELD, "in-capsule data with a transport SGL (0x5A)")
+        raise NvmeError(Status.INVALID_FIELD, "in-capsule data with a transport SGL (0x5A)")
+
+    def _h2c_fits(self, nbytes: int) -> bool:
+        return self._h2c_bytes == 0 or self._h2c_bytes + nbytes <= self.h2c_budget
+
+    async def _reserve_h2c(self, nbytes: int) -> None:
+        """Take ``nbytes`` of the H2C budget, after every write that asked before (FIFO: none starves)."""
+        if not self._h2c_waiters and self._h2c_fits(nbytes):
+            self._h2c_bytes += nbytes
+            return
+        waiter = (asyncio.get_running_loop().create_future(), nbytes)
+        self._h2c_waiters.append(waiter)
+        try:
+            await waiter[0]
+        except BaseException:
+            if waiter[0].done() and not waiter[0].cancelled():
+                self._release_h2c(nbytes)   # granted, then cancelled before it could resume
+            else:
+                with contextlib.suppress(ValueError):
+                    self._h2c_waiters.remove(waiter)
+            raise
+
+    def _release_h2c(self, nbytes: int) -> None:
+        self._h2c_bytes -= nbytes
+        waiters = self._h2c_waiters
+        while waiters and not self._closed:
+            fut, want = waiters[0]
+            if fut.done():   # cancelled while waiting: its coroutine will not find it
+                waiters.popleft()
+                continue
+            if not self._h2c_fits(want):
+                break
+            waiters.popleft()
+            self._h2c_bytes += want
+            fut.set_result(None)
+
+    async def _r2t_data(self, req: Request) -> memoryview:
         ttag = self._alloc_ttag()
         if ttag is None:
             raise NvmeError(Status.INTERNAL, "no transfer tag free for an R2T")
