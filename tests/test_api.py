@@ -14,6 +14,7 @@ from api.app import create_app
 from nvmeof import __version__, defaults
 from target.core import Target
 from target.service import TargetService
+from tests.ports import free_port
 
 NQN = "nqn.2024-01.com.example:disk1"
 NQN2 = "nqn.2024-01.com.example:disk2"
@@ -59,12 +60,6 @@ def populated(client):
     assert client.post(SUBS, json={"nqn": NQN}).status_code == 201
     assert client.post(ns_url(), json={"backend": "ram", "size": 1 << 20}).status_code == 201
     return client
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def detail(response) -> str:

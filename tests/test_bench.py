@@ -29,6 +29,7 @@ from initiator.bench import (
 )
 from target.core import Target
 from target.service import TargetService
+from tests.ports import free_port
 
 NQN = "nqn.2026-11.io.nvmeof-toolkit:bench-test"
 NS_SIZE = 16 << 20
@@ -274,15 +275,9 @@ async def test_region_errors_name_the_option(target) -> None:
         await run_bench(loop_spec(t), JobSpec(size=4096), target_pids=(2 ** 22 + 12345,))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def test_numjobs_workers_over_tcp(target) -> None:
     _, service = target
-    port = _free_port()
+    port = free_port()
     await service.add_listener("tcp", "127.0.0.1", port)
     cspec = ConnectSpec(traddr="127.0.0.1", trsvcid=port, subnqn=NQN)
     spec = JobSpec(rw="randread", bs=4096, iodepth=4, numjobs=2, size=512 << 10, group_reporting=True)
@@ -300,7 +295,6 @@ async def test_numjobs_workers_over_tcp(target) -> None:
 
 def test_local_listener_pid_finds_the_process_that_listens():
     import os
-    import socket
 
     from initiator.bench.cpu import local_listener_pid
 

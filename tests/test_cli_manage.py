@@ -18,6 +18,7 @@ from api.app import create_app
 from nvmeof.commands import manage
 from target.core import Target
 from target.service import TargetService
+from tests.ports import free_port
 
 NQN = "nqn.2024-01.com.example:cli1"
 HOSTNQN = "nqn.2014-08.org.nvmexpress:uuid:7d1f5a52-9d8e-4c1b-8f0e-0d6c1c2b3a41"
@@ -80,12 +81,6 @@ def run(server, monkeypatch):
         return result
 
     return invoke
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_registered_on_the_real_command_line():
@@ -273,7 +268,6 @@ def test_token(tmp_path, monkeypatch):
         assert [s.nqn for s in live.service.list_subsystems()] == [NQN]
     finally:
         live.close()
-
 
 
 def test_config_unrestored_lists_retries_and_discards(run, server, tmp_path):

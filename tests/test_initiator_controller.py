@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-import socket
 from typing import Any
 
 import pytest
@@ -17,16 +16,11 @@ from nvmeof.spec.nvme import Command, FeatureId, IoOpcode, LogPageId
 from nvmeof.status import NvmeError, Status
 from target.core import Target
 from target.service import TargetService
+from tests.ports import free_port
 
 NQN = "nqn.2026-11.io.nvmeof-toolkit:initiator-test"
 NS1_BLOCKS = 64 * 1024 * 1024 // 512     # 64 MiB of 512-byte blocks
 NS2_SIZE = 8 * 1024 * 1024               # 8 MiB of 4096-byte blocks
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclasses.dataclass

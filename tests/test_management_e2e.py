@@ -32,6 +32,7 @@ from target.config import ConfigError, import_nvmetcli, load_config, save_config
 from target.core import Target
 from target.daemon import Daemon, DaemonOptions
 from target.service import ServiceError, TargetService
+from tests.ports import free_ports
 
 MiB = 1 << 20
 REPO = Path(__file__).resolve().parents[1]
@@ -41,19 +42,6 @@ NQN3 = "nqn.2026-01.io.nvmeof-toolkit:e2e-vol3"
 HOSTA = "nqn.2014-08.org.nvmexpress:uuid:aaaaaaaa-0000-4000-8000-000000000001"
 HOSTB = "nqn.2014-08.org.nvmexpress:uuid:bbbbbbbb-0000-4000-8000-000000000002"
 V1 = "/api/v1"
-
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def ns_url(nqn: str, nsid: int | None = None, action: str = "") -> str:

@@ -18,6 +18,7 @@ from nvmeof import defaults
 from target.config import load_config
 from target.model import Listener, Referral, Subsystem
 from target.service import ServiceError, TargetService
+from tests.ports import free_port
 
 MiB = 1 << 20
 HOST1 = "nqn.2014-08.org.nvmexpress:uuid:11111111-2222-3333-4444-555555555555"
@@ -65,12 +66,6 @@ class FakeTarget:
             server.close()
             await server.wait_closed()
         self.servers.clear()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from nvmeof.status import NvmeError, Status
 from nvmeof.uri import TransportAddress
 from target.daemon import Daemon, DaemonOptions
 from target.workers import PooledTarget, WorkerPool
+from tests.ports import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 NQN = defaults.DEFAULT_SUBSYSTEM_NQN
@@ -36,19 +36,6 @@ READ, WRITE = 0x02, 0x01
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create") or sys.platform != "linux",
                                 reason="worker processes need Linux memfd and SCM_RIGHTS")
-
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 async def eventually(check, timeout: float = 10.0, what: str = "condition") -> None:

@@ -28,13 +28,14 @@ import secrets
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+
+from tests.ports import free_port, free_ports  # noqa: F401  (the VM tests pick hostfwd ports with these)
 
 QEMU = "qemu-system-x86_64"
 HOST_ADDR = "10.0.2.2"  # user-mode network: the host's 127.0.0.1 as seen from the guest
@@ -531,26 +532,6 @@ def run_layer(script: str, token: str, files: dict[str, bytes] | None = None) ->
 
 
 # --------------------------------------------------------------------------- ports
-
-
-def free_ports(count: int = 1, host: str = "127.0.0.1") -> list[int]:
-    """`count` distinct TCP ports free on `host` right now (held together so they differ)."""
-    if count < 1:
-        raise ValueError(f"free_ports: count must be at least 1, got {count}")
-    socks = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    return free_ports(1, host)[0]
 
 
 # --------------------------------------------------------------------------- QEMU processes
