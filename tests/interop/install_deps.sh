@@ -25,26 +25,9 @@ packages=(
     libc-bin          # ldd
 )
 
-export DEBIAN_FRONTEND=noninteractive
-missing=()
-for p in "${packages[@]}"; do
-    if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
-        missing+=("$p")
-    fi
-done
-
-# The kernel is fetched later with `apt-get download`, which needs current package lists
-# even when every host package above is already there.
-apt-get update -q
-
-if [ "${#missing[@]}" -gt 0 ]; then
-    apt-get install -y -q --no-install-recommends "${missing[@]}"
-fi
-
-for tool in qemu-system-x86_64 busybox nvme fio rdma cpio xz depmod dpkg-deb; do
-    command -v "$tool" >/dev/null || PATH="$PATH:/sbin:/usr/sbin" command -v "$tool" >/dev/null || {
-        echo "install_deps.sh: $tool still missing after install" >&2
-        exit 1
-    }
-done
+SCRIPT=install_deps.sh
+# shellcheck source=tests/interop/apt_packages.sh
+source "$(dirname "$0")/apt_packages.sh"
+install_missing_packages "${packages[@]}"
+require_tools qemu-system-x86_64 busybox nvme fio rdma cpio xz depmod dpkg-deb
 echo "install_deps.sh: host packages for tests/interop are installed"

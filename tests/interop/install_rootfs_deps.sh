@@ -16,25 +16,9 @@ packages=(
     python3-pip       # fallback when the host Python has no pip (pip install --target for guest deps)
 )
 
-export DEBIAN_FRONTEND=noninteractive
-missing=()
-for p in "${packages[@]}"; do
-    if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
-        missing+=("$p")
-    fi
-done
-
-# mmdebstrap resolves the guest's packages from the host's apt lists: refresh them every time.
-apt-get update -q
-
-if [ "${#missing[@]}" -gt 0 ]; then
-    apt-get install -y -q --no-install-recommends "${missing[@]}"
-fi
-
-for tool in mmdebstrap mkfs.ext4; do
-    command -v "$tool" >/dev/null || PATH="$PATH:/sbin:/usr/sbin" command -v "$tool" >/dev/null || {
-        echo "install_rootfs_deps.sh: $tool still missing after install" >&2
-        exit 1
-    }
-done
+SCRIPT=install_rootfs_deps.sh
+# shellcheck source=tests/interop/apt_packages.sh
+source "$(dirname "$0")/apt_packages.sh"
+install_missing_packages "${packages[@]}"
+require_tools mmdebstrap mkfs.ext4
 echo "install_rootfs_deps.sh: host packages for the guest root image are installed"
