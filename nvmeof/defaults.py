@@ -37,3 +37,29 @@ RDMA_CM_TIMEOUT_MS = 3000          # NVME_RDMA_CM_TIMEOUT_MS: address and route 
 TCP_DIRECT_PLACEMENT_MIN = 16 * 1024  # missing data PDU payload from which it is received straight into its buffer
 TCP_CLOSE_GRACE = 2.0             # seconds a closing NVMe/TCP connection may wait for its peer to read before abort
 TCP_H2C_BUDGET = 32 << 20         # R2T'd write bytes one NVMe/TCP connection may ask for at once (>= MDTS)
+
+# -- management plane and port limits (hardening) ---------------------------------------------------
+STATE_DIR_ROOT = "/var/lib/nvmeof"   # state directory when the daemon runs as root
+STATE_DIR_USER = ".local/share/nvmeof"  # under $HOME otherwise ($XDG_DATA_HOME/nvmeof when set)
+API_TOKEN_FILE = "api-token"          # in the state directory, mode 0600: the CLI reads it by itself
+API_MAX_BODY = 1 << 20                # bytes of one REST request body; larger gets 413
+TCP_ICREQ_TIMEOUT = 5.0               # seconds a new NVMe/TCP connection may take to send ICReq
+TCP_CONNECT_TIMEOUT = 10.0            # seconds after ICResp until the queue's Fabrics Connect
+TCP_MAX_CONNECTIONS = 1024            # NVMe/TCP connections across all listeners
+TCP_MAX_CONNECTIONS_PER_LISTENER = 512
+TCP_H2C_GLOBAL_BUDGET = 256 << 20     # R2T'd write bytes all connections together may have outstanding
+
+
+def state_dir(*, uid: int | None = None, environ: dict[str, str] | None = None) -> str:
+    """The daemon's state directory: $NVMEOF_STATE_DIR, else /var/lib/nvmeof for root, else
+    $XDG_DATA_HOME/nvmeof or ~/.local/share/nvmeof. Pure: computes the path, touches nothing."""
+    import os
+
+    env = os.environ if environ is None else environ
+    if env.get("NVMEOF_STATE_DIR"):
+        return env["NVMEOF_STATE_DIR"]
+    if (os.geteuid() if uid is None else uid) == 0:
+        return STATE_DIR_ROOT
+    if env.get("XDG_DATA_HOME"):
+        return os.path.join(env["XDG_DATA_HOME"], "nvmeof")
+    return os.path.join(env.get("HOME") or os.path.expanduser("~"), STATE_DIR_USER)

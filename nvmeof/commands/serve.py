@@ -56,23 +56,25 @@ def _api(value: str):
 @click.option("--workers", type=click.IntRange(0, 256), default=0, show_default=True, metavar="N",
               help="Serve TCP I/O queues from N worker processes (one core each); admin queues and controller "
                    "state stay in the main process. 0 serves everything in one process.")
-def serve(config_path, listen, discovery, api, api_token, nqn, ramdisk_size, block_size, workers) -> None:
+def serve(**kw) -> None:
     """Run the NVMe-oF target: by default one subsystem with a 1 GiB RAM disk, allowing any host,
     I/O on 127.0.0.1:4420, discovery on 127.0.0.1:8009 and the REST API on 127.0.0.1:8080."""
     from target.daemon import DaemonError, DaemonOptions
     from target.daemon import serve as run
 
+    # Each option group below turns its click values into DaemonOptions fields (one place per option).
     try:
-        size = parse_size(ramdisk_size)
+        size = parse_size(kw["ramdisk_size"])
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--ramdisk-size") from None
-    options = DaemonOptions(
-        config_path=config_path,
-        listen=_addresses(listen, defaults.TCP_IO_PORT, "--listen"),
-        discovery=_addresses(discovery, defaults.TCP_DISCOVERY_PORT, "--discovery"),
-        api=_api(api), api_token=api_token, subsystem_nqn=nqn, ramdisk_size=size,
-        block_size=int(block_size), workers=workers,
+    fields: dict = dict(
+        config_path=kw["config_path"],
+        listen=_addresses(kw["listen"], defaults.TCP_IO_PORT, "--listen"),
+        discovery=_addresses(kw["discovery"], defaults.TCP_DISCOVERY_PORT, "--discovery"),
+        api=_api(kw["api"]), api_token=kw["api_token"], subsystem_nqn=kw["nqn"], ramdisk_size=size,
+        block_size=int(kw["block_size"]), workers=kw["workers"],
     )
+    options = DaemonOptions(**fields)
 
     def ready(daemon) -> None:
         click.echo(daemon.banner(), err=False)
