@@ -1,10 +1,12 @@
 """The management service: ``create_app(service, token=...)`` builds the FastAPI application.
 
-Resources live under /api/v1; /health, /version and /metrics sit at the root for probes and
-scrapers; the OpenAPI UI is at /docs. With a token every route except /health requires
-``Authorization: Bearer <token>``. ``nvmeof serve`` refuses to start the API on an address
-beyond loopback without one (--api-token or NVMEOF_API_TOKEN), because anyone who reaches the
-API can export any file of the machine as a namespace.
+Resources live under /api/v1; /health (liveness, no details), /version and /metrics sit at the
+root for probes and scrapers; the OpenAPI UI is at /docs. Every route except /health requires the
+token, loopback included: ``Authorization: Bearer <token>``, or the session cookie a browser gets
+from the login link ``/login?token=...`` that `nvmeof serve` prints. :class:`api.auth.ApiGuard`
+also refuses foreign Host and Origin headers, non-JSON state-changing requests and bodies over
+``max_body`` (see its docstring). There is no unauthenticated mode: anyone who can manage the
+target can export any allowed file as a namespace.
 """
 
 from __future__ import annotations
@@ -14,20 +16,33 @@ from typing import Any
 from fastapi import APIRouter, FastAPI
 
 from api import errors
-from api.auth import OPEN_PATHS, BearerAuthMiddleware
+from api.auth import LOGIN_PATH, OPEN_PATHS, ApiGuard, HostPolicy
 from api.routers import config, controllers, fabric, namespaces, subsystems, system
-from nvmeof import __version__
+from nvmeof import __version__, defaults
 from target.service import TargetService
 
 API_PREFIX = "/api/v1"
 
 
-def create_app(service: TargetService, *, token: str | None = None) -> FastAPI:
+DESCRIPTION = (
+    "Manage the NVMe-oF target: subsystems, namespaces, hosts, listeners, referrals, controllers and the "
+    "persisted configuration. Changes apply to connected hosts at once.\n\n"
+    "Every call needs the token that `nvmeof serve` generated (or was given): it is in the `api-token` file "
+    "of the daemon's state directory. In this page, open the login link `nvmeof serve` printed "
+    f"(`{LOGIN_PATH}?token=...`), or click **Authorize** and paste the token."
+)
+
+
+def create_app(service: TargetService, *, token: str, hosts: HostPolicy | None = None,
+               max_body: int = defaults.API_MAX_BODY, token_hint: str | None = None) -> FastAPI:
+    """``hosts``: the Host headers to accept (None skips the check: a Unix socket or an in-process
+    client). ``token_hint``: where the token can be found, named in 401 answers."""
+    if not token:
+        raise ValueError("create_app needs a non-empty token: the API has no unauthenticated mode")
     app = FastAPI(
         title="nvmeof management API",
         version=__version__,
-        description="Manage the NVMe-oF target: subsystems, namespaces, hosts, listeners, referrals, "
-                    "controllers and the persisted configuration. Changes apply to connected hosts at once.",
+        description=DESCRIPTION,
         docs_url="/docs",
         redoc_url=None,
         openapi_url="/openapi.json",
@@ -46,9 +61,8 @@ def create_app(service: TargetService, *, token: str | None = None) -> FastAPI:
     app.include_router(v1)
     app.include_router(system.router)
 
-    if token is not None:
-        app.add_middleware(BearerAuthMiddleware, token=token)
-        _document_bearer(app)
+    app.add_middleware(ApiGuard, token=token, hosts=hosts, max_body=max_body, token_hint=token_hint)
+    _document_bearer(app)
     return app
 
 

@@ -1,59 +1,302 @@
-"""Bearer-token check for every route but the health probe.
+"""What every request must pass before a route sees it: the request checks and the credential.
 
-A pure ASGI middleware rather than a route dependency, so /docs, /openapi.json, /metrics and even
-unknown paths are covered: nothing about the target leaks to an unauthenticated client.
+One pure ASGI middleware (:class:`ApiGuard`) rather than route dependencies, so /docs,
+/openapi.json, /metrics and even unknown paths are covered: nothing about the target leaks to, and
+nothing changes for, a client that fails a check. In order:
+
+1. ``Host`` must name this API (the bound address, ``localhost`` on loopback, names given with
+   ``nvmeof serve --api-host-name``): a page on another site whose name was re-bound to our address
+   (DNS rebinding) sends its own name. Not applied on a Unix socket, which no browser reaches.
+2. An ``Origin`` header must be the API's own origin (``http://`` + Host); no CORS header is ever
+   sent, so a preflight never grants anything.
+3. POST/PUT/PATCH/DELETE carry ``application/json`` or no body at all: a cross-site HTML form
+   can only send form or text bodies.
+4. ``Content-Length`` above the cap is refused up front (413).
+5. The credential: ``Authorization: Bearer <token>``, or the session cookie that ``/login?token=``
+   sets for a browser (HttpOnly, SameSite=Strict), as Jupyter does. Only ``/health`` is open.
+6. A body is read up to the cap before the route runs (chunked bodies included) and refused with
+   413 past it, so no request holds more than the cap in memory.
+
+Refusals are logged with the method, path and client; never the query string (the login link
+carries the token) and never a credential.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import ipaddress
 import json
 import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from urllib.parse import parse_qs
 
 log = logging.getLogger("nvmeof.api")
 
-OPEN_PATHS = frozenset({"/health", "/api/v1/health"})
+OPEN_PATHS = frozenset({"/health"})
+LOGIN_PATH = "/login"
+LOGIN_REDIRECT = "/docs"
+SESSION_COOKIE = "nvmeof_session"
+BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+JSON_TYPE = "application/json"
 
 
-class BearerAuthMiddleware:
-    def __init__(self, app, *, token: str) -> None:
+class Refusal(Exception):
+    def __init__(self, status: int, detail: str, headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+        self.headers = list(headers)
+
+
+def _split_host(value: str) -> tuple[str, int] | None:
+    """``name[:port]`` or ``[v6][:port]`` from a Host header, lower-cased; None when malformed."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        name, sep, tail = value[1:].partition("]")
+        if not sep or (tail and not tail.startswith(":")):
+            return None
+        port_text = tail[1:] if tail else ""
+    elif value.count(":") == 1:
+        name, port_text = value.split(":")
+    elif ":" in value:
+        return None  # a bare IPv6 address must be bracketed in Host
+    else:
+        name, port_text = value, ""
+    if not port_text:
+        return name.rstrip("."), 80
+    if not port_text.isdigit():
+        return None
+    return name.rstrip("."), int(port_text)
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class HostPolicy:
+    """Which ``Host`` headers name this API. A wildcard bind (0.0.0.0, ::) accepts any IP literal:
+    a rebinding attack needs the attacker's own name in Host, never a bare address."""
+
+    port: int
+    names: frozenset[str]
+    any_ip: bool = False
+
+    @classmethod
+    def for_bind(cls, host: str, port: int, names: Iterable[str] = ()) -> HostPolicy:
+        accepted = {n.strip().lower().rstrip(".") for n in names if n.strip()}
+        address = ipaddress.ip_address(host)
+        if address.is_unspecified:
+            return cls(port, frozenset(accepted), any_ip=True)
+        accepted.add(str(address))
+        if address.is_loopback:
+            accepted.add("localhost")
+        return cls(port, frozenset(accepted))
+
+    def allows(self, header: str) -> bool:
+        parsed = _split_host(header)
+        if parsed is None or parsed[1] != self.port:
+            return False
+        name = parsed[0]
+        return name in self.names or (self.any_ip and _is_ip(name))
+
+    def describe(self) -> str:
+        shown = [f"[{n}]:{self.port}" if ":" in n else f"{n}:{self.port}" for n in sorted(self.names)]
+        if self.any_ip:
+            shown.insert(0, f"any IP address:{self.port}")
+        return ", ".join(shown)
+
+
+def session_value(token: str) -> str:
+    """The login cookie: derived from the token, so it changes with it and does not carry it."""
+    return hmac.new(token.encode("utf-8"), b"nvmeof-session-v1", hashlib.sha256).hexdigest()
+
+
+def _headers(scope) -> dict[bytes, bytes]:
+    # Repeated headers: the first one counts (a second Host or Content-Type is refused by h11 anyway).
+    out: dict[bytes, bytes] = {}
+    for key, value in scope["headers"]:
+        out.setdefault(key.lower(), value)
+    return out
+
+
+def _cookie(headers: dict[bytes, bytes], name: str) -> str | None:
+    for part in headers.get(b"cookie", b"").decode("latin-1").split(";"):
+        key, sep, value = part.strip().partition("=")
+        if sep and key == name:
+            return value.strip()
+    return None
+
+
+class ApiGuard:
+    def __init__(self, app, *, token: str, hosts: HostPolicy | None, max_body: int,
+                 token_hint: str | None = None) -> None:
         if not token:
-            raise ValueError("an empty API token would accept anyone; pass None to disable the check")
+            raise ValueError("the API always needs a token: an empty one would accept anyone")
+        if max_body < 0:
+            raise ValueError(f"max_body must be 0 or more bytes, got {max_body}")
         self.app = app
         self._token = token.encode("utf-8")
+        self._session = session_value(token).encode("ascii")
+        self.hosts = hosts
+        self.max_body = max_body
+        self._hint = token_hint
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http":
+            if scope["type"] == "websocket":  # no route speaks WebSocket; never accept one
+                await send({"type": "websocket.close", "code": 1008})
+                return
             await self.app(scope, receive, send)
             return
-        reason = self._refusal(scope)
-        if reason is None:
-            await self.app(scope, receive, send)
+        headers = _headers(scope)
+        try:
+            self._check_headers(scope, headers)
+            if scope["path"] == LOGIN_PATH:
+                await self._login(scope, headers, send)
+                return
+            if scope["path"] not in OPEN_PATHS:
+                self._check_credential(headers)
+            if scope["method"] in BODY_METHODS and self._has_body(headers):
+                receive = await self._read_body(receive)
+        except Refusal as refusal:
+            self._log(scope, refusal)
+            await _send_json(send, refusal.status, {"detail": refusal.detail}, refusal.headers)
             return
-        client = scope.get("client")
-        where = f"{client[0]}:{client[1]}" if client else "unknown client"
-        log.warning("API request refused: %s %s from %s: %s", scope["method"], scope["path"], where, reason)
-        body = json.dumps({"detail": f"unauthorized: {reason}"}).encode()
-        await send({
-            "type": "http.response.start",
-            "status": 401,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"www-authenticate", b'Bearer realm="nvmeof"'),
-            ],
-        })
-        await send({"type": "http.response.body", "body": body})
+        await self.app(scope, receive, send)
 
-    def _refusal(self, scope) -> str | None:
-        """None when the request carries the token, else why it was refused."""
-        values = [v for k, v in scope["headers"] if k == b"authorization"]
-        if not values:
-            return "no Authorization header; send 'Authorization: Bearer <token>'"
-        scheme, _, credential = values[0].strip().partition(b" ")
+    # -- checks on the headers --------------------------------------------------------------------
+
+    def _check_headers(self, scope, headers: dict[bytes, bytes]) -> None:
+        host = headers.get(b"host", b"").decode("latin-1")
+        if self.hosts is not None and not self.hosts.allows(host):
+            raise Refusal(403, f"Host header {host!r} does not name this API (it answers to "
+                               f"{self.hosts.describe()}): refused against DNS rebinding; "
+                               "add a name with nvmeof serve --api-host-name NAME")
+        origin = headers.get(b"origin")
+        if origin is not None and origin.decode("latin-1").lower() != f"http://{host}".lower():
+            raise Refusal(403, f"cross-origin request from Origin {origin.decode('latin-1')!r} refused: "
+                               "this API sends no CORS headers and serves only its own origin")
+        if scope["method"] in BODY_METHODS:
+            ctype = headers.get(b"content-type")
+            if ctype is not None:
+                media = ctype.decode("latin-1").split(";", 1)[0].strip().lower()
+                if media != JSON_TYPE:
+                    raise Refusal(415, f"Content-Type {media!r} refused: a {scope['method']} request carries "
+                                       f"{JSON_TYPE} (or no body)")
+            elif self._has_body(headers):
+                raise Refusal(415, f"a {scope['method']} request body needs Content-Type: {JSON_TYPE}")
+        length = headers.get(b"content-length")
+        if length is not None:
+            if not length.strip().isdigit():
+                raise Refusal(400, f"Content-Length {length.decode('latin-1')!r} is not a number of bytes")
+            if int(length) > self.max_body:
+                raise Refusal(413, f"request body of {int(length)} bytes is over the limit of {self.max_body} "
+                                   "(nvmeof serve --api-max-body SIZE)", [(b"connection", b"close")])
+
+    @staticmethod
+    def _has_body(headers: dict[bytes, bytes]) -> bool:
+        return b"transfer-encoding" in headers or headers.get(b"content-length", b"0").strip() not in (b"0", b"")
+
+    # -- the credential ---------------------------------------------------------------------------
+
+    def _check_credential(self, headers: dict[bytes, bytes]) -> None:
+        value = headers.get(b"authorization")
+        if value is None:
+            cookie = _cookie(headers, SESSION_COOKIE)
+            if cookie is not None and hmac.compare_digest(cookie.encode("latin-1"), self._session):
+                return
+            self._unauthorized("no Authorization header; send 'Authorization: Bearer <token>'"
+                               + (" (or a stale login cookie)" if cookie is not None else ""))
+        scheme, _, credential = value.strip().partition(b" ")
         if scheme.lower() != b"bearer":
-            return "the Authorization scheme is not Bearer"
+            self._unauthorized("the Authorization scheme is not Bearer")
         # Constant-time comparison: response timing must not reveal how much of a guess matched.
         if not hmac.compare_digest(credential.strip(), self._token):
-            return "wrong token"
-        return None
+            self._unauthorized("wrong token")
+
+    def _unauthorized(self, reason: str) -> None:
+        hint = f"; the token is in {self._hint}" if self._hint else ""
+        raise Refusal(401, f"unauthorized: {reason}{hint}", [(b"www-authenticate", b'Bearer realm="nvmeof"')])
+
+    async def _login(self, scope, headers: dict[bytes, bytes], send) -> None:
+        """``GET /login?token=T``: the link `nvmeof serve` prints. Sets the session cookie and
+        sends the browser on to /docs, whose requests then carry the cookie."""
+        if scope["method"] != "GET":
+            raise Refusal(405, "use GET /login?token=TOKEN (the link nvmeof serve printed)")
+        given = parse_qs(scope["query_string"].decode("latin-1")).get("token", [""])[0]
+        if not hmac.compare_digest(given.encode("latin-1", "replace"), self._token):
+            cookie = _cookie(headers, SESSION_COOKIE)
+            if not (cookie and hmac.compare_digest(cookie.encode("latin-1"), self._session)):
+                self._unauthorized("the login link carries no token or a wrong one")
+        log.info("API login from %s: session cookie set", _client(scope))
+        cookie_header = f"{SESSION_COOKIE}={self._session.decode()}; HttpOnly; SameSite=Strict; Path=/"
+        await send({"type": "http.response.start", "status": 303, "headers": [
+            (b"location", LOGIN_REDIRECT.encode()), (b"set-cookie", cookie_header.encode()),
+            (b"cache-control", b"no-store"), (b"content-length", b"0"),
+        ]})
+        await send({"type": "http.response.body", "body": b""})
+
+    # -- the body ---------------------------------------------------------------------------------
+
+    async def _read_body(self, receive):
+        """Read the whole body (at most the cap) and hand the route a receive that replays it."""
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away: the route sees just that
+                return _replaying(message)
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body:
+                raise Refusal(413, f"request body is over the limit of {self.max_body} bytes "
+                                   "(nvmeof serve --api-max-body SIZE)", [(b"connection", b"close")])
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return replay
+
+    # -- logging ----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _log(scope, refusal: Refusal) -> None:
+        # The path only: the query string of /login carries the token.
+        log.warning("API request refused (%d): %s %s from %s: %s", refusal.status, scope["method"], scope["path"],
+                    _client(scope), refusal.detail)
+
+
+def _replaying(message: dict):
+    async def receive() -> dict:
+        return message
+
+    return receive
+
+
+def _client(scope) -> str:
+    client = scope.get("client")
+    return f"{client[0]}:{client[1]}" if client else "local socket"
+
+
+async def _send_json(send, status: int, content: dict, extra: list[tuple[bytes, bytes]]) -> None:
+    body = json.dumps(content).encode()
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *extra,
+    ]})
+    await send({"type": "http.response.body", "body": body})

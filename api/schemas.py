@@ -11,7 +11,7 @@ from __future__ import annotations
 import uuid as uuid_mod
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from nvmeof import defaults
 
@@ -25,12 +25,23 @@ AdrFam = Literal["ipv4", "ipv6"]
 
 def _example(example: dict[str, Any]) -> ConfigDict:
     """Request config with an example for /docs (schemathesis also starts from it)."""
-    return ConfigDict(extra="forbid", json_schema_extra={"examples": [example]})
+    return ConfigDict(extra="forbid", strict=True, json_schema_extra={"examples": [example]})
 
 
 class _Request(BaseModel):
     # An unknown field is far more often a typo ("blocksize") than intent: refuse it by name.
-    model_config = ConfigDict(extra="forbid")
+    # Strict: "size": "1048576", "size": true or "allow_any_host": "yes" are refused (422 naming the
+    # field) rather than guessed at; JSON has real numbers and booleans.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @field_validator("*")
+    @classmethod
+    def _no_nul(cls, value: Any) -> Any:
+        # A NUL byte cannot be part of a path, an NQN or a name (C strings end there): refuse it by field.
+        items = value if isinstance(value, list) else [value]
+        if any(isinstance(item, str) and "\x00" in item for item in items):
+            raise ValueError("contains a NUL byte")
+        return value
 
 
 # -- subsystems -------------------------------------------------------------------------------------
@@ -91,22 +102,26 @@ class NamespaceCreate(_Request):
     model_config = _example({"backend": "ram", "size": 1 << 30, "block_size": 512})
 
     backend: Literal["file", "ram", "null"]
-    path: str | None = Field(None, description="File or block device (backend 'file')")
+    path: str | None = Field(None, description="Absolute path of a file under a backing directory, or of an "
+                                               "allowed block device (backend 'file'); stored resolved")
     size: int | None = Field(None, ge=1, description="Bytes; required for ram/null, or with create=true")
     block_size: int = Field(defaults.DEFAULT_BLOCK_SIZE, description="512 or 4096")
     nsid: int | None = Field(None, ge=1, le=NSID_MAX, description="Lowest free NSID when omitted")
-    uuid: uuid_mod.UUID | None = None
+    uuid: uuid_mod.UUID | None = Field(None, strict=False)  # JSON has no UUID type: parsed from its string
     nguid: str | None = Field(None, pattern=HEX_NGUID)
     eui64: str | None = Field(None, pattern=HEX_EUI64)
     read_only: bool = False
     enabled: bool = True
-    create: bool = Field(False, description="Create the file with the given size if it is missing")
+    create: bool = Field(False, description="Create the file with the given size if it is missing, or grow a "
+                                            "shorter one to it; without it an existing file is never changed")
 
 
 class NamespaceResize(_Request):
     model_config = _example({"size": 2 << 30})
 
     size: int = Field(ge=1, description="New capacity in bytes, a multiple of the block size")
+    allow_shrink: bool = Field(False, description="Allow a smaller size: hosts lose the namespace's tail, and a "
+                                                  "file namespace that covered its whole file cuts the file")
 
 
 # -- hosts ------------------------------------------------------------------------------------------
@@ -214,6 +229,10 @@ class NvmetcliExport(BaseModel):
     warnings: list[str] = Field(description="What the kernel target cannot express, left out or changed")
 
 
+class Liveness(BaseModel):
+    status: Literal["ok"]
+
+
 class Health(BaseModel):
     status: Literal["ok"]
     subsystems: int
@@ -228,6 +247,11 @@ class Version(BaseModel):
 
 class ErrorOut(BaseModel):
     detail: str
+
+
+class DisconnectedOut(BaseModel):
+    disconnected: int = Field(description="How many controllers were disconnected by this change (their hosts "
+                                          "lose access at once)")
 
 
 def hex_or_none(value: Any) -> str | None:

@@ -42,12 +42,19 @@ TCP_H2C_BUDGET = 32 << 20         # R2T'd write bytes one NVMe/TCP connection ma
 STATE_DIR_ROOT = "/var/lib/nvmeof"   # state directory when the daemon runs as root
 STATE_DIR_USER = ".local/share/nvmeof"  # under $HOME otherwise ($XDG_DATA_HOME/nvmeof when set)
 API_TOKEN_FILE = "api-token"          # in the state directory, mode 0600: the CLI reads it by itself
+API_ENDPOINT_FILE = "api-endpoint"    # next to it: the API's URL (http://ADDR:PORT) or unix:PATH, for the CLI
 API_MAX_BODY = 1 << 20                # bytes of one REST request body; larger gets 413
 TCP_ICREQ_TIMEOUT = 5.0               # seconds a new NVMe/TCP connection may take to send ICReq
 TCP_CONNECT_TIMEOUT = 10.0            # seconds after ICResp until the queue's Fabrics Connect
 TCP_MAX_CONNECTIONS = 1024            # NVMe/TCP connections across all listeners
 TCP_MAX_CONNECTIONS_PER_LISTENER = 512
 TCP_H2C_GLOBAL_BUDGET = 256 << 20     # R2T'd write bytes all connections together may have outstanding
+TCP_FD_RESERVE = 64                   # fds kept free below RLIMIT_NOFILE: API, backing files, listeners, workers
+TCP_RECV_BUFFER_MIN = 16 * 1024       # receive buffer of an idle NVMe/TCP connection: ICReq, a capsule with 8 KiB
+TCP_RECV_BUFFER_MAX = 256 * 1024      # what it grows to while reads keep filling it
+TCP_LIMIT_LOG_INTERVAL = 1.0          # seconds: at most one log line per kind of refusal/timeout, the rest counted
+BACKING_DIR = "disks"                 # in the state directory: where file namespaces live unless --backing-dir
+MAX_FILE_SIZE = (1 << 63) - 1         # off_t: the largest file length ftruncate(2) can be asked for
 
 
 def state_dir(*, uid: int | None = None, environ: dict[str, str] | None = None) -> str:

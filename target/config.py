@@ -3,6 +3,7 @@
 Our format::
 
     {"version": 1,
+     "backing_dirs": [...], "allow_block_devices": [...],   (optional: where file namespaces may live)
      "subsystems": [{"nqn", "serial", "model", "allow_any_host", "hosts": [...], "max_namespaces",
                      "namespaces": [{"nsid", "backend", "path" | "size", "block_size", "uuid",
                                      "nguid", "eui64", "read_only", "enabled"}]}],
@@ -33,7 +34,11 @@ _STR = "string"
 _BOOL = "boolean"
 _LIST = "list"
 
-TOP_KEYS: dict[str, str] = {"version": _INT, "subsystems": _LIST, "listeners": _LIST, "referrals": _LIST}
+TOP_KEYS: dict[str, str] = {"version": _INT, "subsystems": _LIST, "listeners": _LIST, "referrals": _LIST,
+                            "backing_dirs": _LIST, "allow_block_devices": _LIST}
+# Where file namespaces may live, added to `nvmeof serve --backing-dir/--allow-block-device` when the
+# daemon starts from this file; an import through the API cannot add to them (TargetService).
+POLICY_KEYS = ("backing_dirs", "allow_block_devices")
 SUBSYSTEM_KEYS: dict[str, str] = {
     "nqn": _STR,
     "serial": _STR,
@@ -144,6 +149,14 @@ def validate_config(data: Any, source: str = "config") -> dict[str, Any]:
         problems.append(
             f"{source}: version {version!r} is not supported; this program reads version {CONFIG_VERSION}"
         )
+    for key in POLICY_KEYS:
+        value = data.get(key, [])
+        if not isinstance(value, list):
+            problems.append(f"{source}: {key!r} must be a list of absolute paths, got {type(value).__name__}")
+            continue
+        for i, entry in enumerate(value):
+            if not isinstance(entry, str) or not os.path.isabs(entry) or "\0" in entry:
+                problems.append(f"{source}: {key}[{i}]: expected an absolute path, got {entry!r}")
     for key in ("subsystems", "listeners", "referrals"):
         value = data.get(key, [])
         if not isinstance(value, list):

@@ -61,6 +61,12 @@ AEN_BIT_DISC_CHANGE = 31
 AEC_SMART_MASK = 0xFF
 
 
+def host_label(hostnqn: str) -> str:
+    """How logs and messages name a host: Linux nvmet admits an empty HOSTNQN where any host may
+    connect (nvmet_host_allowed), so "" must read as something."""
+    return hostnqn or "<empty HOSTNQN>"
+
+
 def version_value(version: tuple[int, int, int] = defaults.NVME_VERSION) -> int:
     major, minor, tertiary = version
     return (major << 16) | (minor << 8) | tertiary
@@ -179,7 +185,7 @@ class Controller:
             problems.append(f"CSS {(cc >> CC_CSS_SHIFT) & CC_CSS_MASK} (only the NVM command set, 0)")
         if problems:
             log.warning("controller %d (host %s): CC.EN=1 refused, CSTS.CFS set: unsupported %s",
-                        self.cntlid, self.hostnqn, ", ".join(problems))
+                        self.cntlid, host_label(self.hostnqn), ", ".join(problems))
             self.csts = CSTS_CFS
             return
         self.csts = CSTS_RDY
@@ -274,7 +280,7 @@ class Controller:
             return
         self.closed = True
         log.info("controller %d (subsystem %s, host %s) torn down: %s", self.cntlid, self.subsystem.nqn,
-                 self.hostnqn, reason)
+                 host_label(self.hostnqn), reason)
         for fut in self.aer_waiters:
             if not fut.done():
                 fut.cancel()

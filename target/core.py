@@ -26,7 +26,7 @@ from nvmeof.spec.nvme import (
 )
 from nvmeof.status import NvmeError, Status, describe
 from target import admin, discovery, fabrics, io
-from target.controller import Controller
+from target.controller import Controller, host_label
 from target.model import Listener, Referral, Subsystem
 from target.request import Direction, Request, TargetQueue
 
@@ -111,11 +111,32 @@ class Target:
         self.remove_controller(ctrl, "disconnected by the administrator")
         return True
 
+    def _disconnect(self, victims: list[Controller], reason: str) -> int:
+        for ctrl in victims:
+            log.warning("disconnecting controller %d of subsystem %s (host %s): %s", ctrl.cntlid,
+                        ctrl.subsystem.nqn, host_label(ctrl.hostnqn), reason)
+            self.remove_controller(ctrl, reason)
+        return len(victims)
+
     def disconnect_subsystem(self, subnqn: str) -> int:
         victims = [c for c in self.controllers.values() if c.subsystem.nqn == subnqn]
-        for ctrl in victims:
-            self.remove_controller(ctrl, f"subsystem {subnqn} was removed or disconnected")
-        return len(victims)
+        return self._disconnect(victims, f"subsystem {subnqn} was removed or disconnected")
+
+    def disconnect_disallowed(self, subnqn: str) -> int:
+        """Access revocation: tear down the controllers of ``subnqn`` whose host its allow-list no longer
+        admits (a host was denied, or allow_any_host was turned off). Mirrors SPDK
+        spdk_nvmf_subsystem_remove_host, which disconnects that host's controllers; returns how many."""
+        victims = [c for c in self.controllers.values()
+                   if c.subsystem.nqn == subnqn and not c.subsystem.host_allowed(c.hostnqn)]
+        return self._disconnect(victims, f"the host is no longer allowed on subsystem {subnqn}")
+
+    def disconnect_listener(self, listener: Listener) -> int:
+        """Before a listener stops: tear down every controller with a queue that came through it
+        (SPDK nvmf_stop_listen disconnects the qpairs of that listener; a controller missing a queue
+        would be recovered by its host anyway). Returns how many controllers went."""
+        victims = [c for c in self.controllers.values()
+                   if any(q.listener is listener for q in c.queues.values())]
+        return self._disconnect(victims, f"listener {listener.id} was removed")
 
     def controllers_info(self) -> list[dict[str, Any]]:
         return [ctrl.info() for _, ctrl in sorted(self.controllers.items())]
@@ -139,7 +160,7 @@ class Target:
         for ctrl in expired:
             silent_ms = int((now - ctrl.last_keep_alive) * 1000)
             log.warning("keep-alive timeout: host %s silent for %d ms (KATO %d ms), tearing down controller %d "
-                        "of subsystem %s", ctrl.hostnqn, silent_ms, ctrl.kato_ms, ctrl.cntlid,
+                        "of subsystem %s", host_label(ctrl.hostnqn), silent_ms, ctrl.kato_ms, ctrl.cntlid,
                         ctrl.subsystem.nqn)
             self.remove_controller(ctrl, f"keep-alive timeout after {silent_ms} ms")
         return [c.cntlid for c in expired]
@@ -230,7 +251,8 @@ class Target:
         ctrl = queue.ctrl
         level = logging.INFO if err.status in _PROBE_STATUSES and queue.qid == 0 else logging.WARNING
         if not getattr(err, "logged", False) and log.isEnabledFor(level):
-            who = f"controller {ctrl.cntlid} (host {ctrl.hostnqn})" if ctrl else f"peer {queue.peer}"
+            who = f"controller {ctrl.cntlid} (host {host_label(ctrl.hostnqn)})" if ctrl else \
+                f"peer {queue.peer}"
             log.log(level, "%s qid %d cid %d opcode %#04x failed with %s: %s", who, queue.qid, req.cmd.cid,
                     req.cmd.opcode, describe(err.status), err.detail or "no detail")
         if ctrl is not None:

@@ -1,15 +1,25 @@
 """The target process: restore or create the configuration, start listeners and the REST API, and
-shut everything down cleanly on SIGINT/SIGTERM."""
+shut everything down cleanly on SIGINT/SIGTERM.
+
+The REST API always requires a token. Unless one is given (--api-token, NVMEOF_API_TOKEN) a random
+one is generated at every start. Either way it is written to ``<state dir>/api-token`` (mode 0600,
+in a state directory no other user can write) with ``<state dir>/api-endpoint`` next to it (one
+line: ``http://ADDR:PORT`` or ``unix:PATH``), so the `nvmeof` CLI run by the same user or root
+finds both by itself; both files are removed at a clean exit if they are still ours. On a Unix
+socket (``--api unix:PATH``, mode 0600, like SPDK's RPC socket) the token is required as well.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import os
+import secrets
 import signal
 import socket
+import stat
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,19 +38,117 @@ class DaemonOptions:
     config_path: Path | None = None
     listen: list[TransportAddress] = field(default_factory=list)
     discovery: list[TransportAddress] = field(default_factory=list)
-    api: tuple[str, int] | None = (defaults.LISTEN_ADDRESS, defaults.API_PORT)
+    api: tuple[str, int] | Path | None = (defaults.LISTEN_ADDRESS, defaults.API_PORT)  # a Path: a Unix socket
     api_token: str | None = None
     subsystem_nqn: str = defaults.DEFAULT_SUBSYSTEM_NQN
     ramdisk_size: int = defaults.RAMDISK_DEFAULT_SIZE
     block_size: int = defaults.DEFAULT_BLOCK_SIZE
     workers: int = 0   # processes serving TCP I/O queues; 0 serves everything in this process
+    ic_timeout: float = defaults.TCP_ICREQ_TIMEOUT  # seconds a new NVMe/TCP connection has to send ICReq
+    connect_timeout: float = defaults.TCP_CONNECT_TIMEOUT  # seconds from ICResp to the queue's Fabrics Connect
+    max_connections: int = defaults.TCP_MAX_CONNECTIONS  # NVMe/TCP connections in all (kept below RLIMIT_NOFILE)
+    max_connections_per_listener: int = defaults.TCP_MAX_CONNECTIONS_PER_LISTENER  # NVMe/TCP connections per listener
+    h2c_budget: int = defaults.TCP_H2C_GLOBAL_BUDGET  # R2T'd write bytes of all connections (split across workers)
+    backing_dirs: list[Path] = field(default_factory=list)  # where file namespaces may live; <state dir>/disks if empty
+    block_devices: list[Path] = field(default_factory=list)  # block devices (under /dev) namespaces may use
+    state_dir: Path | None = None  # api-token and api-endpoint live here; defaults.state_dir() when None
+    api_host_names: list[str] = field(default_factory=list)  # Host names the API answers to besides its address
+    api_max_body: int = defaults.API_MAX_BODY  # bytes of one REST request body; larger gets 413
 
 
-def is_loopback(host: str) -> bool:
+def state_directory(path: Path | str | None = None) -> Path:
+    """The daemon's state directory (``path``, else defaults.state_dir()), created 0700 if missing.
+
+    Refused when another user could plant or swap files in it (group/world-writable, or owned by
+    someone other than this user or root): the token file there decides who manages the target."""
+    directory = Path(os.path.abspath(path if path is not None else defaults.state_dir()))
+    fix = "choose another with --state-dir DIR (or NVMEOF_STATE_DIR)"
     try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = directory.stat()
+    except OSError as e:
+        raise DaemonError(f"cannot create the state directory {directory}: {e.strerror}; {fix}") from e
+    if not stat.S_ISDIR(st.st_mode):
+        raise DaemonError(f"state directory {directory} is not a directory; {fix}")
+    if st.st_mode & 0o022:
+        raise DaemonError(f"state directory {directory} is writable by group or others (mode "
+                          f"{stat.S_IMODE(st.st_mode):04o}), so another user could replace the API token file: "
+                          f"run chmod go-w {directory}, or {fix}")
+    if st.st_uid not in (0, os.geteuid()):
+        raise DaemonError(f"state directory {directory} belongs to uid {st.st_uid}, neither this user "
+                          f"(uid {os.geteuid()}) nor root; {fix}")
+    return directory
+
+
+def write_private_file(path: Path, text: str) -> None:
+    """Write ``path`` atomically with mode 0600 from its first byte: a temp file next to it created
+    with O_EXCL (never an existing file or a planted symlink), then renamed over the old one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def remove_if_ours(path: Path, text: str) -> None:
+    """Remove ``path`` if it still holds what we wrote: another daemon may have taken it over since."""
+    with contextlib.suppress(OSError):
+        if path.read_text(encoding="utf-8") == text + "\n":
+            path.unlink()
+
+
+def _socket_answers(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
+    return True
+
+
+def bind_unix_socket(path: Path) -> socket.socket:
+    """A listening Unix socket at ``path`` with mode 0600 from the moment it appears there: bound in
+    a private 0700 directory next to it, chmod'ed, then renamed into place (no process-wide umask
+    change). A stale socket is replaced; any other file, or a socket someone serves on, is refused."""
+    where = f"--api unix:{path}"
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        raise DaemonError(f"{where}: {e.strerror}") from e
+    if st is not None and not stat.S_ISSOCK(st.st_mode):
+        raise DaemonError(f"{where}: {path} exists and is not a socket; refusing to replace it (remove it or "
+                          "choose another path)")
+    if st is not None and _socket_answers(path):
+        raise DaemonError(f"{where}: another process serves on that socket; stop it or choose another path")
+    try:
+        private = Path(tempfile.mkdtemp(prefix=".nvmeof-api-", dir=path.parent))
+    except OSError as e:
+        raise DaemonError(f"{where}: cannot create the socket in {path.parent}: {e.strerror}") from e
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    staged = private / "s"
+    try:
+        sock.bind(str(staged))
+        os.chmod(staged, 0o600)
+        os.replace(staged, path)
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        raise DaemonError(f"{where}: cannot serve the REST API there: {e.strerror or e}") from e
+    finally:
+        with contextlib.suppress(OSError):
+            staged.unlink()
+        with contextlib.suppress(OSError):
+            private.rmdir()
+    sock.setblocking(False)
+    return sock
 
 
 class _EmbeddedServer:
@@ -74,6 +182,21 @@ class _EmbeddedServer:
         self.sock.close()
 
 
+def configure_tcp_port(target, options: DaemonOptions) -> None:
+    """Hand the NVMe/TCP limits to the target's port (and raise RLIMIT_NOFILE for the connection cap
+    before worker processes inherit it)."""
+    from target.transports.tcp import TcpLimits, TcpPort
+
+    limits = TcpLimits(ic_timeout=options.ic_timeout, connect_timeout=options.connect_timeout,
+                       max_connections=options.max_connections,
+                       max_connections_per_listener=options.max_connections_per_listener,
+                       h2c_global_budget=options.h2c_budget)
+    try:
+        TcpPort.of(target).configure(limits, raise_fd_limit=True)
+    except ValueError as e:
+        raise DaemonError(str(e)) from e
+
+
 class Daemon:
     def __init__(self, options: DaemonOptions) -> None:
         from target.core import Target
@@ -88,8 +211,21 @@ class Daemon:
             self.target: Target = PooledTarget(options.workers)
         else:
             self.target = Target()
-        self.service = TargetService(self.target, config_path=options.config_path)
+        configure_tcp_port(self.target, options)
+        from target.backends import BackendError
+
+        backing = options.backing_dirs or [Path(options.state_dir or defaults.state_dir()) / defaults.BACKING_DIR]
+        try:
+            self.service = TargetService(self.target, config_path=options.config_path, backing_dirs=backing,
+                                         block_devices=options.block_devices)
+        except BackendError as e:  # a --backing-dir under /dev, say: the message names it
+            raise DaemonError(str(e)) from e
         self.api_server: _EmbeddedServer | None = None
+        self.api_token: str | None = None
+        self.api_endpoint: str | None = None   # http://ADDR:PORT or unix:PATH, once the API listens
+        self.state_dir: Path | None = None
+        self._api_files: list[tuple[Path, str]] = []
+        self._api_socket: tuple[Path, int, int] | None = None   # path, st_dev, st_ino of our Unix socket
         self.restore_errors: list[str] = []
         self._stop = asyncio.Event()
 
@@ -100,12 +236,13 @@ class Daemon:
             # Before the configuration is replayed, so every namespace reaches the workers as it appears.
             await start_workers()
         if opts.api is not None:
-            host, port = opts.api
-            token = opts.api_token or os.environ.get("NVMEOF_API_TOKEN") or None
-            if not is_loopback(host) and not token:
-                raise DaemonError(f"the REST API would listen on {host}:{port}, beyond loopback, without a token: "
-                                  "pass --api-token TOKEN (or set NVMEOF_API_TOKEN), or --api 127.0.0.1:PORT")
-            opts.api_token = token
+            # Checked before the (possibly long) restore, so a bad state directory fails at once.
+            self.state_dir = state_directory(opts.state_dir)
+            self.api_token = opts.api_token or os.environ.get("NVMEOF_API_TOKEN") or secrets.token_urlsafe(32)
+        if not opts.backing_dirs:
+            from target.backends.file import make_backing_dir
+
+            make_backing_dir(self.service.backing.backing_dirs[0])  # <state dir>/disks, mode 0700
         config = None
         if opts.config_path is not None and opts.config_path.exists():
             from target.config import load_config
@@ -128,7 +265,7 @@ class Daemon:
         await self._add_listeners(opts.listen, discovery=False)
         await self._add_listeners(opts.discovery, discovery=True)
         if opts.api is not None:
-            self._start_api(*opts.api)
+            self._start_api()
 
     async def _create_default(self) -> None:
         opts = self.options
@@ -152,9 +289,43 @@ class Daemon:
             except ServiceError as e:
                 raise DaemonError(f"cannot listen on {addr}: {e}") from e
 
-    def _start_api(self, host: str, port: int) -> None:
+    def _start_api(self) -> None:
         from api.app import create_app
+        from api.auth import HostPolicy
 
+        opts = self.options
+        assert self.state_dir is not None and self.api_token is not None
+        hosts: HostPolicy | None = None
+        if isinstance(opts.api, Path):
+            path = Path(os.path.abspath(opts.api))
+            sock = bind_unix_socket(path)
+            st = os.lstat(path)
+            self._api_socket = (path, st.st_dev, st.st_ino)
+            endpoint = f"unix:{path}"
+        else:
+            host, port = opts.api
+            sock = self._bind_tcp(host, port)
+            hosts = HostPolicy.for_bind(host, port, opts.api_host_names)
+            endpoint = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        token_file = self.state_dir / defaults.API_TOKEN_FILE
+        app = create_app(self.service, token=self.api_token, hosts=hosts, max_body=opts.api_max_body,
+                         token_hint=f"{token_file} on the target's machine")
+        try:
+            for name, text in ((defaults.API_TOKEN_FILE, self.api_token), (defaults.API_ENDPOINT_FILE, endpoint)):
+                write_private_file(self.state_dir / name, text)
+                self._api_files.append((self.state_dir / name, text))
+        except OSError as e:
+            sock.close()
+            raise DaemonError(f"cannot write the API token file in {self.state_dir}: {e.strerror}; choose another "
+                              "state directory with --state-dir DIR (or NVMEOF_STATE_DIR)") from e
+        self.api_endpoint = endpoint
+        level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
+        self.api_server = _EmbeddedServer(app, sock, "warning" if level == "info" else level)
+        self.api_server.start()
+        log.info("REST API on %s; its token is in %s", endpoint, token_file)
+
+    @staticmethod
+    def _bind_tcp(host: str, port: int) -> socket.socket:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -166,10 +337,19 @@ class Daemon:
                               "pick another with --api HOST:PORT or disable it with --api none") from e
         sock.listen(128)
         sock.setblocking(False)
-        app = create_app(self.service, token=self.options.api_token)
-        level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
-        self.api_server = _EmbeddedServer(app, sock, "warning" if level == "info" else level)
-        self.api_server.start()
+        return sock
+
+    def _remove_api_files(self) -> None:
+        for path, text in self._api_files:
+            remove_if_ours(path, text)
+        self._api_files = []
+        if self._api_socket is not None:
+            path, dev, ino = self._api_socket
+            with contextlib.suppress(OSError):
+                st = os.lstat(path)
+                if (st.st_dev, st.st_ino) == (dev, ino):
+                    path.unlink()
+            self._api_socket = None
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -180,6 +360,7 @@ class Daemon:
     async def stop(self) -> None:
         if self.api_server is not None:
             await self.api_server.stop()
+        self._remove_api_files()
         await self.target.close()
 
     def banner(self) -> str:
@@ -196,9 +377,13 @@ class Daemon:
             lines.append(f"  I/O listener        {lst.trtype}://{lst.traddr}:{lst.trsvcid}")
         for lst in discs:
             lines.append(f"  discovery listener  {lst.trtype}://{lst.traddr}:{lst.trsvcid}")
-        if self.api_server is not None and self.options.api is not None:
-            host, port = self.options.api
-            lines.append(f"  REST API            http://{host}:{port}/docs")
+        if self.api_server is not None and self.api_endpoint is not None:
+            token_file = self.state_dir / defaults.API_TOKEN_FILE if self.state_dir else defaults.API_TOKEN_FILE
+            lines.append(f"  REST API            {self.api_endpoint}  (token in {token_file}; the nvmeof CLI "
+                         "reads it: nvmeof subsystem list)")
+            if self.api_endpoint.startswith("http"):
+                # The token is shown here once, on stdout, never in a log line (as Jupyter does).
+                lines.append(f"  API docs (login)    {self.api_endpoint}/login?token={self.api_token}")
         if ios:
             io = ios[0]
             disc = discs[0] if discs else io

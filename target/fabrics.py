@@ -30,10 +30,13 @@ from nvmeof.spec.fabrics import (
 from nvmeof.spec.fields import field_offset
 from nvmeof.spec.nvme import FabricsType
 from nvmeof.status import NvmeError, Status
+from target.controller import host_label
 from target.request import Direction
 
 if TYPE_CHECKING:
+    from target.controller import Controller
     from target.core import Target
+    from target.model import Subsystem
     from target.request import Execute, Request, TargetQueue
 
 log = logging.getLogger(__name__)
@@ -41,6 +44,7 @@ log = logging.getLogger(__name__)
 # IPO values: byte offsets of the offending field in the SQE (IATTR 0) or the Connect data (IATTR 1)
 IPO_SQE_QID = field_offset(ConnectCommand, "qid")            # 42
 IPO_SQE_SQSIZE = field_offset(ConnectCommand, "sqsize")      # 44
+IPO_DATA_HOSTID = field_offset(ConnectData, "hostid")        # 0
 IPO_DATA_CNTLID = field_offset(ConnectData, "cntlid")        # 16
 IPO_DATA_SUBSYSNQN = field_offset(ConnectData, "subsysnqn")  # 256
 IPO_DATA_HOSTNQN = field_offset(ConnectData, "hostnqn")      # 512
@@ -93,59 +97,54 @@ def _execute_connect(target: Target, req: Request) -> None:
         hostnqn = _nqn(data.hostnqn)
     except (ConstructError, UnicodeDecodeError):
         raise _invalid_param(CONNECT_IATTR_DATA, IPO_DATA_HOSTNQN, "HOSTNQN is not valid UTF-8") from None
-    if not hostnqn:
-        raise _invalid_param(CONNECT_IATTR_DATA, IPO_DATA_HOSTNQN, "the Connect data carries an empty HOSTNQN")
+    # An all-zero HOSTNQN is not refused here: Linux nvmet admits it wherever any host may connect
+    # (nvmet_host_allowed), and the allow-list check below refuses it everywhere else.
+    host = host_label(hostnqn)
     queue = req.queue
     if queue.ctrl is not None:
         raise NvmeError(Status.CONNECT_CTRL_BUSY, f"qid {queue.qid} is already connected")
     if sqsize == 0:
         raise _invalid_param(CONNECT_IATTR_SQE, IPO_SQE_SQSIZE,
-                             f"host {hostnqn}: SQSIZE 0 (a queue needs at least 2 entries)")
+                             f"host {host}: SQSIZE 0 (a queue needs at least 2 entries)")
     if sqsize > defaults.MAX_QUEUE_SIZE - 1:
         raise _invalid_param(CONNECT_IATTR_SQE, IPO_SQE_SQSIZE,
-                             f"host {hostnqn}: SQSIZE {sqsize} exceeds CAP.MQES {defaults.MAX_QUEUE_SIZE - 1}; "
+                             f"host {host}: SQSIZE {sqsize} exceeds CAP.MQES {defaults.MAX_QUEUE_SIZE - 1}; "
                              f"use a queue size of at most {defaults.MAX_QUEUE_SIZE}")
     subsystem = target.find_subsystem(subnqn)
     if qid == 0:
         cntlid = data.cntlid
         if cntlid != CONNECT_ADMIN_CNTLID:
             raise _invalid_param(CONNECT_IATTR_DATA, IPO_DATA_CNTLID,
-                                 f"host {hostnqn}: admin Connect asks for controller ID {cntlid:#x}; this target "
+                                 f"host {host}: admin Connect asks for controller ID {cntlid:#x}; this target "
                                  f"only creates controllers dynamically (CNTLID {CONNECT_ADMIN_CNTLID:#x})")
         if subsystem is None:
             raise _invalid_param(CONNECT_IATTR_DATA, IPO_DATA_SUBSYSNQN,
-                                 f"host {hostnqn} asked for subsystem {subnqn!r}, which does not exist here; "
+                                 f"host {host} asked for subsystem {subnqn!r}, which does not exist here; "
                                  "check the NQN with 'nvme discover'")
         if not subsystem.host_allowed(hostnqn):
-            raise NvmeError(Status.CONNECT_INVALID_HOST,
-                            f"host {hostnqn} is not allowed to use subsystem {subnqn}; add it to the "
-                            "subsystem's hosts or allow any host",
+            raise NvmeError(Status.CONNECT_INVALID_HOST, _not_allowed(hostnqn, subnqn),
                             result=(CONNECT_IATTR_DATA << 16) | IPO_DATA_HOSTNQN)
         ctrl = target.create_controller(subsystem, hostnqn, data.hostid, kato)
         log.info("controller %d created for subsystem %s, host %s (%s, KATO %d ms)", ctrl.cntlid,
-                 subsystem.nqn, hostnqn, queue.peer, ctrl.kato_ms)
+                 subsystem.nqn, host, queue.peer, ctrl.kato_ms)
     else:
         if subsystem is None:
             raise _invalid_param(CONNECT_IATTR_DATA, IPO_DATA_SUBSYSNQN,
-                                 f"host {hostnqn}: I/O queue Connect for unknown subsystem {subnqn!r}")
-        ctrl = target.controllers.get(data.cntlid)
-        if ctrl is None or ctrl.closed or ctrl.subsystem is not subsystem or ctrl.hostnqn != hostnqn:
-            raise _invalid_param(CONNECT_IATTR_DATA, IPO_DATA_CNTLID,
-                                 f"host {hostnqn}: I/O queue Connect names controller {data.cntlid}, which is not "
-                                 f"a live controller of this host on subsystem {subnqn}")
+                                 f"host {host}: I/O queue Connect for unknown subsystem {subnqn!r}")
+        ctrl = _io_queue_controller(target, subsystem, data.cntlid, hostnqn, bytes(data.hostid), qid)
         if not ctrl.enabled:
             raise NvmeError(Status.CMD_SEQ_ERROR,
-                            f"host {hostnqn}: I/O queue {qid} Connect before controller {ctrl.cntlid} was enabled")
+                            f"host {host}: I/O queue {qid} Connect before controller {ctrl.cntlid} was enabled")
         if ctrl.is_discovery:
             raise _invalid_param(CONNECT_IATTR_SQE, IPO_SQE_QID,
-                                 f"host {hostnqn}: discovery controllers have no I/O queues (qid {qid})")
+                                 f"host {host}: discovery controllers have no I/O queues (qid {qid})")
         if qid > ctrl.nr_io_queues:
             raise _invalid_param(CONNECT_IATTR_SQE, IPO_SQE_QID,
-                                 f"host {hostnqn}: qid {qid} exceeds the {ctrl.nr_io_queues} I/O queues granted to "
+                                 f"host {host}: qid {qid} exceeds the {ctrl.nr_io_queues} I/O queues granted to "
                                  f"controller {ctrl.cntlid}")
         if qid in ctrl.queues:
             raise _invalid_param(CONNECT_IATTR_SQE, IPO_SQE_QID,
-                                 f"host {hostnqn}: qid {qid} of controller {ctrl.cntlid} is already connected")
+                                 f"host {host}: qid {qid} of controller {ctrl.cntlid} is already connected")
     queue.qid = qid
     queue.sqsize = sqsize
     queue.sqhd = 0
@@ -154,6 +153,38 @@ def _execute_connect(target: Target, req: Request) -> None:
     queue.ctrl = ctrl
     ctrl.queues[qid] = queue
     req.dw0 = ctrl.cntlid
+
+
+def _not_allowed(hostnqn: str, subnqn: str) -> str:
+    if not hostnqn:
+        return (f"the Connect data carries an empty HOSTNQN and subsystem {subnqn} admits only the hosts in its "
+                "list; configure a host NQN on the host (nvme-cli: --hostnqn or /etc/nvme/hostnqn) and add it to "
+                "the subsystem's hosts, or allow any host")
+    return f"host {hostnqn} is not allowed to use subsystem {subnqn}; add it to the subsystem's hosts or allow any host"
+
+
+def _io_queue_controller(target: Target, subsystem: Subsystem, cntlid: int, hostnqn: str, hostid: bytes,
+                         qid: int) -> Controller:
+    """The controller an I/O queue Connect joins: it must be live, on this subsystem, and created by
+    the same host, which the spec identifies by both HOSTNQN and HOSTID. Linux nvmet_ctrl_find_get
+    compares the host NQN and answers a mismatch as an unknown CNTLID; FreeBSD nvmft_handoff_io_queue
+    also compares the 16-byte Host Identifier and answers INVALID_PARAM with IPO at the HOSTID field."""
+    host = host_label(hostnqn)
+    ctrl = target.controllers.get(cntlid)
+    if ctrl is None or ctrl.closed or ctrl.subsystem is not subsystem:
+        raise _invalid_param(CONNECT_IATTR_DATA, IPO_DATA_CNTLID,
+                             f"host {host}: I/O queue {qid} Connect names controller {cntlid}, which is not a "
+                             f"live controller of subsystem {subsystem.nqn}")
+    if ctrl.hostnqn != hostnqn:
+        raise _invalid_param(CONNECT_IATTR_DATA, IPO_DATA_CNTLID,
+                             f"host {host}: I/O queue {qid} Connect names controller {cntlid}, which host "
+                             f"{host_label(ctrl.hostnqn)} created (the HOSTNQN differs from its admin queue's "
+                             "Connect)")
+    if ctrl.hostid != hostid:
+        raise _invalid_param(CONNECT_IATTR_DATA, IPO_DATA_HOSTID,
+                             f"host {host}: I/O queue {qid} Connect for controller {cntlid} carries HOSTID "
+                             f"{hostid.hex()}, but its admin queue connected with HOSTID {ctrl.hostid.hex()}")
+    return ctrl
 
 
 # --- Property Get / Set, Disconnect --------------------------------------------------------------
@@ -212,7 +243,8 @@ def _make_disconnect(target: Target) -> Execute:
         queue = req.queue
         ctrl = queue.ctrl
         assert ctrl is not None
-        log.info("host %s disconnects qid %d of controller %d", ctrl.hostnqn, queue.qid, ctrl.cntlid)
+        log.info("host %s disconnects qid %d of controller %d", host_label(ctrl.hostnqn), queue.qid,
+                 ctrl.cntlid)
         # Close only after the transport has sent this command's completion.
         loop = asyncio.get_running_loop()
         if queue.qid == 0:

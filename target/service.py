@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 from nvmeof import defaults
 from target import config as configmod
-from target.backends import KINDS, BackendError, open_backend
+from target.backends import KINDS, BackendError, BackingPolicy, FileBackend, open_backend
 from target.model import (
     ADRFAMS,
     BLOCK_SIZES,
@@ -88,7 +88,9 @@ class TargetHooks(Protocol):
     def discovery_changed(self) -> None: ...
     async def start_listener(self, listener: Listener) -> None: ...
     async def stop_listener(self, listener: Listener) -> None: ...
-    def disconnect_subsystem(self, subnqn: str) -> None: ...
+    def disconnect_subsystem(self, subnqn: str) -> int: ...
+    def disconnect_disallowed(self, subnqn: str) -> int: ...
+    def disconnect_listener(self, listener: Listener) -> int: ...
     def controllers_info(self) -> list[dict[str, Any]]: ...
     def disconnect_controller(self, cntlid: int) -> bool: ...
 
@@ -192,9 +194,25 @@ async def _nothing() -> None:
 
 
 class TargetService:
-    def __init__(self, target: TargetHooks, *, config_path: str | os.PathLike[str] | None = None) -> None:
+    def __init__(
+        self,
+        target: TargetHooks,
+        *,
+        config_path: str | os.PathLike[str] | None = None,
+        backing_dirs: Iterable[str | os.PathLike[str]] | None = None,
+        block_devices: Iterable[str | os.PathLike[str]] = (),
+    ) -> None:
+        """``backing_dirs`` (default: the state directory's disks/) and ``block_devices`` are the
+        operator's (`nvmeof serve --backing-dir/--allow-block-device`): where file namespaces may
+        live, for every caller alike. A configuration file replayed at start-up may add its own
+        ``backing_dirs``/``allow_block_devices`` (it is the operator's file too); nothing that comes
+        through the API can widen them. BackingError (a BackendError) if one of them is unusable."""
         self.target = target
         self.config_path = os.fspath(config_path) if config_path is not None else None
+        self.backing = BackingPolicy(backing_dirs, block_devices)
+        self._flag_backing = self.backing
+        # the configuration file's own policy keys, written back by snapshot() as they were read
+        self._config_backing: dict[str, list[str]] = {}
         self._lock = asyncio.Lock()
         self._unrestored: list[Unrestored] = []
 
@@ -385,7 +403,8 @@ class TargetService:
         self.target.discovery_changed()
         return sub
 
-    async def remove_subsystem(self, nqn: str, force: bool = False) -> None:
+    async def remove_subsystem(self, nqn: str, force: bool = False) -> int:
+        """Remove subsystem ``nqn``; returns how many controllers were disconnected with it."""
         async with self._lock:
             sub = self.get_subsystem(nqn)
             waiting = [u for u in self._pending("namespace") if u.subnqn == nqn]
@@ -411,12 +430,16 @@ class TargetService:
                 self._unrestored.extend(waiting)
 
             await self._commit(True, undo)
-            self.target.disconnect_subsystem(nqn)
+            disconnected = self.target.disconnect_subsystem(nqn)
             for ns in sub.namespaces.values():
                 ns.backend.close()
             self.target.discovery_changed()
+            await self._settle()
+            return disconnected
 
-    async def set_allow_any_host(self, nqn: str, allow: bool) -> Subsystem:
+    async def set_allow_any_host(self, nqn: str, allow: bool) -> int:
+        """Set allow_any_host; turning it off disconnects the controllers of hosts not in the list.
+        Returns how many controllers were disconnected."""
         async with self._lock:
             sub = self.get_subsystem(nqn)
             allow = _bool(allow, "allow_any_host")
@@ -432,8 +455,9 @@ class TargetService:
                 sub.allow_any_host = old
 
             await self._commit(True, undo)
+            disconnected = await self._revoke(nqn)
             self.target.discovery_changed()
-            return sub
+            return disconnected
 
     async def allow_host(self, subnqn: str, hostnqn: str) -> Subsystem:
         async with self._lock:
@@ -456,7 +480,9 @@ class TargetService:
             self.target.discovery_changed()
             return sub
 
-    async def deny_host(self, subnqn: str, hostnqn: str) -> Subsystem:
+    async def deny_host(self, subnqn: str, hostnqn: str) -> int:
+        """Remove ``hostnqn`` from the allowed hosts and disconnect its controllers on ``subnqn``
+        (SPDK spdk_nvmf_subsystem_remove_host does the same); returns how many were disconnected."""
         async with self._lock:
             sub = self.get_subsystem(subnqn)
             if hostnqn not in sub.hosts:
@@ -467,8 +493,17 @@ class TargetService:
                 sub.hosts.add(hostnqn)
 
             await self._commit(True, undo)
+            disconnected = await self._revoke(subnqn)
             self.target.discovery_changed()
-            return sub
+            return disconnected
+
+    async def _revoke(self, subnqn: str) -> int:
+        """After the allow-list of ``subnqn`` shrank: the hosts it no longer admits lose their controllers,
+        in worker processes too (``_settle``), before the management call returns."""
+        disconnected = self.target.disconnect_disallowed(subnqn)
+        if disconnected:
+            await self._settle()
+        return disconnected
 
     # --- namespaces ----------------------------------------------------------------------------
 
@@ -557,29 +592,32 @@ class TargetService:
         enabled = _bool(enabled, "enabled")
         create = _bool(create, "create")
         if size is not None:
-            size = _int(size, "size", 1, 1 << 63)
+            size = _int(size, "size", 1, defaults.MAX_FILE_SIZE)
             if size % block_size:
                 raise _bad(
                     f"size {size} is not a multiple of the block size {block_size}; "
                     f"try {size // block_size * block_size or block_size}"
                 )
         if backend == "file":
-            if not path or not isinstance(path, str):
+            if path is None or path == "":
                 raise _bad("a file namespace needs a path (a regular file or a block device)")
+            try:
+                # Stored resolved: the config file and the API show the file actually served, and a
+                # restart from another working directory serves the same one.
+                path = self.backing.check(path)
+            except BackendError as exc:
+                raise _bad(str(exc)) from None
             if create and size is None:
                 raise _bad(f"creating {path} needs a size")
-            real = os.path.realpath(path)
             for other_sub, other in self._all_namespaces():
-                other_path = other.spec.get("path")
-                if other_path and os.path.realpath(other_path) == real:
+                if _resolved(other.spec.get("path")) == path:
                     raise ServiceError(
                         409,
                         f"{path} already backs namespace {other.nsid} of {other_sub.nqn}; "
                         "two namespaces on one file would corrupt each other",
                     )
             for u in self._pending("namespace"):
-                pending_path = u.item.get("path")
-                if isinstance(pending_path, str) and os.path.realpath(pending_path) == real:
+                if _resolved(u.item.get("path")) == path:
                     raise self._pending_conflict(f"a namespace on {path}", u)
         else:
             if path is not None:
@@ -621,7 +659,7 @@ class TargetService:
         # Everything else is checked; opening the backend is the last step that can fail.
         try:
             store = await asyncio.to_thread(
-                open_backend, backend, path=path, size=size, read_only=read_only, create=create
+                open_backend, backend, path=path, size=size, read_only=read_only, create=create, policy=self.backing
             )
         except BackendError as exc:
             raise _bad(str(exc)) from None
@@ -660,24 +698,31 @@ class TargetService:
 
     @staticmethod
     def _discard_backend(store: Any) -> None:
-        store.close()
-        if getattr(store, "created", False):
-            try:
-                os.unlink(store.path)
-            except OSError:
-                pass
+        if isinstance(store, FileBackend):
+            store.close_unused()  # removes a file it created, cuts back one it grew
+        else:
+            store.close()
 
-    async def resize_namespace(self, subnqn: str, nsid: int, size: int) -> Namespace:
+    async def resize_namespace(self, subnqn: str, nsid: int, size: int, *, allow_shrink: bool = False) -> Namespace:
+        """Change a namespace's capacity. A file namespace grows its file when asked past its end;
+        shrinking it needs ``allow_shrink`` (FileBackend.resize says what happens to the file).
+        RAM and null namespaces are no user files: they resize either way."""
         async with self._lock:
             ns = self.get_namespace(subnqn, nsid)
-            size = _int(size, "size", 1, 1 << 63)
+            size = _int(size, "size", 1, defaults.MAX_FILE_SIZE)
+            allow_shrink = _bool(allow_shrink, "allow_shrink")
             if size % ns.block_size:
                 raise _bad(f"size {size} is not a multiple of the block size {ns.block_size}")
             old_size = ns.backend.size
             if size == old_size:
                 return ns
+            store = ns.backend
+            old_length: int | None = None
             try:
-                await ns.backend.resize(size)
+                if isinstance(store, FileBackend):
+                    old_length = await store.resize(size, allow_shrink=allow_shrink)
+                else:
+                    await store.resize(size)
             except BackendError as exc:
                 raise _bad(str(exc)) from None
             old_spec_size = ns.spec.get("size")
@@ -689,7 +734,10 @@ class TargetService:
                 else:
                     ns.spec["size"] = old_spec_size
                 try:
-                    await ns.backend.resize(old_size)
+                    if isinstance(store, FileBackend):
+                        await store.revert_resize(old_size, old_length)
+                    else:
+                        await store.resize(old_size)
                 except BackendError:
                     pass
 
@@ -791,7 +839,9 @@ class TargetService:
         self.target.discovery_changed()
         return listener
 
-    async def remove_listener(self, listener_id: str) -> None:
+    async def remove_listener(self, listener_id: str) -> int:
+        """Stop a listener and disconnect every controller with a queue that came through it (SPDK
+        nvmf_stop_listen disconnects that listener's qpairs); returns how many were disconnected."""
         async with self._lock:
             listener = self.get_listener(listener_id)
             del self.target.listeners[listener_id]
@@ -800,8 +850,11 @@ class TargetService:
                 self.target.listeners[listener_id] = listener
 
             await self._commit(True, undo)
+            disconnected = self.target.disconnect_listener(listener)
             await self.target.stop_listener(listener)
             self.target.discovery_changed()
+            await self._settle()
+            return disconnected
 
     async def add_referral(
         self,
@@ -868,6 +921,7 @@ class TargetService:
         cntlid = _int(cntlid, "cntlid", 0, 0xFFFF)
         if not self.target.disconnect_controller(cntlid):
             raise ServiceError(404, f"no connected controller with cntlid {cntlid}")
+        await self._settle()  # with worker processes: its I/O queues there are closed before this returns
 
     # --- whole configuration -------------------------------------------------------------------
 
@@ -883,6 +937,7 @@ class TargetService:
         subsystems += [copy.deepcopy(u.item) for u in self._pending("subsystem")]
         return {
             "version": configmod.CONFIG_VERSION,
+            **copy.deepcopy(self._config_backing),
             "subsystems": subsystems,
             "listeners": [
                 {
@@ -934,12 +989,55 @@ class TargetService:
             for key in ("subsystems", "listeners", "referrals")
         ]
         async with self._lock:
+            self._config_policy(config, errors, start_up=not persist)
             before = self._inventory()
             kept = list(self._unrestored)
             await self._replay(placed[0], [], placed[1], placed[2], errors, keep=not persist)
             if persist:
                 await self._save_or_roll_back(before, kept, "the import")
         return errors
+
+    def _config_policy(self, config: dict[str, Any], errors: list[str], *, start_up: bool) -> None:
+        """Take the configuration's ``backing_dirs``/``allow_block_devices``. The file the daemon
+        starts from is the operator's (only the daemon writes it, from these same keys): its
+        entries add to the command line's. An import comes through the API, whose admins must not
+        choose where files may live: entries it would add are refused, each named."""
+        given: dict[str, list[str]] = {}
+        for key, option in (("backing_dirs", "--backing-dir"), ("allow_block_devices", "--allow-block-device")):
+            value = config.get(key)
+            if value is None:
+                continue
+            entries = value if isinstance(value, list) else []
+            good = [e for e in entries if isinstance(e, str) and os.path.isabs(e) and "\0" not in e]
+            if len(good) != len(entries) or not isinstance(value, list):
+                errors.append(f"{key}: expected a list of absolute paths, got {value!r}; the bad entries are ignored")
+            if start_up:
+                given[key] = good
+                continue
+            if key == "backing_dirs":
+                extra = self.backing.widens(backing_dirs=good)
+            else:
+                extra = self.backing.widens(block_devices=good)
+            if extra:
+                errors.append(
+                    f"{key}: an import cannot widen where namespace files may live ({', '.join(extra)} ignored); "
+                    f"the operator allows them with nvmeof serve {option} or {key} in its configuration file"
+                )
+        if not start_up:
+            return
+        policy = self._flag_backing
+        kept: dict[str, list[str]] = {}
+        for key, entries in given.items():
+            for entry in entries:
+                kept.setdefault(key, []).append(entry)  # kept in the file even if refused, like unrestored items
+                try:
+                    if key == "backing_dirs":
+                        policy = policy.widened(backing_dirs=[entry])
+                    else:
+                        policy = policy.widened(block_devices=[entry])
+                except BackendError as exc:
+                    errors.append(f"{key}: {exc}; ignored")
+        self.backing, self._config_backing = policy, kept
 
     async def _replay(
         self,
@@ -960,6 +1058,7 @@ class TargetService:
 
         todo = list(namespaces)
         for base, item in subsystems:
+            await asyncio.sleep(0)  # a large import yields to NVMe I/O between items
             where = base + (f" ({item['nqn']})" if isinstance(item, dict) and "nqn" in item else "")
             problems = configmod.item_problems("subsystem", item, where)
             if problems:
@@ -981,6 +1080,7 @@ class TargetService:
                 continue
             todo += [(item["nqn"], f"{base}.namespaces[{j}]", ns) for j, ns in enumerate(item.get("namespaces") or [])]
         for nqn, where, item in todo:
+            await asyncio.sleep(0)  # a large import yields to NVMe I/O between items
             problems = configmod.item_problems("namespace", item, where)
             if problems:
                 errors.extend(problems)
@@ -1003,6 +1103,7 @@ class TargetService:
                 if nqn in self.target.subsystems:
                     failed("namespace", where, item, exc.message, nqn)
         for where, item in listeners:
+            await asyncio.sleep(0)  # a large import yields to NVMe I/O between items
             problems = configmod.item_problems("listener", item, where)
             if problems:
                 errors.extend(problems)
@@ -1021,6 +1122,7 @@ class TargetService:
                 errors.append(f"{where}: {exc.message}; skipped")
                 failed("listener", where, item, exc.message)
         for where, item in referrals:
+            await asyncio.sleep(0)  # a large import yields to NVMe I/O between items
             problems = configmod.item_problems("referral", item, where)
             if problems:
                 errors.extend(problems)
@@ -1116,6 +1218,13 @@ def _given(item: dict[str, Any], key: str, default: Any) -> Any:
     """The item's value for ``key``, or ``default`` when absent or null (a 0 or "" stays, to be refused)."""
     value = item.get(key)
     return default if value is None else value
+
+
+def _resolved(path: Any) -> str | None:
+    """``path`` resolved, or None when it is no usable path (a NUL byte, not a string)."""
+    if not isinstance(path, str) or not path or "\0" in path:
+        return None
+    return os.path.realpath(path)
 
 
 def _show(value: Any) -> str:

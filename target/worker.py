@@ -29,7 +29,7 @@ from target.backends.shared_ram import SharedRamBackend
 from target.core import Target
 from target.model import Namespace, NamespaceStats, Subsystem
 from target.request import Request, TargetQueue
-from target.transports.tcp import TargetConnection
+from target.transports.tcp import TargetConnection, TcpLimits, TcpPort
 from target.worker_channel import Channel
 
 log = logging.getLogger("nvmeof.worker")
@@ -231,12 +231,14 @@ class Worker:
                     os.close(fd)
                 raise BackendError(f"a RAM namespace arrived with {len(fds)} descriptors instead of its memfd")
             return SharedRamBackend.attach(fds[0], size, read_only=read_only)
+        if kind == "file" and len(fds) == 1:
+            return FileBackend.from_fd(fds[0], msg["path"], size, read_only=read_only)
         for fd in fds:
             os.close(fd)
         if kind == "null":
             return NullBackend(size, read_only=read_only)
         if kind == "file":
-            return FileBackend(msg["path"], size=size, read_only=read_only)
+            raise BackendError(f"a file namespace arrived with {len(fds)} descriptors instead of its file's")
         raise BackendError(f"unknown backend kind {kind!r}")
 
     def _resize(self, key: int, ns: Namespace, size: int) -> None:
@@ -388,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fd", type=int, required=True, help="this worker's end of the control socket pair")
     parser.add_argument("--index", type=int, required=True)
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--h2c-budget", type=int, default=0,
+                        help="this worker's share of the global H2C budget in bytes (0: the default)")
     args = parser.parse_args(argv)
     # The main process's layout (nvmeof/cli.py) with the worker named after the level, so whatever reads
     # the shared stderr log for "<date> <time> LEVEL" sees the workers' errors too.
@@ -396,7 +400,10 @@ def main(argv: list[str] | None = None) -> int:
     sock = socket.socket(fileno=args.fd)
 
     async def run() -> None:
-        await Worker(sock, args.index).run()
+        worker = Worker(sock, args.index)
+        if args.h2c_budget:
+            TcpPort.of(worker.target).configure(TcpLimits(h2c_global_budget=args.h2c_budget))
+        await worker.run()
 
     try:
         import uvloop  # same loop as `nvmeof serve` when installed

@@ -46,7 +46,7 @@ from target.backends.ram import RamBackend
 from target.backends.shared_ram import SharedRamBackend
 from target.controller import ErrorRecord
 from target.core import Target
-from target.transports.tcp import TargetConnection, TcpListener
+from target.transports.tcp import TargetConnection, TcpListener, TcpPort
 from target.worker_channel import Channel, socket_pair
 
 if TYPE_CHECKING:
@@ -90,12 +90,20 @@ class WorkerHandle:
 class _Placed:
     """A queue living in a worker: which one, and the main process's objects for it."""
 
-    __slots__ = ("ctrl", "queue", "worker")
+    __slots__ = ("ctrl", "queue", "release", "worker")
 
     def __init__(self, worker: WorkerHandle, ctrl: Controller, queue: TargetQueue) -> None:
         self.worker = worker
         self.ctrl = ctrl
         self.queue = queue
+        # Ends the queue's count against the listener's and the port's connection caps (TcpListener.release):
+        # the main process accepts every connection, and one in a worker still holds an fd and a slot.
+        self.release: Any = None
+
+    def forget(self) -> None:
+        release, self.release = self.release, None
+        if release is not None:
+            release()
 
 
 class WorkerPool:
@@ -129,7 +137,8 @@ class WorkerPool:
         try:
             w.proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "target.worker", "--fd", str(child.fileno()), "--index", str(w.index),
-                "--log-level", str(self.log_level), pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
+                "--log-level", str(self.log_level), "--h2c-budget", str(self.h2c_share()),
+                pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
         finally:
             child.close()
         w.pid = w.proc.pid
@@ -210,6 +219,10 @@ class WorkerPool:
             if not fut.done():
                 fut.set_result(None)
         self._settle_waiters.clear()
+
+    def h2c_share(self) -> int:
+        """Each worker's part of --h2c-budget: the global budget lives per process, so it is split."""
+        return max(TcpPort.of(self.target).limits.h2c_global_budget // self.count, 1)
 
     def pids(self) -> list[int]:
         return [w.pid for w in self.workers if w.alive]
@@ -320,9 +333,15 @@ class WorkerPool:
         placed = self.placed.pop(hid, None)
         if placed is None:
             return
-        placed.worker.hids.discard(hid)
-        if placed.worker.channel is not None:
-            placed.worker.channel.send({"op": "drop", "hid": hid})
+        placed.forget()
+        w = placed.worker
+        w.hids.discard(hid)
+        if w.channel is not None:
+            # Numbered like a namespace change, so settle() waits until the worker has closed the
+            # queue: a host whose access was revoked gets no I/O served after the API call returns.
+            self._seq += 1
+            w.last_sent = self._seq
+            w.channel.send({"op": "drop", "hid": hid, "seq": self._seq})
         self._forget_ctrl_if_idle(placed.ctrl)
 
     def _queue_gone(self, hid: int) -> None:
@@ -330,6 +349,7 @@ class WorkerPool:
         placed = self.placed.pop(hid, None)
         if placed is None:
             return
+        placed.forget()
         placed.worker.hids.discard(hid)
         queue = placed.queue
         if queue.ctrl is placed.ctrl:
@@ -412,7 +432,9 @@ class WorkerPool:
                 if isinstance(backend, SharedRamBackend):
                     fds = [backend.fd]
                 elif isinstance(backend, FileBackend):
-                    msg["path"] = os.path.abspath(backend.path)
+                    # The checked descriptor, not the path: a file swapped since must not be reopened.
+                    fds = [backend.fileno()]
+                    msg["path"] = backend.path
                 elif not isinstance(backend, NullBackend):
                     log.error("namespace %d of %s: a %s backend cannot be served by worker processes; "
                               "its I/O fails on their queues", ns.nsid, subnqn, backend.kind)
@@ -529,6 +551,7 @@ class PoolConnection(TargetConnection):
             self._give_up_handoff("no worker process is running")
             return
         self._handed_off = True
+        self.pool.placed[hid].release = self.detach_slot()   # the worker's fd counts against the caps now
         self.queue.close = lambda hid=hid: self.pool.drop_queue(hid)
         # Our descriptor goes; the worker's copy keeps the connection open (close sends no FIN).
         transport.close()
@@ -548,10 +571,7 @@ def _unparsed(conn: Any) -> bytes | None:
 
 
 class PooledTcpListener(TcpListener):
-    def _factory(self) -> TargetConnection:
-        conn = PoolConnection(self.target, self.listener, on_lost=self.connections.discard)  # type: ignore[arg-type]
-        self.connections.add(conn)
-        return conn
+    connection_class = PoolConnection   # type: ignore[assignment]
 
 
 class PooledTarget(Target):

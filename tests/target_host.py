@@ -159,8 +159,9 @@ class TinyHost(asyncio.Protocol):
         return await asyncio.wait_for(self.send(cmd, data, read_len=read_len, incapsule=incapsule), timeout)
 
     async def connect(self, subnqn: str, *, qid: int = 0, cntlid: int = 0xFFFF, hostnqn: str = HOSTNQN,
-                      sqsize: int = 31, kato: int = 0, cattr: int = 0, recfmt: int = 0) -> Result:
-        data = connect_data(subnqn, hostnqn, cntlid)
+                      sqsize: int = 31, kato: int = 0, cattr: int = 0, recfmt: int = 0,
+                      hostid: bytes = HOSTID) -> Result:
+        data = connect_data(subnqn, hostnqn, cntlid, hostid)
         cmd = Command(AdminOpcode.FABRICS, nsid=FabricsType.CONNECT, cdw10=recfmt | (qid << 16),
                       cdw11=sqsize | (cattr << 16), cdw12=kato)
         return await self.cmd(cmd, data)

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import socket
+import threading
+import types
 import uuid
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+import api.deps
 from api.app import create_app
+from api.auth import HostPolicy
 from nvmeof import __version__, defaults
+from target import config as configmod
 from target.core import Target
 from target.service import TargetService
 from tests.ports import free_port
@@ -37,11 +44,16 @@ def config_path(tmp_path):
 
 @pytest.fixture
 def service(config_path):
-    return TargetService(Target(), config_path=config_path)
+    return TargetService(Target(), config_path=config_path, backing_dirs=[config_path.parent])
 
 
-def open_client(service, token=None):
-    client = TestClient(create_app(service, token=token))
+TOKEN = "t0ken-for-the-tests"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def open_client(service, *, authorized: bool = True, **app_kw):
+    """A TestClient of the app (token TOKEN); ``authorized`` sends the token with every request."""
+    client = TestClient(create_app(service, token=TOKEN, **app_kw), headers=AUTH if authorized else None)
     client.__enter__()
     return client
 
@@ -81,7 +93,7 @@ def test_subsystem_create_list_show_delete(client, config_path):
     assert client.get(f"{SUBS}/{ENC}").json()["serial"] == "SN1"
     assert json.loads(config_path.read_text())["subsystems"][0]["nqn"] == NQN
     r = client.delete(f"{SUBS}/{ENC}")
-    assert r.status_code == 204 and r.content == b""
+    assert r.status_code == 200 and r.json() == {"disconnected": 0}
     assert client.get(SUBS).json() == []
     assert json.loads(config_path.read_text())["subsystems"] == []
 
@@ -133,7 +145,7 @@ def test_subsystem_delete_with_namespaces_needs_force(populated, service, config
     assert r.status_code == 409 and "force" in r.json()["detail"]
     assert config_path.read_bytes() == before
     assert service.get_subsystem(NQN).namespaces
-    assert populated.delete(f"{SUBS}/{NQN}", params={"force": "true"}).status_code == 204
+    assert populated.delete(f"{SUBS}/{NQN}", params={"force": "true"}).json() == {"disconnected": 0}
     assert populated.get(SUBS).json() == []
 
 
@@ -255,7 +267,7 @@ def test_hosts_allow_list_deny(client, service):
     assert r.status_code == 400 and "host NQN 'host1'" in r.json()["detail"]
     r = client.post(hosts, json={})
     assert r.status_code == 422 and "hostnqn" in detail(r)
-    assert client.delete(f"{hosts}/{HOSTNQN.replace(':', '%3A')}").status_code == 204
+    assert client.delete(f"{hosts}/{HOSTNQN.replace(':', '%3A')}").json() == {"disconnected": 0}
     assert not service.get_subsystem(NQN).host_allowed(HOSTNQN)
     r = client.delete(f"{hosts}/{HOSTNQN}")
     assert r.status_code == 404 and "not in the allowed hosts" in r.json()["detail"]
@@ -282,7 +294,7 @@ def test_listener_add_list_delete(client, service):
     assert [lst["trsvcid"] for lst in client.get("/api/v1/listeners").json()] == [port]
     r = client.post("/api/v1/listeners", json={"traddr": "127.0.0.1", "trsvcid": port})
     assert r.status_code == 409 and "already exists" in r.json()["detail"]
-    assert client.delete(f"/api/v1/listeners/tcp/127.0.0.1/{port}").status_code == 204
+    assert client.delete(f"/api/v1/listeners/tcp/127.0.0.1/{port}").json() == {"disconnected": 0}
     assert client.get("/api/v1/listeners").json() == []
     with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=5):
         pass
@@ -323,7 +335,7 @@ def test_ipv6_listener_path(client):
     r = client.post("/api/v1/listeners", json={"traddr": "::1", "trsvcid": port})
     assert r.status_code == 201 and r.json()["id"] == f"tcp:[::1]:{port}"
     # '0:0::1' names the same address as '::1'.
-    assert client.delete(f"/api/v1/listeners/tcp/0:0::1/{port}").status_code == 204
+    assert client.delete(f"/api/v1/listeners/tcp/0:0::1/{port}").json() == {"disconnected": 0}
 
 
 def test_referrals(client):
@@ -424,7 +436,7 @@ def test_nvmetcli_export_and_import(populated, service, tmp_path):
     assert sub["namespaces"][0]["device"]["path"] == str(path)
     assert any("ram backend" in w for w in warnings)
 
-    other = TargetService(Target())
+    other = TargetService(Target(), backing_dirs=[tmp_path])
     client2 = open_client(other)
     try:
         r = client2.post("/api/v1/config/nvmetcli", json=dump)
@@ -444,8 +456,8 @@ def test_nvmetcli_export_and_import(populated, service, tmp_path):
 
 
 def test_health_version(populated):
-    assert populated.get("/health").json() == {"status": "ok", "subsystems": 1, "controllers": 0}
-    assert populated.get("/api/v1/health").json()["status"] == "ok"
+    assert populated.get("/health").json() == {"status": "ok"}
+    assert populated.get("/api/v1/health").json() == {"status": "ok", "subsystems": 1, "controllers": 0}
     version = populated.get("/version").json()
     assert version["version"] == __version__ and version["api"] == "v1"
     assert populated.get("/api/v1/version").json() == version
@@ -488,13 +500,22 @@ def test_docs_and_schema(client):
 
 @pytest.fixture
 def secured(service):
-    client = open_client(service, token="s3cret")
+    """A client that sends no token unless a test adds one."""
+    client = open_client(service, authorized=False)
     yield client
     client.portal.call(service.target.close)
     client.__exit__(None, None, None)
 
 
-@pytest.mark.parametrize("path", [SUBS, "/docs", "/openapi.json", "/metrics", "/version", "/api/v1/nothing"])
+def test_create_app_always_needs_a_token(service):
+    with pytest.raises(TypeError):
+        create_app(service)  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="no unauthenticated mode"):
+        create_app(service, token="")
+
+
+@pytest.mark.parametrize("path", [SUBS, "/docs", "/openapi.json", "/metrics", "/version", "/api/v1/version",
+                                  "/api/v1/health", "/api/v1/nothing"])
 def test_auth_required(secured, path, caplog):
     with caplog.at_level(logging.WARNING, logger="nvmeof.api"):
         r = secured.get(path)
@@ -504,22 +525,266 @@ def test_auth_required(secured, path, caplog):
     assert any("testclient" in rec.getMessage() and path in rec.getMessage() for rec in caplog.records)
 
 
+def test_only_health_is_open_and_it_tells_nothing(secured):
+    r = secured.get("/health")
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+
+
 def test_auth_wrong_and_right_token(secured):
     assert secured.get(SUBS, headers={"Authorization": "Bearer nope"}).json()["detail"] == "unauthorized: wrong token"
     r = secured.get(SUBS, headers={"Authorization": "Basic czNjcmV0"})
     assert r.status_code == 401 and "not Bearer" in r.json()["detail"]
-    assert secured.get(SUBS, headers={"Authorization": "Bearer s3cret"}).status_code == 200
-    r = secured.post(SUBS, json={"nqn": NQN}, headers={"Authorization": "bearer s3cret"})
+    assert secured.get(SUBS, headers=AUTH).status_code == 200
+    r = secured.post(SUBS, json={"nqn": NQN}, headers={"Authorization": f"bearer {TOKEN}"})
     assert r.status_code == 201
-    assert secured.get("/health").status_code == 200
-    schema = secured.get("/openapi.json", headers={"Authorization": "Bearer s3cret"}).json()
-    assert schema["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
+    schema = secured.get("/openapi.json", headers=AUTH).json()
+    # /docs: the Authorize button offers the bearer scheme, and every route but /health asks for it.
+    assert schema["components"]["securitySchemes"]["bearer"] == {"type": "http", "scheme": "bearer"}
     assert "security" not in schema["paths"]["/health"]["get"]
+    assert schema["paths"]["/api/v1/subsystems"]["get"]["security"] == [{"bearer": []}]
+    assert "Authorize" in schema["info"]["description"]
 
 
-def test_auth_off_needs_no_header(client):
-    assert client.get(SUBS).status_code == 200
-    assert "securitySchemes" not in client.get("/openapi.json").json().get("components", {})
+def test_401_names_the_token_file(service):
+    client = open_client(service, authorized=False, token_hint="/state/api-token on the target's machine")
+    try:
+        assert "/state/api-token" in client.get(SUBS).json()["detail"]
+    finally:
+        client.__exit__(None, None, None)
+
+
+def test_login_link_sets_a_strict_session_cookie(secured, caplog):
+    with caplog.at_level(logging.DEBUG):
+        r = secured.get("/login", params={"token": "wrong"}, follow_redirects=False)
+        assert r.status_code == 401 and "set-cookie" not in r.headers
+        r = secured.get("/login", params={"token": TOKEN}, follow_redirects=False)
+        assert r.status_code == 303 and r.headers["location"] == "/docs"
+        cookie = r.headers["set-cookie"]
+        assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "Path=/" in cookie
+        assert TOKEN not in cookie
+        # The browser now reaches /docs and, from it, the API (same-origin requests carry the cookie).
+        assert secured.get("/docs").status_code == 200
+        assert secured.post(SUBS, json={"nqn": NQN}, headers={"Origin": "http://testserver"}).status_code == 201
+        secured.cookies.clear()
+        secured.cookies.set("nvmeof_session", "forged")
+        assert secured.get(SUBS).status_code == 401
+    # Neither the login link (its query string) nor any refusal put the token into a log line of the
+    # server (httpx, the test's client, logs the URL it requested itself).
+    server = [rec for rec in caplog.records if not rec.name.startswith("httpx")]
+    assert server and not any(TOKEN in rec.getMessage() for rec in server)
+
+
+# -- request checks: Host, Origin, Content-Type, body size ------------------------------------------
+
+
+@pytest.fixture
+def bound(service):
+    """The app as the daemon runs it on 127.0.0.1:8080, with one extra --api-host-name."""
+    client = TestClient(create_app(service, token=TOKEN, hosts=HostPolicy.for_bind("127.0.0.1", 8080,
+                                                                                   ["target.example"])),
+                        base_url="http://127.0.0.1:8080", headers=AUTH)
+    client.__enter__()
+    yield client
+    client.portal.call(service.target.close)
+    client.__exit__(None, None, None)
+
+
+@pytest.mark.parametrize(("host", "ok"), [
+    ("127.0.0.1:8080", True), ("localhost:8080", True), ("LOCALHOST:8080", True), ("target.example:8080", True),
+    ("evil.example:8080", False), ("127.0.0.1:9999", False), ("127.0.0.1", False), ("", False),
+    ("localhost.evil.example:8080", False), ("[::1]:8080", False),
+])
+def test_host_header_must_name_the_api(bound, host, ok):
+    r = bound.get(SUBS, headers={"Host": host})
+    if ok:
+        assert r.status_code == 200, r.text
+    else:
+        assert r.status_code == 403 and "Host header" in r.json()["detail"] and "--api-host-name" in r.json()["detail"]
+
+
+def test_host_policy_of_other_binds():
+    wildcard = HostPolicy.for_bind("0.0.0.0", 8080)
+    assert wildcard.allows("192.0.2.7:8080") and wildcard.allows("[fe80::1]:8080")
+    assert not wildcard.allows("evil.example:8080") and not wildcard.allows("192.0.2.7:8081")
+    v6 = HostPolicy.for_bind("::1", 80, ["Mgmt.Example."])
+    assert v6.allows("[::1]") and v6.allows("[::1]:80") and v6.allows("localhost") and v6.allows("mgmt.example")
+    assert not v6.allows("::1") and not v6.allows("[::2]")
+
+
+@pytest.mark.parametrize("origin", ["http://evil.example", "null", "http://127.0.0.1:8081", "https://127.0.0.1:8080"])
+def test_cross_origin_requests_are_refused(bound, service, origin):
+    # The cross-site form POST of the issue: form-encoded, foreign Origin, disabled namespace 1.
+    assert bound.post(SUBS, json={"nqn": NQN}).status_code == 201
+    assert bound.post(ns_url(), json={"backend": "ram", "size": 1 << 20}).status_code == 201
+    r = bound.post(ns_url(nsid=1, action="disable"), headers={"Origin": origin,
+                   "Content-Type": "application/x-www-form-urlencoded"}, content=b"x=1")
+    assert r.status_code == 403 and "Origin" in r.json()["detail"]
+    assert service.get_namespace(NQN, 1).enabled
+    r = bound.options(SUBS, headers={"Origin": origin, "Access-Control-Request-Method": "POST"})
+    assert r.status_code == 403
+    assert not [k for k in r.headers if k.lower().startswith("access-control-")]
+
+
+def test_own_origin_is_accepted_and_no_cors_headers_are_sent(bound):
+    r = bound.post(SUBS, json={"nqn": NQN}, headers={"Origin": "http://127.0.0.1:8080"})
+    assert r.status_code == 201
+    assert not [k for k in r.headers if k.lower().startswith("access-control-")]
+
+
+@pytest.mark.parametrize(("headers", "content"), [
+    ({"Content-Type": "application/x-www-form-urlencoded"}, b"nqn=x"),
+    ({"Content-Type": "text/plain"}, b'{"nqn": "nqn.2024-01.com.example:disk1"}'),
+    ({"Content-Type": "multipart/form-data; boundary=x"}, b"--x--"),
+    ({}, b'{"nqn": "nqn.2024-01.com.example:disk1"}'),
+    ({"Content-Type": "text/plain"}, b""),
+])
+def test_state_changing_requests_must_be_json(populated, service, headers, content):
+    r = populated.post(SUBS, headers=headers, content=content)
+    assert r.status_code == 415 and "application/json" in r.json()["detail"]
+    r = populated.request("DELETE", f"{SUBS}/{NQN}", params={"force": "true"}, headers=headers, content=content)
+    assert r.status_code == 415
+    assert [s.nqn for s in service.list_subsystems()] == [NQN]
+
+
+def test_bodyless_requests_need_no_content_type(populated, service):
+    assert populated.post(ns_url(nsid=1, action="disable")).status_code == 200
+    assert not service.get_namespace(NQN, 1).enabled
+    r = populated.post(SUBS, content=json.dumps({"nqn": NQN2}), headers={"Content-Type": "application/json; "
+                                                                                         "charset=utf-8"})
+    assert r.status_code == 201
+
+
+def test_body_over_the_cap_is_refused(service):
+    client = open_client(service, max_body=1024)
+    try:
+        big = {"nqn": NQN, "model": "m", "hosts": ["x" * 2000]}
+        r = client.post(SUBS, json=big)          # Content-Length over the cap: refused before reading
+        assert r.status_code == 413 and "--api-max-body" in r.json()["detail"]
+        chunks = iter([b'{"nqn": "', b"x" * 800, b"y" * 800, b'"}'])
+        r = client.post(SUBS, content=chunks, headers={"Content-Type": "application/json"})  # chunked
+        assert r.status_code == 413
+        assert client.post(SUBS, json={"nqn": NQN}).status_code == 201
+        assert [s.nqn for s in service.list_subsystems()] == [NQN]
+        # Even an unauthenticated client learns the limit before the token is checked: no body is read.
+        r = client.post(SUBS, json=big, headers={"Authorization": "Bearer nope"})
+        assert r.status_code == 413
+    finally:
+        client.__exit__(None, None, None)
+
+
+def test_default_body_cap(client):
+    r = client.post("/api/v1/config", content=b" " * (defaults.API_MAX_BODY + 1),
+                    headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and str(defaults.API_MAX_BODY) in r.json()["detail"]
+
+
+# -- strict types -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("url", "payload", "field"), [
+    (ns_url(), {"backend": "ram", "size": "1048576"}, "size"),
+    (ns_url(), {"backend": "ram", "size": True}, "size"),
+    (ns_url(), {"backend": "ram", "size": 1048576.0}, "size"),
+    (ns_url(), {"backend": "ram", "size": 1 << 20, "read_only": "true"}, "read_only"),
+    (ns_url(), {"backend": "ram", "size": 1 << 20, "nsid": True}, "nsid"),
+    (ns_url(), {"backend": "file", "path": "/tmp/a\u0000b", "size": 4096, "create": True}, "path"),
+    (SUBS, {"nqn": NQN2, "allow_any_host": "yes"}, "allow_any_host"),
+    (SUBS, {"nqn": NQN2, "allow_any_host": 1}, "allow_any_host"),
+    (SUBS, {"nqn": NQN2, "max_namespaces": "8"}, "max_namespaces"),
+    (SUBS, {"nqn": "nqn.2024-01.com.example:a\u0000"}, "nqn"),
+    (SUBS, {"nqn": NQN2, "hosts": [HOSTNQN + "\u0000"]}, "hosts"),
+    (ns_url(nsid=1, action="resize"), {"size": "2097152"}, "size"),
+    ("/api/v1/listeners", {"traddr": "127.0.0.1", "trsvcid": "4420"}, "trsvcid"),
+    ("/api/v1/listeners", {"traddr": "127.0.0.1", "discovery": "false"}, "discovery"),
+    ("/api/v1/referrals", {"traddr": "192.0.2.1", "portid": False}, "portid"),
+])
+def test_strict_types_name_the_field(populated, service, url, payload, field):
+    before = service.snapshot()
+    r = populated.post(url, json=payload)
+    assert r.status_code == 422, r.text
+    assert [e["loc"][-1] for e in r.json()["detail"]] == [field]
+    assert service.snapshot() == before
+
+
+def test_uuid_is_still_given_as_a_string(populated):
+    given = "0f2d2f36-8a4e-4a3b-9a52-3b1f1f2f7c11"
+    r = populated.post(ns_url(), json={"backend": "ram", "size": 1 << 20, "uuid": given})
+    assert r.status_code == 201 and r.json()["uuid"] == given
+
+
+# -- a large import does not hold the event loop ----------------------------------------------------
+
+
+IMPORT_ITEMS = 500
+
+
+def _big_nvmetcli(count: int) -> dict:
+    return {"hosts": [], "ports": [], "subsystems": [{
+        "nqn": f"nqn.2024-01.com.example:bulk{i}",
+        "allowed_hosts": [f"nqn.2014-08.org.nvmexpress:uuid:{uuid.UUID(int=i * 2 + k)}" for k in range(2)],
+        "attr": {"allow_any_host": "0", "serial": f"SN{i}", "model": "bulk"},
+        # Files that do not exist: each is refused and reported, which is work for the loop all the same.
+        "namespaces": [{"nsid": 1, "enable": 1, "device": {"path": f"/nonexistent/bulk{i}.img"}}],
+    } for i in range(count)]}
+
+
+def _big_config(count: int) -> dict:
+    return {"version": 1, "listeners": [], "referrals": [], "subsystems": [{
+        "nqn": f"nqn.2024-01.com.example:bulk{i}", "allow_any_host": True,
+        "namespaces": [{"nsid": 1, "backend": "null", "size": 1 << 20, "block_size": 512}],
+    } for i in range(count)]}
+
+
+@pytest.mark.parametrize(("path", "build"), [("/api/v1/config/nvmetcli", _big_nvmetcli),
+                                             ("/api/v1/config", _big_config)])
+async def test_large_import_yields_between_items_and_parses_off_the_loop(service, path, build, monkeypatch,
+                                                                         record_property):
+    """The loop that serves NVMe I/O must get turns all through an import of hundreds of items.
+
+    Structural, not timed: a ticker task that only yields records how many subsystems exist each
+    time it runs; it must see the import progress item by item. And the pure-CPU steps (JSON
+    parsing, the nvmetcli conversion, the checks) must run in another thread than the loop's."""
+    body = json.dumps(build(IMPORT_ITEMS)).encode()
+    assert len(body) <= defaults.API_MAX_BODY
+    loop = asyncio.get_running_loop()
+    loop_thread = threading.get_ident()
+    seen: set[int] = set()
+    longest = 0.0
+    cpu_threads: dict[str, int] = {}
+
+    def recorded(name: str, func):
+        def call(*args, **kwargs):
+            cpu_threads[name] = threading.get_ident()
+            return func(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(api.deps, "json", types.SimpleNamespace(loads=recorded("json.loads", json.loads)))
+    monkeypatch.setattr(configmod, "import_nvmetcli", recorded("import_nvmetcli", configmod.import_nvmetcli))
+    monkeypatch.setattr(configmod, "validate_config", recorded("validate_config", configmod.validate_config))
+
+    async def ticker() -> None:
+        nonlocal longest
+        last = loop.time()
+        while True:
+            await asyncio.sleep(0)
+            seen.add(len(service.target.subsystems))
+            now = loop.time()
+            longest, last = max(longest, now - last), now
+
+    app = create_app(service, token=TOKEN)
+    task = asyncio.create_task(ticker())
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api",
+                                     headers=AUTH, timeout=60) as http:
+            r = await http.post(path, content=body, headers={"Content-Type": "application/json"})
+    finally:
+        task.cancel()
+    assert r.status_code == 200, r.text
+    assert len(service.target.subsystems) >= IMPORT_ITEMS
+    record_property("longest_loop_stall_ms", round(longest * 1000, 2))
+    assert len(seen) >= IMPORT_ITEMS // 2, f"the loop ran at only {len(seen)} distinct stages of the import"
+    assert cpu_threads and loop_thread not in cpu_threads.values(), cpu_threads
+    await service.target.close()
 
 
 # -- nothing half-applied ---------------------------------------------------------------------------

@@ -32,7 +32,8 @@ from target.service import TargetService  # noqa: E402
 
 SEED_NQN = defaults.DEFAULT_SUBSYSTEM_NQN
 SERVICE = TargetService(Target())
-APP = create_app(SERVICE)
+TOKEN = "schemathesis-token"
+APP = create_app(SERVICE, token=TOKEN)
 schema = schemathesis.openapi.from_dict(APP.openapi())
 
 
@@ -135,4 +136,5 @@ def test_no_server_error(case, live):
     live.run(_ensure_seed)
     _steer(case)
     _confine(case, live)
-    case.call_and_validate(base_url=live.url, checks=[not_a_server_error])
+    case.call_and_validate(base_url=live.url, headers={"Authorization": f"Bearer {TOKEN}"},
+                           checks=[not_a_server_error])

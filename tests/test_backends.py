@@ -6,12 +6,21 @@ import asyncio
 import errno
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 
 import pytest
 
-from target.backends import BackendError, FileBackend, NullBackend, RamBackend, open_backend
+from target.backends import (
+    BackendError,
+    BackingError,
+    BackingPolicy,
+    FileBackend,
+    NullBackend,
+    RamBackend,
+    open_backend,
+)
 from target.backends import file as filemod
 from target.backends import null as nullmod
 
@@ -229,17 +238,25 @@ def test_file_unreadable_reports_permission():
         shutil.rmtree(folder)
 
 
-async def test_file_existing_size_and_growth(tmp_path):
+async def test_file_existing_is_never_grown_without_create(tmp_path):
     path = tmp_path / "d.img"
     path.write_bytes(b"\x07" * 8192)
     f = FileBackend(path)
     assert f.size == 8192 and not f.created
     f.close()
-    g = FileBackend(path, size=16384)  # a larger size grows the file sparsely
+    # issue 10 item 2: a larger size used to grow the file (ftruncate) without being asked to
+    for read_only in (False, True):
+        with pytest.raises(BackendError, match=r"is 8192 bytes, less than the size 16384 .*create"):
+            FileBackend(path, size=16384, read_only=read_only)
+        assert os.path.getsize(path) == 8192
+    prefix = FileBackend(path, size=4096)  # a smaller size exports the first bytes, the file untouched
+    assert prefix.size == 4096 and os.path.getsize(path) == 8192
+    prefix.close()
+    g = FileBackend(path, size=16384, create=True)  # asked for: grown sparsely
     assert os.path.getsize(path) == 16384 and bytes(await g.read(8190, 4)) == b"\x07\x07\x00\x00"
-    g.close()
-    with pytest.raises(BackendError, match="read-only so it cannot grow"):
-        FileBackend(path, size=32768, read_only=True)
+    assert g.grown_from == 8192 and not g.created
+    g.close_unused()  # what TargetService does when the namespace cannot be added after all
+    assert path.read_bytes() == b"\x07" * 8192
     with pytest.raises(BackendError, match="cannot create a file read-only"):
         FileBackend(tmp_path / "x.img", size=4096, create=True, read_only=True)
 
@@ -363,7 +380,10 @@ async def test_file_resize_and_external_truncation(tmp_path):
         await f.resize(2 * MiB)
         assert f.size == 2 * MiB and os.path.getsize(path) == 2 * MiB
         assert bytes(await f.read(MiB - 3, 6)) == b"end\x00\x00\x00"
-        await f.resize(4096)
+        with pytest.raises(BackendError, match=r"shrinking from 2097152 to 4096 .*allow_shrink"):
+            await f.resize(4096)
+        assert f.size == 2 * MiB and os.path.getsize(path) == 2 * MiB
+        await f.resize(4096, allow_shrink=True)  # the namespace covered the whole file: the file is cut
         assert os.path.getsize(path) == 4096
         with pytest.raises(BackendError, match="past the end"):
             await f.read(4096, 1)
@@ -407,7 +427,9 @@ async def test_file_block_device(tmp_path):
             assert bytes(await f.read(4096, 9)) == b"blockdata"
             await f.discard(0, MiB)
             assert bytes(await f.read(4096, 9)) == bytes(9)
-            await f.resize(2 * MiB)
+            with pytest.raises(BackendError, match="allow_shrink"):
+                await f.resize(2 * MiB)
+            await f.resize(2 * MiB, allow_shrink=True)
             assert f.size == 2 * MiB
             with pytest.raises(BackendError, match="Grow the device first"):
                 await f.resize(8 * MiB)
@@ -438,3 +460,134 @@ async def test_open_backend_kinds_and_errors(tmp_path):
     ):
         with pytest.raises(BackendError, match=message):
             open_backend(**kwargs)
+
+
+async def test_file_resize_of_a_prefix_never_cuts_the_file(tmp_path):
+    path = tmp_path / "p.img"
+    path.write_bytes(b"\x01" * 16384)
+    f = FileBackend(path, size=4096)
+    try:
+        assert await f.resize(8192) is None and f.size == 8192  # within the file: only what is presented
+        assert await f.resize(4096, allow_shrink=True) is None  # the tail past 8192 was never the namespace's
+        assert path.read_bytes() == b"\x01" * 16384
+        old = await f.resize(32768)  # past the end: the resize is the explicit request to grow the file
+        assert old == 16384 and os.path.getsize(path) == 32768
+        await f.revert_resize(4096, old)
+        assert f.size == 4096 and path.read_bytes() == b"\x01" * 16384
+    finally:
+        f.close()
+
+
+async def test_file_size_the_file_system_refuses_is_a_clear_error(tmp_path):
+    # issue 10 item 7: a 1 PiB create raised a bare OSError (EFBIG), a 500 at the API
+    with pytest.raises(BackendError, match=r"cannot make .*big\.img 1125899906842624 bytes long: .*EFBIG"):
+        _with_file_size_limit(lambda: FileBackend(tmp_path / "big.img", size=1 << 50, create=True))
+    assert not (tmp_path / "big.img").exists()  # the file it created is removed again
+    with pytest.raises(BackendError, match="beyond the largest file offset"):
+        FileBackend(tmp_path / "huge.img", size=1 << 64, create=True)
+
+
+def _with_file_size_limit(fn):
+    """Run ``fn`` under RLIMIT_FSIZE 1 TiB, so any file system refuses 1 PiB (ext4 does anyway, tmpfs
+    and XFS would not). Python ignores SIGXFSZ, so the call fails with EFBIG instead of a signal."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 40, hard))
+    try:
+        return fn()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+# --- where files may live (issue 10 item 1) -----------------------------------------------------
+
+
+@pytest.fixture
+def disks(tmp_path):
+    folder = tmp_path / "disks"
+    folder.mkdir()
+    (folder / "ok.img").write_bytes(bytes(4096))
+    return folder
+
+
+def test_policy_refuses_each_path_with_reason_and_option(disks, tmp_path):
+    policy = BackingPolicy([disks])
+    (disks / "shadow-link.img").symlink_to("/etc/passwd")
+    (disks / "escape").symlink_to(tmp_path)
+    os.mkfifo(disks / "fifo.img")
+    cases = [
+        ("/etc/shadow", rf"/etc/shadow is outside the backing directories \({disks}\); add --backing-dir DIR"),
+        ("../../etc/passwd", r"'\.\./\.\./etc/passwd' is relative; give an absolute path"),
+        ("/proc/self/mem", r"/proc/self/mem \(which resolves to /proc/\d+/mem\) is under /proc.*--allow-block-device"),
+        (f"{disks}/shadow-link.img", r"resolves to /etc/passwd\) is outside the backing directories.*backing_dirs"),
+        ("/dev/zero", r"/dev/zero is under /dev, a kernel interface.*--allow-block-device PATH"),
+        (f"{disks}/a\0b.img", r"contains a NUL byte"),
+        (f"{disks}/fifo.img", r"neither a regular file nor a block device"),
+        (str(disks), r"is a directory"),
+    ]
+    for path, message in cases:
+        with pytest.raises(BackendError, match=message):
+            FileBackend(path, policy=policy).close()
+    # a linked directory is followed: what counts is where the path really leads
+    with pytest.raises(BackingError, match="outside the backing directories"):
+        policy.check(f"{disks}/escape/other.img")
+    assert policy.check(f"{disks}/escape/disks/ok.img") == f"{disks}/ok.img"
+    with pytest.raises(BackingError, match="under /dev, where no namespace file may live"):
+        BackingPolicy(["/dev/shm"])
+    f = FileBackend(f"{disks}/./ok.img", policy=policy)
+    assert f.path == f"{disks}/ok.img"  # stored resolved
+    f.close()
+
+
+def test_policy_refuses_device_nodes_inside_a_backing_dir(disks):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make device nodes")
+    os.mknod(disks / "zero.img", stat.S_IFCHR | 0o600, os.makedev(1, 5))  # /dev/zero's numbers
+    os.mknod(disks / "loop.img", stat.S_IFBLK | 0o600, os.makedev(7, 0))
+    policy = BackingPolicy([disks])
+    with pytest.raises(BackendError, match="neither a regular file nor a block device"):
+        FileBackend(disks / "zero.img", policy=policy)
+    with pytest.raises(BackendError, match=r"is a block device, which is served only when named: .*--allow-block"):
+        FileBackend(disks / "loop.img", policy=policy)
+
+
+def test_policy_default_dir_is_in_the_state_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("NVMEOF_STATE_DIR", str(tmp_path / "state"))
+    policy = BackingPolicy()
+    assert policy.backing_dirs == (str(tmp_path / "state" / "disks"),)
+    wider = policy.widened(backing_dirs=[tmp_path / "more"], block_devices=["/dev/loop7"])
+    assert wider.backing_dirs == (str(tmp_path / "state" / "disks"), str(tmp_path / "more"))
+    assert wider.block_devices == ("/dev/loop7",) and wider.check("/dev/loop7") == "/dev/loop7"
+    filemod.make_backing_dir(policy.backing_dirs[0])
+    assert stat.S_IMODE(os.stat(policy.backing_dirs[0]).st_mode) == 0o700
+
+
+def test_policy_catches_a_swap_between_check_and_open(disks, tmp_path, monkeypatch):
+    """A file (or a folder on its path) replaced by a symbolic link after the check: the open does
+    not follow a final link, and the opened descriptor is checked for where it really is."""
+    policy = BackingPolicy([disks])
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.img").write_bytes(b"s" * 4096)
+    (disks / "sub").mkdir()
+    (disks / "sub" / "secret.img").write_bytes(bytes(4096))
+    (disks / "swapped.img").write_bytes(bytes(4096))
+    checked = {p: policy.check(p) for p in (f"{disks}/sub/secret.img", f"{disks}/swapped.img")}
+    # the attacker strikes after the check: the check saw the originals
+    monkeypatch.setattr(BackingPolicy, "check", lambda self, path, what="path": checked[os.fspath(path)])
+    (disks / "sub").rename(disks / "sub.old")
+    (disks / "sub").symlink_to(outside)
+    (disks / "swapped.img").unlink()
+    (disks / "swapped.img").symlink_to(outside / "secret.img")
+    with pytest.raises(BackingError, match=rf"turned out to be {outside}/secret\.img, outside"):
+        FileBackend(f"{disks}/sub/secret.img", policy=policy)
+    with pytest.raises(BackingError, match="became a symbolic link"):
+        FileBackend(f"{disks}/swapped.img", policy=policy)
+    # and an inode swapped between the lstat and the open
+    fd = os.open(outside / "secret.img", os.O_RDONLY)
+    try:
+        with pytest.raises(BackingError, match="was replaced while it was being opened"):
+            policy.check_opened(fd, f"{disks}/ok.img", os.stat(disks / "ok.img"))
+    finally:
+        os.close(fd)

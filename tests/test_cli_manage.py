@@ -8,6 +8,7 @@ import json
 import socket
 import threading
 import time
+from pathlib import Path
 
 import click
 import pytest
@@ -21,13 +22,14 @@ from target.service import TargetService
 from tests.ports import free_port
 
 NQN = "nqn.2024-01.com.example:cli1"
+TOKEN = "cli-t0ken-for-the-tests"
 HOSTNQN = "nqn.2014-08.org.nvmexpress:uuid:7d1f5a52-9d8e-4c1b-8f0e-0d6c1c2b3a41"
 
 
 class LiveServer:
     """The app on 127.0.0.1:<free port>, in a thread with its own event loop."""
 
-    def __init__(self, service: TargetService, token: str | None = None) -> None:
+    def __init__(self, service: TargetService, token: str = TOKEN) -> None:
         self.service = service
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
@@ -64,14 +66,14 @@ manage.register(root)
 
 @pytest.fixture
 def server(tmp_path):
-    live = LiveServer(TargetService(Target(), config_path=tmp_path / "config.json"))
+    live = LiveServer(TargetService(Target(), config_path=tmp_path / "config.json", backing_dirs=[tmp_path]))
     yield live
     live.close()
 
 
 @pytest.fixture
 def run(server, monkeypatch):
-    monkeypatch.delenv("NVMEOF_API_TOKEN", raising=False)
+    monkeypatch.setenv("NVMEOF_API_TOKEN", TOKEN)
     monkeypatch.setenv("NVMEOF_API", server.url)
     runner = CliRunner()
 
@@ -109,7 +111,8 @@ def test_subsystem_commands(run, server):
     run("ns", "add", NQN, "--size", "1M")
     r = run("subsystem", "del", NQN, code=1)
     assert "still has namespaces" in r.stderr and "force" in r.stderr
-    assert run("subsystem", "del", NQN, "--force").stdout.strip() == f"deleted subsystem {NQN}"
+    deleted = run("subsystem", "del", NQN, "--force").stdout.strip()
+    assert deleted == f"deleted subsystem {NQN} (0 controllers disconnected)"
     assert server.service.list_subsystems() == []
     assert "no subsystem" in run("subsystem", "show", NQN, code=1).stderr
 
@@ -128,6 +131,10 @@ def test_namespace_commands(run, server, tmp_path):
                            "--block-size", "4096", "--nsid", "5", "--json").stdout)
     assert (added["nsid"], added["backend"], added["size"], added["block_size"]) == (5, "file", 65536, 4096)
     assert disk.stat().st_size == 65536
+    r = run("ns", "resize", NQN, "5", "32K", code=1)  # a shrink cuts data: asked for explicitly only
+    assert "allow_shrink" in r.stderr and disk.stat().st_size == 65536
+    run("ns", "resize", NQN, "5", "32K", "--allow-shrink")
+    assert disk.stat().st_size == 32768
     rows = run("ns", "list", NQN).stdout.splitlines()
     assert rows[0].split()[:4] == ["NSID", "BACKEND", "PATH", "SIZE"]
     assert [r.split()[0] for r in rows[2:]] == ["1", "5"]
@@ -147,7 +154,9 @@ def test_namespace_commands(run, server, tmp_path):
 def test_namespace_errors(run, server):
     run("subsystem", "add", NQN)
     r = run("ns", "add", NQN, "--path", "/nonexistent/disk.img", code=1)
-    assert "/nonexistent/disk.img" in r.stderr
+    assert "/nonexistent/disk.img is outside the backing directories" in r.stderr and "--backing-dir" in r.stderr
+    r = run("ns", "add", NQN, "--path", "disk.img", code=1)
+    assert "is relative; give an absolute path" in r.stderr
     r = run("ns", "add", NQN, "--size", "1000", code=1)
     assert "not a multiple of the block size 512" in r.stderr
     run("ns", "add", NQN, "--size", "4K")
@@ -266,8 +275,69 @@ def test_token(tmp_path, monkeypatch):
         r = runner.invoke(root, ["subsystem", "add", NQN, "--api", live.url], env={"NVMEOF_API_TOKEN": "t0ken"})
         assert r.exit_code == 0, r.output
         assert [s.nqn for s in live.service.list_subsystems()] == [NQN]
+        assert "t0ken" not in r.output
     finally:
         live.close()
+
+
+@pytest.fixture
+def state_files(server, monkeypatch, tmp_path):
+    """The files `nvmeof serve` would write for ``server``, in a private state directory."""
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    (state / "api-token").write_text(TOKEN + "\n")
+    (state / "api-endpoint").write_text(server.url + "\n")
+    monkeypatch.setenv("NVMEOF_STATE_DIR", str(state))
+    monkeypatch.delenv("NVMEOF_API_TOKEN", raising=False)
+    monkeypatch.delenv("NVMEOF_API", raising=False)
+    return state
+
+
+def test_endpoint_and_token_come_from_the_state_directory(state_files, server):
+    runner = CliRunner()
+    r = runner.invoke(root, ["subsystem", "add", NQN])
+    assert r.exit_code == 0, r.output
+    assert [s.nqn for s in server.service.list_subsystems()] == [NQN]
+    assert TOKEN not in r.output
+    # The same endpoint given explicitly (a trailing slash is the same place) still gets the token.
+    assert runner.invoke(root, ["subsystem", "list", "--api", server.url + "/"]).exit_code == 0
+
+
+def test_the_file_token_is_sent_only_to_its_endpoint(state_files, server):
+    other = LiveServer(TargetService(Target()), token="other")
+    try:
+        r = CliRunner().invoke(root, ["subsystem", "list", "--api", other.url])
+        assert r.exit_code == 1
+        assert f"belongs to {server.url}, not {other.url}, so it was not sent" in r.stderr
+        assert TOKEN not in r.output
+    finally:
+        other.close()
+
+
+def test_401_names_the_missing_or_unreadable_token_file(state_files, server, monkeypatch):
+    token_file = state_files / "api-token"
+    token_file.unlink()
+    r = CliRunner().invoke(root, ["subsystem", "list"])
+    assert r.exit_code == 1 and f"there is no {token_file}" in r.stderr and "NVMEOF_STATE_DIR" in r.stderr
+    token_file.write_text(TOKEN)
+    real = Path.read_text
+
+    def denied(self, *args, **kwargs):
+        if self == token_file:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", denied)   # what uid 65534 gets from a root daemon's 0600 file
+    r = CliRunner().invoke(root, ["subsystem", "list"])
+    assert r.exit_code == 1 and f"cannot read {token_file}: Permission denied" in r.stderr
+    assert "run as the user that started `nvmeof serve`, or root" in r.stderr
+
+
+def test_no_state_files_fall_back_to_the_default_endpoint(monkeypatch, tmp_path):
+    monkeypatch.setenv("NVMEOF_STATE_DIR", str(tmp_path / "nothing"))
+    monkeypatch.delenv("NVMEOF_API", raising=False)
+    url, token, why = manage.resolve_endpoint(None, None)
+    assert url == manage.DEFAULT_API and token is None and "there is no" in why
 
 
 def test_config_unrestored_lists_retries_and_discards(run, server, tmp_path):

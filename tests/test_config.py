@@ -120,6 +120,21 @@ def test_load_errors_name_file_and_place(tmp_path):
     assert all(line.startswith(str(path)) or "[" in line for line in lines)
 
 
+def test_backing_policy_keys(tmp_path):
+    """``backing_dirs``/``allow_block_devices``: lists of absolute paths, each bad entry named."""
+    path = tmp_path / "c.json"
+    good = {"version": 1, "backing_dirs": ["/srv/disks"], "allow_block_devices": ["/dev/sdb"]}
+    path.write_text(json.dumps(good))
+    assert load_config(path)["backing_dirs"] == ["/srv/disks"]
+    path.write_text(json.dumps({"version": 1, "backing_dirs": ["disks", 5, "/a\u0000b"], "allow_block_devices": "x"}))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    text = str(info.value)
+    assert "backing_dirs[0]: expected an absolute path, got 'disks'" in text
+    assert "backing_dirs[1]: expected an absolute path, got 5" in text and "backing_dirs[2]" in text
+    assert "'allow_block_devices' must be a list of absolute paths, got str" in text
+
+
 def test_load_version_and_nvmetcli_hint(tmp_path):
     path = tmp_path / "c.json"
     path.write_text("{}")
@@ -324,11 +339,11 @@ def test_import_nvmetcli(nvmetcli_sample, tmp_path):
     assert json.loads(json.dumps(out)) == dict(out)  # a plain JSON-able dict
 
 
-async def test_imported_config_restores(nvmetcli_sample):
+async def test_imported_config_restores(nvmetcli_sample, tmp_path):
     out = import_nvmetcli(nvmetcli_sample)
     out["listeners"] = []  # the sample's address is not on this machine
     target = FakeTarget()
-    svc = TargetService(target)
+    svc = TargetService(target, backing_dirs=[tmp_path])
     assert await svc.restore(out) == []
     vol = svc.get_subsystem("nqn.2026-01.com.example:vol1")
     assert sorted(vol.namespaces) == [1, 4] and vol.active_nsids() == [1]

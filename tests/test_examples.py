@@ -29,9 +29,13 @@ def example_target(tmp_path_factory):
     path = tmp_path_factory.mktemp("example") / "target.json"
     path.write_text(json.dumps(config))
     log = path.with_suffix(".log")
+    # Module-scoped: set up before the per-test NVMEOF_STATE_DIR of conftest, so it gets its own.
+    state = tmp_path_factory.mktemp("example-state")
+    base_env = {k: v for k, v in os.environ.items() if k not in ("NVMEOF_API", "NVMEOF_API_TOKEN")}
+    base_env["NVMEOF_STATE_DIR"] = str(state)
     proc = subprocess.Popen([sys.executable, str(EXAMPLES / "serve_from_config.py"), str(path),
                              "--api", f"127.0.0.1:{api_port}"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=log.open("w"), text=True)
+                            stderr=log.open("w"), text=True, env=base_env)
     try:
         banner = proc.stdout.readline()
         assert "running" in banner, f"target did not start: {banner!r}\n{log.read_text()}"
@@ -41,9 +45,10 @@ def example_target(tmp_path_factory):
                 if s.connect_ex(("127.0.0.1", api_port)) == 0:
                     break
             time.sleep(0.1)
-        env = dict(os.environ, NVMEOF_TRADDR="127.0.0.1", NVMEOF_TRSVCID=str(io_port), NVMEOF_NQN=NQN,
-                   NVMEOF_API=f"http://127.0.0.1:{api_port}", NVMEOF_BENCH_RUNTIME="1",
-                   PYTHONPATH=str(ROOT))
+        # No NVMEOF_API / NVMEOF_API_TOKEN: rest_manage.py finds both in the state directory, as
+        # the README tells a newcomer.
+        env = dict(base_env, NVMEOF_TRADDR="127.0.0.1", NVMEOF_TRSVCID=str(io_port), NVMEOF_NQN=NQN,
+                   NVMEOF_BENCH_RUNTIME="1", PYTHONPATH=str(ROOT))
         yield env
     finally:
         proc.send_signal(signal.SIGTERM)

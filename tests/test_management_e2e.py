@@ -85,7 +85,8 @@ async def genctr(port: int) -> tuple[int, list[str]]:
 class Running:
     def __init__(self, daemon: Daemon, io: int, disc: int, api: int) -> None:
         self.daemon, self.io, self.disc, self.api = daemon, io, disc, api
-        self.http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{api}", timeout=10)
+        self.http = httpx.AsyncClient(base_url=f"http://127.0.0.1:{api}", timeout=10,
+                                      headers={"Authorization": f"Bearer {daemon.api_token}"})
 
     def connect(self, hostnqn: str = HOSTA, port: int | None = None, **kw: Any) -> Any:
         return initiator.connect("127.0.0.1", port or self.io, NQN, hostnqn=hostnqn, timeout=10, **kw)
@@ -96,6 +97,7 @@ async def running(tmp_path: Path) -> AsyncIterator[Running]:
     io, disc, api = free_ports(3)
     daemon = Daemon(DaemonOptions(
         config_path=tmp_path / "config.json",
+        backing_dirs=[tmp_path],
         listen=[TransportAddress("tcp", "127.0.0.1", io)],
         discovery=[TransportAddress("tcp", "127.0.0.1", disc)],
         api=("127.0.0.1", api),
@@ -164,7 +166,7 @@ async def test_denied_host_and_removed_listener(running: Running) -> None:
 
     async with running.connect(HOSTB) as ctrl:  # allowed before the change
         assert await ctrl.namespaces() == [1]
-    ok(await http.delete(f"{V1}/subsystems/{NQN}/hosts/{HOSTB}"), 204)
+    assert ok(await http.delete(f"{V1}/subsystems/{NQN}/hosts/{HOSTB}")) == {"disconnected": 0}
     with pytest.raises(NvmeError) as err:
         await running.connect(HOSTB)
     assert err.value.status == Status.CONNECT_INVALID_HOST
@@ -177,7 +179,7 @@ async def test_denied_host_and_removed_listener(running: Running) -> None:
     ok(await http.post(f"{V1}/listeners", json={"traddr": "127.0.0.1", "trsvcid": extra}), 201)
     async with running.connect(port=extra) as ctrl:
         assert await ctrl.namespaces() == [1]
-    ok(await http.delete(f"{V1}/listeners/tcp/127.0.0.1/{extra}"), 204)
+    assert ok(await http.delete(f"{V1}/listeners/tcp/127.0.0.1/{extra}")) == {"disconnected": 0}
     with pytest.raises(initiator.TransportError, match="cannot connect"):
         await running.connect(port=extra)
     with socket.socket() as s:  # the port is free again, not merely refusing
@@ -195,7 +197,7 @@ async def test_discovery_generation_moves_when_a_subsystem_is_added(running: Run
     assert after > before
     assert NQN2 in entries
     # and a removal moves it again
-    ok(await running.http.delete(f"{V1}/subsystems/{NQN2}"), 204)
+    assert ok(await running.http.delete(f"{V1}/subsystems/{NQN2}")) == {"disconnected": 0}
     again, entries = await genctr(running.disc)
     assert again > after and NQN2 not in entries
 
@@ -213,6 +215,7 @@ class Served:
 
     async def start(self) -> None:
         cmd = [sys.executable, "-m", "nvmeof.cli", "serve", "--config", str(self.config),
+               "--backing-dir", str(self.config.parent),
                "--listen", f"127.0.0.1:{self.io}", "--discovery", f"127.0.0.1:{self.disc}",
                "--api", f"127.0.0.1:{self.api}", "--ramdisk-size", "1M"]
         with open(self.log, "ab") as out:
@@ -230,6 +233,12 @@ class Served:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.api}"
+
+    @property
+    def auth(self) -> dict[str, str]:
+        """The token `nvmeof serve` generated, from its state directory (NVMEOF_STATE_DIR, per test)."""
+        token = (Path(defaults.state_dir()) / defaults.API_TOKEN_FILE).read_text().strip()
+        return {"Authorization": f"Bearer {token}"}
 
     def stop(self) -> int:
         assert self.proc is not None
@@ -267,7 +276,7 @@ async def test_restart_brings_back_configuration_and_data(served: Callable[..., 
     disk = tmp_path / "data.img"
     payload = os.urandom(64 * 512)
     try:
-        async with httpx.AsyncClient(base_url=first.url, timeout=10) as http:
+        async with httpx.AsyncClient(base_url=first.url, headers=first.auth, timeout=10) as http:
             ok(await http.post(f"{V1}/subsystems", json={"nqn": NQN, "hosts": [HOSTA], "serial": "E2E0001"}), 201)
             ok(await http.post(ns_url(NQN), json={"backend": "file", "path": str(disk), "size": 2 * MiB,
                                                   "create": True, "nsid": 3}), 201)
@@ -284,7 +293,7 @@ async def test_restart_brings_back_configuration_and_data(served: Callable[..., 
     second.io, second.disc = first.io, first.disc  # the listeners in the file are the same ports
     await second.start()
     try:
-        async with httpx.AsyncClient(base_url=second.url, timeout=10) as http:
+        async with httpx.AsyncClient(base_url=second.url, headers=second.auth, timeout=10) as http:
             assert ok(await http.get(f"{V1}/config")) == before
             assert ok(await http.get(f"{V1}/config/unrestored")) == []
             sub = ok(await http.get(f"{V1}/subsystems/{NQN}"))
@@ -317,7 +326,7 @@ async def test_broken_namespace_is_reported_kept_and_retried(served: Callable[..
         log = daemon.log.read_text()
         assert "subsystems[0].namespaces[1]" in log and "gone.img" in log
         assert "kept in the file and retried at the next start" in log
-        async with httpx.AsyncClient(base_url=daemon.url, timeout=10) as http:
+        async with httpx.AsyncClient(base_url=daemon.url, headers=daemon.auth, timeout=10) as http:
             [entry] = ok(await http.get(f"{V1}/config/unrestored"))
             assert entry["kind"] == "namespace" and entry["subsystem"] == NQN
             assert entry["where"] == "subsystems[0].namespaces[1]" and "gone.img" in entry["error"]
@@ -374,7 +383,7 @@ async def test_unrestored_items_stay_in_the_file(tmp_path: Path) -> None:
     cfg = tmp_path / "config.json"
     save_config(cfg, config)
     target = Target()
-    svc = TargetService(target, config_path=cfg)
+    svc = TargetService(target, config_path=cfg, backing_dirs=[tmp_path])
     try:
         errors = await svc.restore(load_config(cfg))
         assert len(errors) == 3, errors
@@ -431,7 +440,7 @@ async def test_live_listener_supersedes_the_unrestored_one(tmp_path: Path) -> No
     busy.listen()
     port = busy.getsockname()[1]
     target = Target()
-    svc = TargetService(target, config_path=cfg)
+    svc = TargetService(target, config_path=cfg, backing_dirs=[tmp_path])
     try:
         errors = await svc.restore({"version": 1, "listeners": [{"traddr": "127.0.0.1", "trsvcid": port}]})
         assert len(errors) == 1 and "already in use" in errors[0]
@@ -448,7 +457,7 @@ async def test_live_listener_supersedes_the_unrestored_one(tmp_path: Path) -> No
 async def test_removing_a_subsystem_with_force_drops_its_unrestored_namespaces(tmp_path: Path) -> None:
     cfg = tmp_path / "config.json"
     target = Target()
-    svc = TargetService(target, config_path=cfg)
+    svc = TargetService(target, config_path=cfg, backing_dirs=[tmp_path])
     try:
         await svc.restore({"version": 1, "subsystems": [
             {"nqn": NQN, "namespaces": [{"nsid": 1, "backend": "file", "path": str(tmp_path / "x.img")}]}]})
@@ -464,7 +473,7 @@ async def test_restore_with_persist_saves_and_undoes_a_failed_save(tmp_path: Pat
     folder.mkdir()
     cfg = folder / "config.json"
     target = Target()
-    svc = TargetService(target, config_path=cfg)
+    svc = TargetService(target, config_path=cfg, backing_dirs=[tmp_path])
     port = free_ports(1)[0]
     config = {"version": 1,
               "subsystems": [{"nqn": NQN, "namespaces": [{"backend": "ram", "size": MiB},
@@ -507,8 +516,8 @@ async def _expect(status: int, fragment: str, coro: Any) -> None:
 
 @pytest.fixture
 def rest(tmp_path: Path) -> Any:
-    service = TargetService(Target(), config_path=tmp_path / "config.json")
-    client = TestClient(create_app(service))
+    service = TargetService(Target(), config_path=tmp_path / "config.json", backing_dirs=[tmp_path])
+    client = TestClient(create_app(service, token="e2e"), headers={"Authorization": "Bearer e2e"})
     client.__enter__()
     yield client, service
     client.portal.call(service.target.close)

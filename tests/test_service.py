@@ -52,8 +52,15 @@ class FakeTarget:
         await server.wait_closed()
         self.events.append(("stop_listener", listener.id))
 
-    def disconnect_subsystem(self, subnqn: str) -> None:
+    def disconnect_subsystem(self, subnqn: str) -> int:
         self.events.append(("disconnect_subsystem", subnqn))
+        return 0
+
+    def disconnect_disallowed(self, subnqn: str) -> int:
+        return 0
+
+    def disconnect_listener(self, listener: Listener) -> int:
+        return 0
 
     def controllers_info(self) -> list[dict[str, Any]]:
         return list(self.ctrls.values())
@@ -81,9 +88,9 @@ def cfg(tmp_path):
 
 
 @pytest.fixture
-async def svc(target, cfg):
+async def svc(target, cfg, tmp_path):
     cfg.parent.mkdir()
-    return TargetService(target, config_path=cfg)
+    return TargetService(target, config_path=cfg, backing_dirs=[tmp_path])
 
 
 async def expect(status: int, fragment: str, coro) -> ServiceError:
@@ -220,8 +227,9 @@ async def test_add_namespace_defaults_and_lowest_free_nsid(svc, target, cfg):
         ({"backend": "ram", "size": MiB, "path": "/tmp/x"}, 400, "takes a size, not a path"),
         ({"backend": "ram", "size": MiB, "create": True}, 400, "file namespaces only"),
         ({"backend": "file"}, 400, "needs a path"),
-        ({"backend": "file", "path": "/nonexistent/d.img"}, 400, "/nonexistent/d.img does not exist"),
-        ({"backend": "file", "path": "/tmp", "size": MiB}, 400, "is a directory"),
+        ({"backend": "file", "path": "/nonexistent/d.img"}, 400, "/nonexistent/d.img is outside the backing dir"),
+        ({"backend": "file", "path": "/tmp", "size": MiB}, 400, "/tmp is outside the backing directories"),
+        ({"backend": "file", "path": "d.img", "size": MiB}, 400, "'d.img' is relative; give an absolute path"),
         ({"backend": "ram", "size": MiB, "nsid": 0}, 400, "nsid 0 is out of range; use 1..8"),
         ({"backend": "ram", "size": MiB, "nsid": 9}, 400, "nsid 9 is out of range"),
         ({"backend": "ram", "size": MiB, "uuid": "xyz"}, 400, "not a UUID"),
@@ -449,7 +457,7 @@ async def test_controllers_passthrough(svc, target):
 async def test_failed_save_undoes_the_change(target, tmp_path):
     folder = tmp_path / "gone"
     folder.mkdir()
-    svc = TargetService(target, config_path=folder / "config.json")
+    svc = TargetService(target, config_path=folder / "config.json", backing_dirs=[tmp_path])
     await svc.add_subsystem(SUB)
     snap = svc.snapshot()
     folder.rename(tmp_path / "moved")  # saving now fails: the folder is gone
@@ -483,7 +491,7 @@ async def test_snapshot_restore_roundtrip(svc, target, cfg, tmp_path):
     await target.close()  # free the ports for the second target
 
     target2 = FakeTarget()
-    svc2 = TargetService(target2, config_path=cfg)
+    svc2 = TargetService(target2, config_path=cfg, backing_dirs=[tmp_path])
     mtime = cfg.stat().st_mtime_ns
     try:
         errors = await svc2.restore(saved)
@@ -536,7 +544,7 @@ async def test_restore_reports_broken_items_and_restores_the_rest(target, tmp_pa
         busy.listen()
         busy_port = busy.getsockname()[1]
         config["listeners"].append({"traddr": "127.0.0.1", "trsvcid": busy_port})
-        svc = TargetService(target)
+        svc = TargetService(target, backing_dirs=[tmp_path])
         errors = await svc.restore(config)
     text = "\n".join(errors)
     assert len(errors) == 10, text
@@ -566,3 +574,188 @@ async def test_service_without_config_path_keeps_no_file(target, tmp_path):
     svc = TargetService(target)
     await svc.add_subsystem(SUB)
     assert os.listdir(tmp_path) == []
+
+
+# --- issue 10: where namespace files may live, and that adding/resizing never changes them unasked ---
+
+
+async def test_file_paths_outside_the_backing_dirs_are_refused(svc, target, cfg, tmp_path):
+    """Item 1: /etc/shadow, ../../etc/passwd, /proc/self/mem (and more) were exported as namespaces."""
+    await svc.add_subsystem(SUB)
+    (tmp_path / "link.img").symlink_to("/etc/shadow")
+    before = cfg.read_bytes()
+    target.events.clear()
+    cases = [
+        ("/etc/shadow", "/etc/shadow is outside the backing directories"),
+        ("../../etc/passwd", "is relative; give an absolute path"),
+        ("/proc/self/mem", "is under /proc, a kernel interface"),
+        (str(tmp_path / "link.img"), "(which resolves to /etc/shadow) is outside the backing directories"),
+        ("/dev/zero", "is under /dev, a kernel interface"),
+        ("/dev/sda", "--allow-block-device PATH"),
+        (f"{tmp_path}/x\0.img", "contains a NUL byte"),
+    ]
+    for path, fragment in cases:
+        err = await expect(400, fragment, svc.add_namespace(SUB, backend="file", path=path))
+        assert err.message.startswith("path "), err.message  # names the field
+    err = await expect(400, "outside", svc.add_namespace(SUB, backend="file", path="/etc/shadow"))
+    assert f"({tmp_path})" in err.message and "--backing-dir DIR" in err.message and "backing_dirs" in err.message
+    assert svc.get_subsystem(SUB).namespaces == {} and target.events == [] and cfg.read_bytes() == before
+
+
+async def test_default_backing_dir_is_the_state_dirs_disks(target, tmp_path, monkeypatch):
+    monkeypatch.setenv("NVMEOF_STATE_DIR", str(tmp_path / "state"))
+    svc = TargetService(target)
+    disks = tmp_path / "state" / "disks"
+    assert svc.backing.backing_dirs == (str(disks),)
+    await svc.add_subsystem(SUB)
+    await expect(400, f"outside the backing directories ({disks})",
+                 svc.add_namespace(SUB, backend="file", path=str(tmp_path / "d.img"), size=MiB, create=True))
+    disks.mkdir(parents=True)
+    ns = await svc.add_namespace(SUB, backend="file", path=str(disks / "d.img"), size=MiB, create=True)
+    assert ns.spec["path"] == str(disks / "d.img")
+
+
+async def test_file_paths_are_stored_resolved(target, tmp_path, monkeypatch):
+    """Item 5: a relative path was stored as given, so a restart elsewhere served another file."""
+    real = tmp_path / "real"
+    (real / "sub").mkdir(parents=True)
+    (tmp_path / "via").symlink_to(real)
+    (real / "a.img").write_bytes(b"A" * 4096)
+    svc = TargetService(target, backing_dirs=[tmp_path / "via"])
+    assert svc.backing.backing_dirs == (str(real),)
+    await svc.add_subsystem(SUB)
+    ns = await svc.add_namespace(SUB, backend="file", path=f"{tmp_path}/via/sub/../a.img")
+    assert ns.spec["path"] == str(real / "a.img")
+    assert svc.snapshot()["subsystems"][0]["namespaces"][0]["path"] == str(real / "a.img")
+    await expect(409, "already backs namespace 1",
+                 svc.add_namespace(SUB, backend="file", path=str(tmp_path / "via" / "a.img")))
+    # a configuration written by an older version with a relative path is not guessed at
+    saved = svc.snapshot()
+    saved["subsystems"][0]["namespaces"][0]["path"] = "a.img"
+    monkeypatch.chdir(real)
+    svc2 = TargetService(FakeTarget(), backing_dirs=[real])
+    errors = await svc2.restore(saved)
+    assert len(errors) == 1 and "'a.img' is relative; give an absolute path" in errors[0]
+    assert svc2.unrestored()[0]["item"]["path"] == "a.img"  # kept in the file, for the operator to fix
+
+
+async def test_adding_an_existing_file_never_grows_or_cuts_it(svc, cfg, tmp_path):
+    """Item 2: a 600-byte file added with size 1024 was grown; resizing it to 512 cut its tail."""
+    await svc.add_subsystem(SUB)
+    path = tmp_path / "six.img"
+    content = os.urandom(600)
+    path.write_bytes(content)
+    err = await expect(400, "is 600 bytes, less than the size 1024 asked for",
+                       svc.add_namespace(SUB, backend="file", path=str(path), size=1024))
+    assert "create" in err.message
+    assert path.read_bytes() == content
+    ns = await svc.add_namespace(SUB, backend="file", path=str(path), size=1024, create=True)  # asked: grown
+    assert path.stat().st_size == 1024 and path.read_bytes()[:600] == content
+    err = await expect(400, "shrinking from 1024 to 512 bytes", svc.resize_namespace(SUB, ns.nsid, 512))
+    assert "allow_shrink" in err.message and path.stat().st_size == 1024 and ns.backend.size == 1024
+    await expect(400, "allow_shrink must be true or false",
+                 svc.resize_namespace(SUB, ns.nsid, 512, allow_shrink="yes"))  # type: ignore[arg-type]
+    await svc.resize_namespace(SUB, ns.nsid, 512, allow_shrink=True)
+    assert path.read_bytes() == content[:512] and ns.backend.size == 512
+    assert load_config(cfg)["subsystems"][0]["namespaces"][0]["size"] == 512
+
+
+async def test_a_smaller_size_exports_a_prefix_and_keeps_the_file(svc, cfg, tmp_path):
+    await svc.add_subsystem(SUB)
+    path = tmp_path / "big.img"
+    path.write_bytes(b"\x5a" * (4 * 4096))
+    ns = await svc.add_namespace(SUB, backend="file", path=str(path), size=4096)
+    assert ns.backend.size == 4096 and path.stat().st_size == 4 * 4096
+    await svc.resize_namespace(SUB, ns.nsid, 2 * 4096)  # grows within the file: nothing written
+    await svc.resize_namespace(SUB, ns.nsid, 4096, allow_shrink=True)  # the file's tail was never exported
+    assert path.read_bytes() == b"\x5a" * (4 * 4096)
+    # a restart exports the same prefix: the size is in the config
+    assert load_config(cfg)["subsystems"][0]["namespaces"][0]["size"] == 4096
+    # and a file shrunk since is reported, not grown back to the configured size
+    saved = svc.snapshot()
+    await svc.remove_namespace(SUB, ns.nsid)
+    os.truncate(path, 512)
+    svc2 = TargetService(FakeTarget(), backing_dirs=[tmp_path])
+    errors = await svc2.restore(saved)
+    assert len(errors) == 1 and "is 512 bytes, less than the size 4096" in errors[0] and path.stat().st_size == 512
+
+
+async def test_undone_add_takes_back_a_grown_file(target, tmp_path):
+    folder = tmp_path / "etc"
+    folder.mkdir()
+    svc = TargetService(target, config_path=folder / "config.json", backing_dirs=[tmp_path])
+    await svc.add_subsystem(SUB)
+    path = tmp_path / "g.img"
+    path.write_bytes(b"g" * 4096)
+    folder.rename(tmp_path / "gone")  # the save fails: the add is undone, and so is the growth
+    await expect(500, "cannot save", svc.add_namespace(SUB, backend="file", path=str(path), size=MiB, create=True))
+    assert path.read_bytes() == b"g" * 4096
+
+
+async def test_a_size_the_file_system_refuses_is_a_400_naming_it(svc, tmp_path):
+    """Item 7: a 1 PiB create gave a 500 (an OSError with EFBIG from ftruncate)."""
+    import resource
+
+    await svc.add_subsystem(SUB)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 40, hard))  # any file system refuses 1 PiB now
+    try:
+        err = await expect(400, "1125899906842624 bytes long: the file system (or RLIMIT_FSIZE) does not allow",
+                           svc.add_namespace(SUB, backend="file", path=str(tmp_path / "p.img"), size=1 << 50,
+                                             create=True))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert "EFBIG" in err.message and not (tmp_path / "p.img").exists()
+    await expect(400, f"size {1 << 63} is out of range; use 1..{(1 << 63) - 1}",
+                 svc.add_namespace(SUB, backend="file", path=str(tmp_path / "q.img"), size=1 << 63, create=True))
+
+
+async def test_block_devices_only_when_named(target, tmp_path):
+    svc = TargetService(target, backing_dirs=[tmp_path], block_devices=["/dev/zero"])
+    await svc.add_subsystem(SUB)
+    # allowing a path that is no block device does not make a character device servable
+    await expect(400, "neither a regular file nor a block device",
+                 svc.add_namespace(SUB, backend="file", path="/dev/zero"))
+    converted = {"subsystems": [{"nqn": SUB + "x", "namespaces": [{"nsid": 1, "device": {"path": "/dev/nvme9n1"}}]}]}
+    from target.config import import_nvmetcli
+
+    errors = await svc.restore(dict(import_nvmetcli(converted)), persist=True)
+    assert len(errors) == 1 and "/dev/nvme9n1 is under /dev" in errors[0] and "--allow-block-device PATH" in errors[0]
+
+
+async def test_config_backing_dirs_widen_at_start_up_but_not_through_an_import(target, tmp_path):
+    flags, extra, third = tmp_path / "flags", tmp_path / "extra", tmp_path / "third"
+    for folder in (flags, extra, third):
+        folder.mkdir()
+        (folder / "d.img").write_bytes(bytes(4096))
+    config = {
+        "version": 1, "backing_dirs": [str(extra)],
+        "subsystems": [{"nqn": SUB, "namespaces": [{"nsid": 1, "backend": "file", "path": str(extra / "d.img")}]}],
+    }
+    cfg = tmp_path / "config.json"
+    svc = TargetService(target, config_path=cfg, backing_dirs=[flags])
+    assert await svc.restore(config) == []  # start-up: the operator's file adds to the flags
+    assert svc.backing.backing_dirs == (str(flags), str(extra))
+    await svc.add_namespace(SUB, backend="file", path=str(flags / "d.img"))
+    saved = load_config(cfg)
+    assert saved["backing_dirs"] == [str(extra)]  # written back as read, the flags are not
+    # an import comes through the API: it cannot add a directory, and says so
+    imported = {
+        "version": 1, "backing_dirs": [str(extra), str(third)],
+        "subsystems": [
+            {"nqn": SUB + "2", "namespaces": [{"nsid": 1, "backend": "file", "path": str(third / "d.img")}]},
+        ],
+    }
+    errors = await svc.restore(imported, persist=True)
+    assert f"an import cannot widen where namespace files may live ({third} ignored)" in errors[0]
+    assert "--backing-dir" in errors[0] and "outside the backing directories" in errors[1] and len(errors) == 2
+    assert svc.backing.backing_dirs == (str(flags), str(extra)) and load_config(cfg)["backing_dirs"] == [str(extra)]
+    assert await svc.restore({"version": 1, "backing_dirs": [str(flags / "sub")]}, persist=True) == []  # no wider
+    # a backing directory under /dev in the file is refused, kept in the file, and the rest restored
+    target2 = FakeTarget()
+    svc2 = TargetService(target2, backing_dirs=[flags])
+    errors = await svc2.restore({"version": 1, "backing_dirs": ["/dev/shm", str(extra)]})
+    assert errors == ["backing_dirs: backing directory /dev/shm is under /dev, where no namespace file may live; "
+                      "give a directory elsewhere (a block device there needs --allow-block-device PATH); ignored"]
+    assert svc2.backing.backing_dirs == (str(flags), str(extra))
+    assert svc2.snapshot()["backing_dirs"] == ["/dev/shm", str(extra)]

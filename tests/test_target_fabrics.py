@@ -18,8 +18,10 @@ from target_host import (
 )
 
 from nvmeof import defaults
+from nvmeof.spec.fabrics import DiscoveryLogEntry, DiscoveryLogHeader, SubType
 from nvmeof.spec.nvme import SQE_FLAGS_PSDT_SGL, AdminOpcode, Command, FabricsType, IoOpcode
 from nvmeof.status import Status
+from target.model import Listener, Subsystem
 
 
 @pytest.fixture
@@ -282,3 +284,86 @@ async def test_cntlid_allocation_unique_and_reused(target):
     assert (await h.connect(SUBNQN)).cqe.dw0 & 0xFFFF == 0xFFEF
     h = await open_loop(target)
     assert (await h.connect(SUBNQN)).cqe.dw0 & 0xFFFF not in ids | {0xFFEF}
+
+
+# --- who a controller belongs to: HOSTID on I/O queues, an empty HOSTNQN --------------------------
+
+HOST_A = "nqn.2014-08.org.nvmexpress:uuid:aaaaaaaa-0000-4000-8000-00000000000a"
+HOST_B = "nqn.2014-08.org.nvmexpress:uuid:bbbbbbbb-0000-4000-8000-00000000000b"
+HOSTID_A = bytes([0xA0] * 16)
+HOSTID_B = bytes([0xB0] * 16)
+
+
+async def _enabled_admin(target, hostnqn: str, hostid: bytes, subnqn: str = SUBNQN):
+    host = await open_loop(target)
+    res = await host.connect(subnqn, hostnqn=hostnqn, hostid=hostid)
+    assert res.status == 0, res
+    await host.enable()
+    return host, res.cqe.dw0 & 0xFFFF
+
+
+async def test_io_connect_needs_the_hostid_of_the_admin_connect(target, caplog):
+    """Item 6: host B's NQN with host A's HOSTID used to attach an I/O queue to B's controller."""
+    await _enabled_admin(target, HOST_A, HOSTID_A)
+    _admin_b, cntlid_b = await _enabled_admin(target, HOST_B, HOSTID_B)
+    q = await open_loop(target)
+    with caplog.at_level(logging.WARNING):
+        res = await q.connect(SUBNQN, qid=1, cntlid=cntlid_b, hostnqn=HOST_B, hostid=HOSTID_A, sqsize=127)
+    assert res.status == Status.CONNECT_INVALID_PARAM and res.cqe.dnr
+    assert res.cqe.dw0 == (1 << 16) | 0        # IATTR=1 (Connect data), IPO=0 (HOSTID)
+    assert 1 not in target.controllers[cntlid_b].queues
+    line = next(r.getMessage() for r in caplog.records if "HOSTID" in r.getMessage())
+    assert HOST_B in line and f"controller {cntlid_b}" in line and HOSTID_A.hex() in line and HOSTID_B.hex() in line
+    # the owner's own identity still attaches the queue
+    res = await q.connect(SUBNQN, qid=1, cntlid=cntlid_b, hostnqn=HOST_B, hostid=HOSTID_B, sqsize=127)
+    assert res.status == 0 and res.cqe.dw0 & 0xFFFF == cntlid_b
+
+
+async def test_empty_hostnqn_admitted_where_any_host_may_connect(target):
+    """Item 9: an all-zero HOSTNQN field is a host like any other where the subsystem allows any host."""
+    admin, cntlid = await _enabled_admin(target, "", HOSTID_A)
+    assert target.controllers[cntlid].hostnqn == ""
+    assert target.controllers_info()[0]["hostnqn"] == ""
+    io = await open_loop(target)
+    res = await io.connect(SUBNQN, qid=1, cntlid=cntlid, hostnqn="", hostid=HOSTID_A, sqsize=127)
+    assert res.status == 0
+    assert (await io.cmd(Command(IoOpcode.FLUSH, nsid=1))).status == 0
+    # the empty HOSTNQN owns that controller: a named host cannot join it, nor the reverse
+    other = await open_loop(target)
+    res = await other.connect(SUBNQN, qid=2, cntlid=cntlid, hostnqn=HOST_A, hostid=HOSTID_A)
+    assert res.status == Status.CONNECT_INVALID_PARAM and res.cqe.dw0 == (1 << 16) | 16
+    _admin_a, cntlid_a = await _enabled_admin(target, HOST_A, HOSTID_A)
+    res = await other.connect(SUBNQN, qid=1, cntlid=cntlid_a, hostnqn="", hostid=HOSTID_A)
+    assert res.status == Status.CONNECT_INVALID_PARAM and res.cqe.dw0 == (1 << 16) | 16
+    admin.close()
+    await asyncio.wait_for(io.lost, 2)
+
+
+async def test_empty_hostnqn_refused_by_an_allow_list(target, caplog):
+    sub = target.subsystems[SUBNQN]
+    sub.allow_any_host = False
+    sub.hosts = {HOST_A}
+    host = await open_loop(target)
+    with caplog.at_level(logging.WARNING):
+        res = await host.connect(SUBNQN, hostnqn="")
+    assert res.status == Status.CONNECT_INVALID_HOST and res.cqe.dnr
+    assert res.cqe.dw0 == (1 << 16) | 512      # IATTR=1, IPO=512 (HOSTNQN)
+    assert "empty HOSTNQN" in caplog.text and SUBNQN in caplog.text and "allow any host" in caplog.text
+    assert not target.controllers
+
+
+async def test_empty_hostnqn_discovery_lists_open_subsystems_only(target):
+    target.listeners["io"] = Listener("tcp", "ipv4", "192.0.2.10", 4420, portid=1)
+    target.subsystems["nqn.2026-01.com.example:closed"] = Subsystem(
+        nqn="nqn.2026-01.com.example:closed", serial="SN9", allow_any_host=False, hosts={HOST_A})
+    host, _ = await _enabled_admin(target, "", HOSTID_A, defaults.DISCOVERY_NQN)
+    numrec = DiscoveryLogHeader.parse((await host.cmd(_get_log(1024), read_len=1024)).data).numrec
+    size = 1024 * (1 + numrec)
+    page = (await host.cmd(_get_log(size), read_len=size)).data
+    entries = [DiscoveryLogEntry.parse(page[1024 * (i + 1):1024 * (i + 2)]) for i in range(numrec)]
+    assert [e.subnqn for e in entries if e.subtype == SubType.NVME] == [SUBNQN]
+
+
+def _get_log(length: int) -> Command:
+    numd = length // 4 - 1
+    return Command(AdminOpcode.GET_LOG_PAGE, cdw10=0x70 | ((numd & 0xFFFF) << 16), cdw11=numd >> 16)

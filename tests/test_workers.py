@@ -91,11 +91,11 @@ class Served:
 
 
 @pytest.fixture
-async def served() -> AsyncIterator[Served]:
+async def served(tmp_path: Path) -> AsyncIterator[Served]:
     io, disc = free_ports(2)
     daemon = Daemon(DaemonOptions(listen=[TransportAddress("tcp", "127.0.0.1", io)],
                                   discovery=[TransportAddress("tcp", "127.0.0.1", disc)],
-                                  api=None, ramdisk_size=4 * MiB, workers=2))
+                                  api=None, ramdisk_size=4 * MiB, workers=2, backing_dirs=[tmp_path]))
     try:
         await daemon.start()
         yield Served(daemon, io)
@@ -150,8 +150,9 @@ async def test_rest_controllers_show_the_worker_serving_each_queue(served: Serve
 
     from api.app import create_app
 
-    app = create_app(served.daemon.service)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as client:
+    app = create_app(served.daemon.service, token="workers")
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api",
+                                 headers={"Authorization": "Bearer workers"}) as client:
         async with served.connect(nr_io_queues=2) as ctrl:
             resp = await client.get("/api/v1/controllers")
             assert resp.status_code == 200, resp.text
@@ -384,3 +385,24 @@ def test_worker_log_lines_have_the_main_process_layout() -> None:
     errors = [line for line in err.splitlines() if "no-such-op" in line]
     assert len(errors) == 1, err
     assert re.match(r"^\S+ \S+ ERROR worker3 nvmeof\.worker: ", errors[0]), errors[0]
+
+
+async def test_a_worker_serves_the_checked_file_not_whatever_its_path_names_now(tmp_path: Path) -> None:
+    """Issue 10 item 1: a worker reopened the namespace's path, so a file swapped for another (a link
+    to /etc/shadow, say) after the main process checked it was served. It now gets the descriptor."""
+    from target.backends.file import FileBackend
+    from target.worker import Worker
+
+    path = tmp_path / "disk.img"
+    path.write_bytes(b"A" * 4096)
+    checked = FileBackend(path)
+    path.unlink()
+    path.write_bytes(b"B" * 4096)  # swapped after the check
+    fd = os.dup(checked.fileno())
+    checked.close()
+    msg = {"kind": "file", "size": 4096, "backend_read_only": False, "path": str(path)}
+    backend = Worker._open_backend(msg, [fd])
+    try:
+        assert bytes(await backend.read(0, 4)) == b"AAAA"
+    finally:
+        backend.close()

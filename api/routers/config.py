@@ -5,6 +5,10 @@ uses, so an item is accepted or refused exactly as a live request would be; the 
 result under its lock. A file whose structure is wrong is refused as a whole before anything is
 applied.
 
+Checking and converting a body is pure CPU work on up to --api-max-body bytes, so it runs in a
+thread (asyncio.to_thread): the event loop that serves NVMe I/O keeps running meanwhile, and the
+service's restore yields to it between items.
+
 /config/unrestored lists what the daemon's start-up could not restore (a file on a disk not
 mounted yet, a port still in use): those items stay in the config file until they are retried
 successfully or discarded.
@@ -12,17 +16,18 @@ successfully or discarded.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Body, Response, status
 
 from api import schemas
-from api.deps import Service
+from api.deps import JsonRoute, Service
 from api.errors import ERRORS
 from target import config as configmod
 from target.service import ServiceError
 
-router = APIRouter(prefix="/config", tags=["config"], responses=ERRORS)
+router = APIRouter(prefix="/config", tags=["config"], responses=ERRORS, route_class=JsonRoute)
 
 ConfigBody = Body(description="A configuration object", examples=[{"version": 1, "subsystems": []}])
 
@@ -35,7 +40,7 @@ async def export_config(service: Service) -> dict[str, Any]:
 @router.post("", response_model=schemas.ImportResult)
 async def import_config(service: Service, body: dict[str, Any] = ConfigBody) -> schemas.ImportResult:
     try:
-        config = configmod.validate_config(body, source="request body")
+        config = await asyncio.to_thread(configmod.validate_config, body, source="request body")
     except configmod.ConfigError as exc:
         raise ServiceError(400, str(exc)) from None
     return schemas.ImportResult(errors=await service.restore(config, persist=True), warnings=[])
@@ -50,12 +55,16 @@ async def export_nvmetcli(service: Service) -> schemas.NvmetcliExport:
 @router.post("/nvmetcli", response_model=schemas.ImportResult)
 async def import_nvmetcli(service: Service, body: dict[str, Any] = ConfigBody) -> schemas.ImportResult:
     try:
-        converted = configmod.import_nvmetcli(body)
-        config = configmod.validate_config(dict(converted), source="converted nvmetcli configuration")
+        converted, config = await asyncio.to_thread(_convert_nvmetcli, body)
     except configmod.ConfigError as exc:
         raise ServiceError(400, str(exc)) from None
     errors = await service.restore(config, persist=True)
     return schemas.ImportResult(errors=errors, warnings=converted.warnings)
+
+
+def _convert_nvmetcli(body: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    converted = configmod.import_nvmetcli(body)
+    return converted, configmod.validate_config(dict(converted), source="converted nvmetcli configuration")
 
 
 @router.get("/unrestored", response_model=list[schemas.UnrestoredOut],

@@ -11,12 +11,12 @@ import ipaddress
 from fastapi import APIRouter, Path, Response, status
 
 from api import render, schemas
-from api.deps import Service
+from api.deps import JsonRoute, Service
 from api.errors import ERRORS
 from target.model import endpoint_id
 
-listeners = APIRouter(prefix="/listeners", tags=["listeners"], responses=ERRORS)
-referrals = APIRouter(prefix="/referrals", tags=["referrals"], responses=ERRORS)
+listeners = APIRouter(prefix="/listeners", tags=["listeners"], responses=ERRORS, route_class=JsonRoute)
+referrals = APIRouter(prefix="/referrals", tags=["referrals"], responses=ERRORS, route_class=JsonRoute)
 
 Port = Path(ge=1, le=65535, description="Transport service ID (TCP port)")
 
@@ -43,10 +43,11 @@ async def add_listener(body: schemas.ListenerCreate, service: Service) -> schema
     return render.listener(lst)
 
 
-@listeners.delete("/{trtype}/{traddr}/{trsvcid}", status_code=status.HTTP_204_NO_CONTENT)
-async def remove_listener(trtype: schemas.TrType, traddr: str, service: Service, trsvcid: int = Port) -> Response:
-    await service.remove_listener(_endpoint(trtype, traddr, trsvcid))
-    return Response(status_code=status.HTTP_204_NO_CONTENT)
+@listeners.delete("/{trtype}/{traddr}/{trsvcid}", response_model=schemas.DisconnectedOut)
+async def remove_listener(trtype: schemas.TrType, traddr: str, service: Service,
+                          trsvcid: int = Port) -> schemas.DisconnectedOut:
+    """Stop listening; controllers with a queue that came through this listener are disconnected."""
+    return schemas.DisconnectedOut(disconnected=await service.remove_listener(_endpoint(trtype, traddr, trsvcid)))
 
 
 @referrals.get("", response_model=list[schemas.ReferralOut])

@@ -5,10 +5,11 @@ from __future__ import annotations
 from fastapi import APIRouter, Path, Response, status
 
 from api import render, schemas
-from api.deps import Service
+from api.deps import JsonRoute, Service
 from api.errors import ERRORS
 
-router = APIRouter(prefix="/subsystems/{nqn}/namespaces", tags=["namespaces"], responses=ERRORS)
+router = APIRouter(prefix="/subsystems/{nqn}/namespaces", tags=["namespaces"], responses=ERRORS,
+                   route_class=JsonRoute)
 
 Nsid = Path(ge=1, le=schemas.NSID_MAX, description="Namespace ID")
 
@@ -43,7 +44,7 @@ async def remove_namespace(nqn: str, service: Service, nsid: int = Nsid) -> Resp
 async def resize_namespace(
     nqn: str, body: schemas.NamespaceResize, service: Service, nsid: int = Nsid,
 ) -> schemas.NamespaceOut:
-    return render.namespace(await service.resize_namespace(nqn, nsid, body.size))
+    return render.namespace(await service.resize_namespace(nqn, nsid, body.size, allow_shrink=body.allow_shrink))
 
 
 @router.post("/{nsid}/enable", response_model=schemas.NamespaceOut)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Query, Response, status
+from fastapi import APIRouter, Query, status
 
 from api import render, schemas
-from api.deps import Service
+from api.deps import JsonRoute, Service
 from api.errors import ERRORS
 
-router = APIRouter(prefix="/subsystems", tags=["subsystems"], responses=ERRORS)
+router = APIRouter(prefix="/subsystems", tags=["subsystems"], responses=ERRORS, route_class=JsonRoute)
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=schemas.SubsystemOut)
@@ -30,13 +30,13 @@ async def get_subsystem(nqn: str, service: Service) -> schemas.SubsystemOut:
     return render.subsystem(service.get_subsystem(nqn))
 
 
-@router.delete("/{nqn}", status_code=status.HTTP_204_NO_CONTENT)
+@router.delete("/{nqn}", response_model=schemas.DisconnectedOut)
 async def delete_subsystem(
     nqn: str, service: Service,
     force: bool = Query(False, description="Also remove its namespaces and disconnect its controllers"),
-) -> Response:
-    await service.remove_subsystem(nqn, force=force)
-    return Response(status_code=status.HTTP_204_NO_CONTENT)
+) -> schemas.DisconnectedOut:
+    """Remove the subsystem; its connected controllers are disconnected (the count is returned)."""
+    return schemas.DisconnectedOut(disconnected=await service.remove_subsystem(nqn, force=force))
 
 
 @router.get("/{nqn}/hosts", response_model=schemas.HostsOut)
@@ -51,7 +51,7 @@ async def allow_host(nqn: str, body: schemas.HostAdd, service: Service) -> schem
     return schemas.HostsOut(allow_any_host=sub.allow_any_host, hosts=sorted(sub.hosts))
 
 
-@router.delete("/{nqn}/hosts/{hostnqn}", status_code=status.HTTP_204_NO_CONTENT)
-async def deny_host(nqn: str, hostnqn: str, service: Service) -> Response:
-    await service.deny_host(nqn, hostnqn)
-    return Response(status_code=status.HTTP_204_NO_CONTENT)
+@router.delete("/{nqn}/hosts/{hostnqn}", response_model=schemas.DisconnectedOut)
+async def deny_host(nqn: str, hostnqn: str, service: Service) -> schemas.DisconnectedOut:
+    """Remove the host from the allowed hosts; its controllers on this subsystem are disconnected."""
+    return schemas.DisconnectedOut(disconnected=await service.deny_host(nqn, hostnqn))

@@ -1,5 +1,6 @@
 """Health, version and metrics: the operational endpoints, at the root and (health, version)
-under /api/v1 as well."""
+under /api/v1 as well. Only the root /health is open without the token, and it says nothing but
+"ok"; /api/v1/health (counts of subsystems and controllers) needs the token like everything else."""
 
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ def _version() -> schemas.Version:
                            nvme_version=".".join(str(part) for part in defaults.NVME_VERSION))
 
 
-@router.get("/health", response_model=schemas.Health, summary="Liveness (never needs the token)")
-async def health(service: Service) -> schemas.Health:
-    return _health(service)
+@router.get("/health", response_model=schemas.Liveness, summary="Liveness (never needs the token; no details)")
+async def health() -> schemas.Liveness:
+    return schemas.Liveness(status="ok")
 
 
 @router.get("/version", response_model=schemas.Version)
@@ -42,7 +43,7 @@ async def prometheus(service: Service) -> Response:
 v1 = APIRouter(tags=["system"])
 
 
-@v1.get("/health", response_model=schemas.Health, summary="Liveness (never needs the token)")
+@v1.get("/health", response_model=schemas.Health, summary="Health with counts (needs the token)")
 async def health_v1(service: Service) -> schemas.Health:
     return _health(service)
 

@@ -1,9 +1,13 @@
 """Management subcommands: a client of the REST API that `nvmeof serve` runs.
 
 One command per API call, grouped like the resources: ``nvmeof subsystem|ns|host|listener|referral|
-controller|config ...``. Every command takes ``--api URL`` (env NVMEOF_API), ``--token`` (env
-NVMEOF_API_TOKEN) and ``--json``. Exit codes: 0 success, 1 the API refused (its message is
-printed), 2 usage error, 3 the API could not be reached.
+controller|config ...``. Every command takes ``--api URL|unix:PATH`` (env NVMEOF_API), ``--token``
+(env NVMEOF_API_TOKEN) and ``--json``. Without them the endpoint and the token come from the files
+`nvmeof serve` writes in its state directory (NVMEOF_STATE_DIR, else /var/lib/nvmeof for root, else
+~/.local/share/nvmeof): ``api-endpoint`` and ``api-token`` (mode 0600, so only that user and root
+can read it). The file's token is sent only to the endpoint recorded next to it, and never printed.
+Exit codes: 0 success, 1 the API refused (its message is printed), 2 usage error, 3 the API could
+not be reached.
 """
 
 from __future__ import annotations
@@ -48,10 +52,50 @@ class ApiUnreachable(Exception):
 
 
 def make_http_client(base_url: str, headers: dict[str, str]) -> httpx.Client:
-    """The HTTP client every command uses; tests replace it to point at an in-process app."""
+    """The HTTP client every command uses; tests replace it to point at an in-process app.
+    ``unix:PATH`` speaks HTTP over that Unix socket."""
     import httpx  # imported when a management command runs, so `nvmeof serve` and host commands don't need it
 
+    if base_url.startswith("unix:"):
+        return httpx.Client(base_url="http://localhost", headers=headers, timeout=TIMEOUT,
+                            transport=httpx.HTTPTransport(uds=base_url[5:]))
     return httpx.Client(base_url=base_url, headers=headers, timeout=TIMEOUT)
+
+
+def _read_state_file(path: Path) -> tuple[str | None, str | None]:
+    """(content, None), or (None, why not) for a missing or unreadable file."""
+    try:
+        return path.read_text(encoding="utf-8").strip() or None, None
+    except FileNotFoundError:
+        return None, f"there is no {path}"
+    except OSError as exc:
+        return None, f"cannot read {path}: {exc.strerror} (run as the user that started `nvmeof serve`, or root)"
+
+
+def _same_endpoint(a: str, b: str) -> bool:
+    return a.rstrip("/").lower() == b.rstrip("/").lower()
+
+
+def resolve_endpoint(api_url: str | None, token: str | None) -> tuple[str, str | None, str]:
+    """The API URL, the token and, for a 401, where the token came from (or why there is none).
+
+    A token read from the state directory goes only to the endpoint recorded next to it: pointing
+    --api at another machine must not hand it this machine's token."""
+    state = Path(defaults.state_dir())
+    token_file = state / defaults.API_TOKEN_FILE
+    recorded, _ = _read_state_file(state / defaults.API_ENDPOINT_FILE)
+    url = api_url or recorded or DEFAULT_API
+    if token:
+        return url, token, "the token given with --token or NVMEOF_API_TOKEN"
+    if recorded is not None and not _same_endpoint(url, recorded):
+        return url, None, (f"the token in {token_file} belongs to {recorded}, not {url}, so it was not sent; "
+                           "pass --token or set NVMEOF_API_TOKEN")
+    file_token, token_problem = _read_state_file(token_file)
+    if file_token is None:
+        return url, None, (f"no token: none given with --token or NVMEOF_API_TOKEN, and {token_problem}; "
+                           "set NVMEOF_STATE_DIR "
+                           "to the --state-dir of `nvmeof serve` if it uses another one")
+    return url, file_token, f"the token read from {token_file}"
 
 
 def _detail(response: httpx.Response) -> str:
@@ -72,9 +116,10 @@ def _detail(response: httpx.Response) -> str:
 
 
 class Api:
-    def __init__(self, url: str, token: str | None) -> None:
+    def __init__(self, url: str, token: str | None, token_source: str = "") -> None:
         self.url = url.rstrip("/")
         self.token = token
+        self.token_source = token_source or "pass --token or set NVMEOF_API_TOKEN"
 
     def call(self, method: str, path: str, *, json_body: Any = None, params: dict[str, Any] | None = None) -> Any:
         import httpx
@@ -93,11 +138,22 @@ class Api:
         if response.status_code >= 400:
             message = _detail(response)
             if response.status_code == 401:
-                message += " (pass --token or set NVMEOF_API_TOKEN to the token `nvmeof serve` was given)"
+                message += f" [client: {self.token_source}]"
             raise ApiError(response.status_code, message)
         if response.status_code == 204 or not response.content:
             return None
         return response.json()
+
+
+def _disconnected(result: Any) -> int | None:
+    """The controller count a revoking DELETE answers (None from a daemon that answers 204)."""
+    return result.get("disconnected") if isinstance(result, dict) else None
+
+
+def _disconnected_note(count: int | None) -> str:
+    if count is None:
+        return ""
+    return f" ({count} controller{'' if count == 1 else 's'} disconnected)"
 
 
 def _nqn(nqn: str) -> str:
@@ -114,12 +170,14 @@ def api_command(group: click.Group, name: str | None = None, **kwargs: Any) -> C
     def decorate(func: Callable) -> click.Command:
         @click.option("--json", "as_json", is_flag=True, help="Print the API's JSON answer.")
         @click.option("--token", envvar="NVMEOF_API_TOKEN", metavar="TOKEN", show_envvar=True,
-                      help="Bearer token of the API.")
-        @click.option("--api", "api_url", envvar="NVMEOF_API", default=DEFAULT_API, show_default=True,
-                      show_envvar=True, metavar="URL", help="Where `nvmeof serve` runs its REST API.")
+                      help="Bearer token of the API. Default: the api-token file `nvmeof serve` wrote in its "
+                           "state directory (NVMEOF_STATE_DIR).")
+        @click.option("--api", "api_url", envvar="NVMEOF_API", show_envvar=True, metavar="URL|unix:PATH",
+                      help="Where `nvmeof serve` runs its REST API. Default: the api-endpoint file in its state "
+                           f"directory, else {DEFAULT_API}.")
         @functools.wraps(func)
-        def command(api_url: str, token: str | None, as_json: bool, **params: Any) -> None:
-            api = Api(api_url, token)
+        def command(api_url: str | None, token: str | None, as_json: bool, **params: Any) -> None:
+            api = Api(*resolve_endpoint(api_url, token))
             try:
                 func(api, as_json, **params)
             except ApiError as exc:
@@ -204,12 +262,13 @@ def subsystem_show(api: Api, as_json: bool, nqn: str) -> None:
 @click.argument("nqn")
 @click.option("--force", is_flag=True, help="Also remove its namespaces and disconnect its hosts.")
 def subsystem_del(api: Api, as_json: bool, nqn: str, force: bool) -> None:
-    """Delete a subsystem (refused while it has namespaces, unless --force)."""
-    api.call("DELETE", f"/api/v1/subsystems/{_nqn(nqn)}", params={"force": str(force).lower()})
+    """Delete a subsystem (refused while it has namespaces, unless --force); its hosts are disconnected."""
+    result = api.call("DELETE", f"/api/v1/subsystems/{_nqn(nqn)}", params={"force": str(force).lower()})
+    count = _disconnected(result)
     if as_json:
-        echo_json({"deleted": nqn})
+        echo_json({"deleted": nqn, "disconnected": count})
     else:
-        click.echo(f"deleted subsystem {nqn}")
+        click.echo(f"deleted subsystem {nqn}{_disconnected_note(count)}")
 
 
 # -- namespaces -------------------------------------------------------------------------------------
@@ -249,7 +308,8 @@ def _ns_path(nqn: str, nsid: int | None = None, action: str = "") -> str:
 @click.argument("nqn")
 @click.option("--backend", type=click.Choice(["file", "ram", "null"]),
               help="Storage: 'file' when --path is given, else 'ram'.")
-@click.option("--path", help="File or block device (file backend).")
+@click.option("--path", help="Absolute path of a file under a backing directory of the daemon (nvmeof serve "
+                             "--backing-dir), or of a block device it allows (file backend).")
 @click.option("--size", callback=_size, metavar="SIZE", help="Bytes, or with K/M/G/T (ram, null, --create).")
 @click.option("--block-size", type=click.Choice(["512", "4096"]), default="512", show_default=True)
 @click.option("--nsid", type=click.IntRange(1, 0xFFFFFFFE), help="Namespace ID; the lowest free one if omitted.")
@@ -258,7 +318,8 @@ def _ns_path(nqn: str, nsid: int | None = None, action: str = "") -> str:
 @click.option("--eui64", help="16 hexadecimal digits; generated if omitted.")
 @click.option("--read-only", is_flag=True)
 @click.option("--disabled", is_flag=True, help="Add it detached; enable it later.")
-@click.option("--create", is_flag=True, help="Create the file with --size if it does not exist.")
+@click.option("--create", is_flag=True, help="Create the file with --size if it does not exist, or grow a shorter "
+                                             "one to it; without it the file is never changed.")
 def ns_add(api: Api, as_json: bool, nqn, backend, path, size, block_size, nsid, ns_uuid, nguid, eui64,
            read_only, disabled, create) -> None:
     """Add a namespace to subsystem NQN."""
@@ -306,9 +367,15 @@ def ns_show(api: Api, as_json: bool, nqn: str, nsid: int) -> None:
 @click.argument("nqn")
 @click.argument("nsid", type=click.IntRange(1, 0xFFFFFFFE))
 @click.argument("size", callback=_size)
-def ns_resize(api: Api, as_json: bool, nqn: str, nsid: int, size: int) -> None:
-    """Change the capacity of a namespace to SIZE (connected hosts are told)."""
-    resized = api.call("POST", _ns_path(nqn, nsid, "resize"), json_body={"size": size})
+@click.option("--allow-shrink", is_flag=True,
+              help="Allow a smaller SIZE: hosts lose the namespace's tail (its file is cut if it covered it all).")
+def ns_resize(api: Api, as_json: bool, nqn: str, nsid: int, size: int, allow_shrink: bool) -> None:
+    """Change the capacity of a namespace to SIZE (connected hosts are told). A file namespace grows
+    its file past its end; shrinking needs --allow-shrink."""
+    body: dict[str, Any] = {"size": size}
+    if allow_shrink:
+        body["allow_shrink"] = True
+    resized = api.call("POST", _ns_path(nqn, nsid, "resize"), json_body=body)
     if as_json:
         echo_json(resized)
     else:
@@ -371,12 +438,13 @@ def host_allow(api: Api, as_json: bool, nqn: str, hostnqn: str) -> None:
 @click.argument("nqn")
 @click.argument("hostnqn")
 def host_deny(api: Api, as_json: bool, nqn: str, hostnqn: str) -> None:
-    """Remove HOSTNQN from the allowed hosts of NQN."""
-    api.call("DELETE", f"/api/v1/subsystems/{_nqn(nqn)}/hosts/{_nqn(hostnqn)}")
+    """Remove HOSTNQN from the allowed hosts of NQN and disconnect its controllers there."""
+    result = api.call("DELETE", f"/api/v1/subsystems/{_nqn(nqn)}/hosts/{_nqn(hostnqn)}")
+    count = _disconnected(result)
     if as_json:
-        echo_json({"denied": hostnqn, "subnqn": nqn})
+        echo_json({"denied": hostnqn, "subnqn": nqn, "disconnected": count})
     else:
-        click.echo(f"host {hostnqn} removed from {nqn}")
+        click.echo(f"host {hostnqn} removed from {nqn}{_disconnected_note(count)}")
 
 
 @api_command(host, "list")
@@ -445,12 +513,13 @@ def listener_add(api: Api, as_json: bool, address, discovery: bool, portid: int 
 @api_command(listener, "del")
 @click.argument("address", metavar="[tcp|rdma://]ADDR[:PORT]", callback=_address(defaults.TCP_IO_PORT))
 def listener_del(api: Api, as_json: bool, address) -> None:
-    """Stop listening on ADDRESS; connected hosts stay connected."""
-    api.call("DELETE", _endpoint_path("listeners", address))
+    """Stop listening on ADDRESS; controllers with a queue that came through it are disconnected."""
+    result = api.call("DELETE", _endpoint_path("listeners", address))
+    count = _disconnected(result)
     if as_json:
-        echo_json({"deleted": str(address)})
+        echo_json({"deleted": str(address), "disconnected": count})
     else:
-        click.echo(f"stopped listening on {address}")
+        click.echo(f"stopped listening on {address}{_disconnected_note(count)}")
 
 
 @api_command(listener, "list")
@@ -522,7 +591,7 @@ def controller_list(api: Api, as_json: bool) -> None:
         echo_json(items)
         return
     rows = [
-        (c["cntlid"], c["subnqn"], c["hostnqn"], c["peer"], c["transport"], len(c["queues"]), c["kato_ms"],
+        (c["cntlid"], c["subnqn"], c["hostnqn"] or "(empty)", c["peer"], c["transport"], len(c["queues"]), c["kato_ms"],
          datetime.datetime.fromtimestamp(c["connected_since"]).isoformat(sep=" ", timespec="seconds"))
         for c in items
     ]

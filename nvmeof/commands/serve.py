@@ -26,6 +26,10 @@ def _addresses(values: tuple[str, ...], default_port: int, what: str):
 def _api(value: str):
     if value.lower() in ("none", "off", "no", ""):
         return None
+    if value.startswith("unix:"):
+        if not value[5:]:
+            raise click.BadParameter("give the socket's path: unix:PATH", param_hint="--api")
+        return Path(value[5:])
     try:
         addr = parse_address(value, defaults.API_PORT)
     except ValueError as e:
@@ -44,9 +48,21 @@ def _api(value: str):
               help=f"Discovery listener (repeatable). Default tcp://{defaults.LISTEN_ADDRESS}:"
                    f"{defaults.TCP_DISCOVERY_PORT}.")
 @click.option("--api", "api", default=f"{defaults.LISTEN_ADDRESS}:{defaults.API_PORT}", show_default=True,
-              metavar="ADDR:PORT|none", help="REST API address, or 'none' to disable it.")
+              metavar="ADDR:PORT|unix:PATH|none",
+              help="REST API address, a Unix socket (created with mode 0600), or 'none' to disable it.")
 @click.option("--api-token", envvar="NVMEOF_API_TOKEN", metavar="TOKEN",
-              help="Bearer token for the REST API (required beyond loopback). Env: NVMEOF_API_TOKEN.")
+              help="Bearer token of the REST API; a random one is generated at start when not given. Either way "
+                   "it is written to <state dir>/api-token (mode 0600), where the nvmeof CLI finds it. "
+                   "Env: NVMEOF_API_TOKEN.")
+@click.option("--state-dir", "state_dir", envvar="NVMEOF_STATE_DIR", type=click.Path(file_okay=False, path_type=Path),
+              help=f"Directory of the API token and endpoint files (created 0700; refused if others can write "
+                   f"it). Default {defaults.STATE_DIR_ROOT} for root, else ~/{defaults.STATE_DIR_USER}. "
+                   "Env: NVMEOF_STATE_DIR.")
+@click.option("--api-host-name", "api_host_names", multiple=True, metavar="NAME",
+              help="A DNS name the REST API may be reached by (repeatable). Requests whose Host header is neither "
+                   "the API's address nor such a name are refused (DNS rebinding).")
+@click.option("--api-max-body", default=str(defaults.API_MAX_BODY), show_default=True, metavar="SIZE",
+              help="Largest REST request body (K, M suffixes); larger gets 413.")
 @click.option("--nqn", default=defaults.DEFAULT_SUBSYSTEM_NQN, show_default=True,
               help="NQN of the default subsystem (when no configuration exists).")
 @click.option("--ramdisk-size", default="1G", show_default=True, metavar="SIZE",
@@ -56,6 +72,28 @@ def _api(value: str):
 @click.option("--workers", type=click.IntRange(0, 256), default=0, show_default=True, metavar="N",
               help="Serve TCP I/O queues from N worker processes (one core each); admin queues and controller "
                    "state stay in the main process. 0 serves everything in one process.")
+@click.option("--backing-dir", "backing_dirs", multiple=True, metavar="DIR",
+              type=click.Path(file_okay=False, path_type=Path),
+              help="Directory file namespaces may live in (repeatable; symbolic links are resolved). Default "
+                   f"<state dir>/{defaults.BACKING_DIR}, created 0700. A configuration's backing_dirs add to these.")
+@click.option("--allow-block-device", "block_devices", multiple=True, metavar="PATH",
+              type=click.Path(dir_okay=False, path_type=Path),
+              help="Block device a namespace may use (repeatable); nothing else under /dev, /proc or /sys is served.")
+@click.option("--ic-timeout", type=click.FloatRange(min=0, min_open=True), default=defaults.TCP_ICREQ_TIMEOUT,
+              show_default=True, metavar="SECONDS", help="Close an NVMe/TCP connection that sends no ICReq in time.")
+@click.option("--connect-timeout", type=click.FloatRange(min=0, min_open=True), default=defaults.TCP_CONNECT_TIMEOUT,
+              show_default=True, metavar="SECONDS",
+              help="Close an NVMe/TCP connection whose Fabrics Connect does not follow the ICResp in time.")
+@click.option("--max-connections", type=click.IntRange(min=1), default=defaults.TCP_MAX_CONNECTIONS,
+              show_default=True, metavar="N",
+              help="NVMe/TCP connections across all listeners (lowered to fit RLIMIT_NOFILE, with a log line). "
+                   "At the cap the oldest connection without a Connect makes room, else a new one is closed.")
+@click.option("--max-connections-per-listener", type=click.IntRange(min=1),
+              default=defaults.TCP_MAX_CONNECTIONS_PER_LISTENER, show_default=True, metavar="N",
+              help="NVMe/TCP connections per listener.")
+@click.option("--h2c-budget", default=f"{defaults.TCP_H2C_GLOBAL_BUDGET >> 20}M", show_default=True, metavar="SIZE",
+              help="Write data all NVMe/TCP connections together may have asked for by R2T (split across --workers); "
+                   "writes beyond it wait their turn.")
 def serve(**kw) -> None:
     """Run the NVMe-oF target: by default one subsystem with a 1 GiB RAM disk, allowing any host,
     I/O on 127.0.0.1:4420, discovery on 127.0.0.1:8009 and the REST API on 127.0.0.1:8080."""
@@ -74,6 +112,22 @@ def serve(**kw) -> None:
         api=_api(kw["api"]), api_token=kw["api_token"], subsystem_nqn=kw["nqn"], ramdisk_size=size,
         block_size=int(kw["block_size"]), workers=kw["workers"],
     )
+    fields["state_dir"] = kw["state_dir"]
+    fields["backing_dirs"] = list(kw["backing_dirs"])
+    fields["block_devices"] = list(kw["block_devices"])
+    fields["api_host_names"] = list(kw["api_host_names"])
+    try:
+        fields["api_max_body"] = parse_size(kw["api_max_body"])
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--api-max-body") from None
+    fields["ic_timeout"] = kw["ic_timeout"]
+    fields["connect_timeout"] = kw["connect_timeout"]
+    fields["max_connections"] = kw["max_connections"]
+    fields["max_connections_per_listener"] = kw["max_connections_per_listener"]
+    try:
+        fields["h2c_budget"] = parse_size(kw["h2c_budget"])
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--h2c-budget") from None
     options = DaemonOptions(**fields)
 
     def ready(daemon) -> None:

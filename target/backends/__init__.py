@@ -5,13 +5,16 @@ from __future__ import annotations
 import os
 
 from target.backends.base import Backend, BackendError
-from target.backends.file import FileBackend
+from target.backends.file import BackingError, BackingPolicy, FileBackend
 from target.backends.null import NullBackend
 from target.backends.ram import RamBackend
 
 KINDS = ("file", "ram", "null")
 
-__all__ = ["KINDS", "Backend", "BackendError", "FileBackend", "NullBackend", "RamBackend", "open_backend"]
+__all__ = [
+    "KINDS", "Backend", "BackendError", "BackingError", "BackingPolicy", "FileBackend", "NullBackend", "RamBackend",
+    "open_backend",
+]
 
 
 def open_backend(
@@ -21,12 +24,14 @@ def open_backend(
     size: int | None = None,
     read_only: bool = False,
     create: bool = False,
+    policy: BackingPolicy | None = None,
 ) -> Backend:
-    """Open a backend; BackendError says which argument was wrong or missing."""
+    """Open a backend; BackendError says which argument was wrong or missing. A file backend's
+    path is checked against ``policy`` when one is given (TargetService always gives its own)."""
     if kind == "file":
         if path is None or os.fspath(path) == "":
             raise BackendError("a file backend needs a path (a regular file or a block device)")
-        return FileBackend(path, size=size, create=create, read_only=read_only)
+        return FileBackend(path, size=size, create=create, read_only=read_only, policy=policy)
     if kind in ("ram", "null"):
         if path is not None:
             raise BackendError(f"a {kind} backend takes no path (got {os.fspath(path)!r}); give a size")

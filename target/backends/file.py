@@ -3,6 +3,10 @@
 Blocking system calls run on a small dedicated executor so the event loop keeps serving other
 queues. Write Zeroes and Deallocate use fallocate(2) (zero range, punch hole) so they cost no data
 transfer where the file system or device supports them, and fall back to writing zeros.
+
+BackingPolicy says where the daemon's files may live (backing directories, named block devices);
+opening never changes an existing file unless asked (``create`` grows, ``resize`` grows or, with
+``allow_shrink``, cuts), as the kernel target and SPDK never truncate user data.
 """
 
 from __future__ import annotations
@@ -12,10 +16,11 @@ import ctypes
 import ctypes.util
 import errno
 import fcntl
+import logging
 import os
 import stat
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -23,6 +28,7 @@ from nvmeof import defaults
 from target.backends.base import Backend, BackendError
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 BLKGETSIZE64 = 0x80081272  # _IOR(0x12, 114, size_t), include/uapi/linux/fs.h
 FALLOC_FL_KEEP_SIZE = 0x01  # include/uapi/linux/falloc.h
@@ -124,6 +130,155 @@ def _punch_hole(fd: int, offset: int, length: int) -> None:
         _write_zero_chunks(fd, offset, length)
 
 
+# Kernel interfaces, not storage: a namespace there could read process memory (/proc/PID/mem),
+# kernel tunables or raw devices. Only a block device the operator names is served from them.
+KERNEL_TREES = ("/proc", "/sys", "/dev")
+_BACKING_HINT = "add --backing-dir DIR to nvmeof serve, or backing_dirs to its configuration file"
+_DEVICE_HINT = "allow it with --allow-block-device PATH (or allow_block_devices in the configuration file)"
+
+
+class BackingError(BackendError):
+    """A path the backing policy refuses; the message says why and which option allows it."""
+
+
+def _under(path: str, folder: str) -> bool:
+    return os.path.commonpath([path, folder]) == folder
+
+
+def _setting_path(value: str | os.PathLike[str], what: str) -> str:
+    """An operator's --backing-dir/--allow-block-device value, resolved (relative to the directory
+    `nvmeof serve` was started in, which is the operator's)."""
+    text = os.fspath(value)
+    if not isinstance(text, str) or not text or "\0" in text:
+        raise BackingError(f"{what} {text!r} is not a usable path")
+    return os.path.realpath(text)
+
+
+def make_backing_dir(path: str | os.PathLike[str]) -> None:
+    """Create the default backing directory (and the state directory above it) with mode 0700 if
+    missing; a failure is only logged: a target serving RAM disks needs no directory."""
+    path = os.fspath(path)
+    try:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        log.warning("cannot create the backing directory %s: %s; file namespaces cannot be added there "
+                    "until it exists (or give --backing-dir DIR)", path, exc.strerror or exc)
+
+
+class BackingPolicy:
+    """Where file namespaces may live: a regular file under one of ``backing_dirs``, or exactly one
+    of ``block_devices``. Nothing under /proc, /sys or /dev except those block devices.
+
+    Both sets are stored resolved (os.path.realpath), and so is every path checked, so a symbolic
+    link inside a backing directory cannot point the daemon outside it. SPDK and the kernel target
+    leave this to root; the daemon may serve a REST API to less trusted admins, hence the fence.
+    """
+
+    def __init__(
+        self,
+        backing_dirs: Iterable[str | os.PathLike[str]] | None = None,
+        block_devices: Iterable[str | os.PathLike[str]] = (),
+    ) -> None:
+        dirs = [self.default_dir()] if backing_dirs is None else list(backing_dirs)
+        self.backing_dirs = tuple(dict.fromkeys(self._backing_dir(d) for d in dirs))
+        self.block_devices = tuple(
+            dict.fromkeys(_setting_path(d, "--allow-block-device") for d in block_devices)
+        )
+
+    @staticmethod
+    def default_dir() -> str:
+        return os.path.join(defaults.state_dir(), defaults.BACKING_DIR)
+
+    @staticmethod
+    def _backing_dir(value: str | os.PathLike[str]) -> str:
+        real = _setting_path(value, "backing directory")
+        tree = next((t for t in KERNEL_TREES if _under(real, t)), None)
+        if tree is not None:
+            raise BackingError(
+                f"backing directory {real} is under {tree}, where no namespace file may live; "
+                "give a directory elsewhere (a block device there needs --allow-block-device PATH)"
+            )
+        return real
+
+    def widened(
+        self,
+        backing_dirs: Iterable[str | os.PathLike[str]] = (),
+        block_devices: Iterable[str | os.PathLike[str]] = (),
+    ) -> BackingPolicy:
+        """A policy allowing these too (the configuration file's own keys, added to the flags)."""
+        return BackingPolicy([*self.backing_dirs, *backing_dirs], [*self.block_devices, *block_devices])
+
+    def describe(self) -> str:
+        return ", ".join(self.backing_dirs) or "none"
+
+    def widens(self, backing_dirs: Iterable[str] = (), block_devices: Iterable[str] = ()) -> list[str]:
+        """The entries that would allow more than this policy does (a folder inside a backing
+        directory does not)."""
+        dirs = [d for d in backing_dirs if not any(_under(os.path.realpath(d), b) for b in self.backing_dirs)]
+        return dirs + [d for d in block_devices if os.path.realpath(d) not in self.block_devices]
+
+    def allows(self, real: str) -> bool:
+        """Whether a resolved path may back a namespace."""
+        if real in self.block_devices:
+            return True
+        if any(_under(real, t) for t in KERNEL_TREES):
+            return False
+        return any(_under(real, d) for d in self.backing_dirs)
+
+    def check(self, path: Any, what: str = "path") -> str:
+        """The resolved form of ``path`` if it may back a namespace; BackingError saying why not."""
+        if isinstance(path, os.PathLike):
+            path = os.fspath(path)
+        if not isinstance(path, str) or not path:
+            raise BackingError(f"{what} must be a non-empty string (an absolute file path), got {path!r}")
+        if "\0" in path:
+            raise BackingError(f"{what} {path!r} contains a NUL byte, which no file path can hold")
+        if not os.path.isabs(path):
+            raise BackingError(
+                f"{what} {path!r} is relative; give an absolute path (the daemon's working directory "
+                "is not yours, so a relative path would name another file)"
+            )
+        real = os.path.realpath(path)
+        shown = path if real == path else f"{path} (which resolves to {real})"
+        if real in self.block_devices:
+            return real
+        tree = next((t for t in KERNEL_TREES if _under(real, t)), None)
+        if tree is not None:
+            raise BackingError(
+                f"{what} {shown} is under {tree}, a kernel interface, not storage; only a block device "
+                f"named by the operator is served from there: {_DEVICE_HINT}"
+            )
+        if not any(_under(real, d) for d in self.backing_dirs):
+            raise BackingError(
+                f"{what} {shown} is outside the backing directories ({self.describe()}); {_BACKING_HINT} "
+                "to allow another directory"
+            )
+        return real
+
+    def check_opened(self, fd: int, real: str, expected: os.stat_result | None) -> os.stat_result:
+        """Check the object actually opened: of an allowed type, the one that was checked (not
+        swapped in between, compared by device and inode), and still inside the policy wherever
+        the kernel says the descriptor points now (/proc/self/fd)."""
+        st = os.fstat(fd)
+        if stat.S_ISBLK(st.st_mode):
+            if real not in self.block_devices:
+                raise BackingError(f"{real} is a block device, which is served only when named: {_DEVICE_HINT}")
+        elif not stat.S_ISREG(st.st_mode):
+            raise BackingError(f"{real} is not a regular file; give a regular file (or a block device)")
+        if expected is not None and (st.st_dev, st.st_ino) != (expected.st_dev, expected.st_ino):
+            raise BackingError(f"{real} was replaced while it was being opened; try again")
+        try:
+            where = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            where = real  # no /proc: the O_NOFOLLOW open and the inode comparison above stand
+        if where != real and not self.allows(where):
+            raise BackingError(f"{real} turned out to be {where}, outside the backing directories; refused")
+        return st
+
+
 class FileBackend(Backend):
     kind = "file"
 
@@ -133,49 +288,87 @@ class FileBackend(Backend):
         size: int | None = None,
         create: bool = False,
         read_only: bool = False,
+        policy: BackingPolicy | None = None,
     ) -> None:
-        self.path = os.fspath(path)
+        """Open ``path``. An existing file is never changed by opening it: a smaller ``size``
+        exports its first ``size`` bytes, a larger one is refused unless ``create`` asks for the
+        file to be made that long (a missing file is created, a shorter one grown sparsely).
+
+        With a ``policy`` (the daemon always gives one) the path is resolved and checked against it,
+        the final component is opened with O_NOFOLLOW and the opened object is checked again, so
+        a file swapped for a symbolic link between the check and the open is refused.
+        """
+        self.path = policy.check(path) if policy is not None else os.fspath(path)
         self._read_only = read_only
         self._rwf_dsync = hasattr(os, "RWF_DSYNC")
         self._inflight = 0
         self._closing = False
         self._fd = -1
+        self.created = False
+        self.grown_from: int | None = None  # the length before ``create`` grew an existing file
         if size is not None:
             self._positive_size(size)
         if create and read_only:
             raise BackendError(
                 f"file backend {self.path}: cannot create a file read-only; drop one of the two"
             )
-        st = self._stat(create, size)
+        st = self._stat(create, size, policy)
         self.created = st is None
         self.block_device = st is not None and stat.S_ISBLK(st.st_mode)
         flags = (os.O_RDONLY if read_only else os.O_RDWR) | os.O_CLOEXEC
         if self.created:
             flags |= os.O_CREAT | os.O_EXCL
+        if policy is not None:
+            # O_NONBLOCK: a FIFO swapped in after the check must not hang the open; cleared below.
+            flags |= os.O_NOFOLLOW | os.O_NONBLOCK
+        self._fd = self._open(flags)
         try:
-            self._fd = os.open(self.path, flags, 0o600)
-        except PermissionError:
-            mode = "reading" if read_only else "reading and writing"
-            hint = "" if read_only else ", or add it read-only"
-            raise BackendError(
-                f"cannot open {self.path} for {mode}: permission denied; fix its permissions or owner{hint}"
-            ) from None
-        except OSError as exc:
-            raise BackendError(f"cannot open {self.path}: {exc.strerror}") from None
-        try:
-            self._size = self._initial_size(size)
+            if policy is not None:
+                policy.check_opened(self._fd, self.path, st)
+                os.set_blocking(self._fd, True)
+            self._size = self._initial_size(size, create)
         except BaseException:
             self._discard_failed_open()
             raise
 
-    def _stat(self, create: bool, size: int | None) -> os.stat_result | None:
+    @classmethod
+    def from_fd(cls, fd: int, path: str, size: int, read_only: bool = False) -> FileBackend:
+        """Serve a descriptor the main process opened and checked (a worker process gets it over
+        its channel): opening the path again could reach another file swapped in meanwhile."""
+        self = cls.__new__(cls)
+        self.path, self._read_only, self._rwf_dsync = path, read_only, hasattr(os, "RWF_DSYNC")
+        self._inflight, self._closing, self._fd = 0, False, fd
+        self.created, self.grown_from = False, None
+        self.block_device = stat.S_ISBLK(os.fstat(fd).st_mode)
+        self._size = self._positive_size(size)
+        return self
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def _open(self, flags: int) -> int:
         try:
-            st = os.stat(self.path)
+            return os.open(self.path, flags, 0o600)
+        except PermissionError:
+            mode = "reading" if self._read_only else "reading and writing"
+            hint = "" if self._read_only else ", or add it read-only"
+            raise BackendError(
+                f"cannot open {self.path} for {mode}: permission denied; fix its permissions or owner{hint}"
+            ) from None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise BackingError(f"{self.path} became a symbolic link while it was being opened; refused") from None
+            raise BackendError(f"cannot open {self.path}: {exc.strerror}") from None
+
+    def _stat(self, create: bool, size: int | None, policy: BackingPolicy | None) -> os.stat_result | None:
+        try:
+            # The policy resolved the path: a link found now was swapped in since, never followed.
+            st = os.lstat(self.path) if policy is not None else os.stat(self.path)
         except FileNotFoundError:
             if not create:
                 raise BackendError(
                     f"{self.path} does not exist; create it first, or ask for it to be created "
-                    "(create=True) with a size"
+                    "(create, --create) with a size"
                 ) from None
             if size is None:
                 raise BackendError(
@@ -189,15 +382,22 @@ class FileBackend(Backend):
             raise BackendError(
                 f"cannot look up {self.path}: permission denied on a folder in its path"
             ) from None
-        except OSError as exc:
-            raise BackendError(f"cannot look up {self.path}: {exc.strerror}") from None
+        except (OSError, ValueError) as exc:
+            raise BackendError(f"cannot look up {self.path}: {getattr(exc, 'strerror', None) or exc}") from None
+        if stat.S_ISLNK(st.st_mode):
+            raise BackingError(f"{self.path} became a symbolic link while it was being checked; refused")
         if stat.S_ISDIR(st.st_mode):
             raise BackendError(f"{self.path} is a directory; give a regular file or a block device")
         if not (stat.S_ISREG(st.st_mode) or stat.S_ISBLK(st.st_mode)):
-            raise BackendError(f"{self.path} is neither a regular file nor a block device; give one of those")
+            raise BackendError(
+                f"{self.path} is neither a regular file nor a block device (a FIFO, socket or character "
+                "device cannot hold a namespace); give one of those"
+            )
+        if policy is not None and stat.S_ISBLK(st.st_mode) and self.path not in policy.block_devices:
+            raise BackingError(f"{self.path} is a block device, which is served only when named: {_DEVICE_HINT}")
         return st
 
-    def _initial_size(self, size: int | None) -> int:
+    def _initial_size(self, size: int | None, create: bool) -> int:
         if self.block_device:
             capacity = _blockdev_size(self._fd)
             if size is None:
@@ -212,25 +412,59 @@ class FileBackend(Backend):
             if size is None:
                 size = current
             elif size > current:
-                if self._read_only:
+                if not create:
+                    # nvmet and SPDK never change a file behind the user's back; neither do we.
                     raise BackendError(
-                        f"{self.path} is {current} bytes, less than the {size} asked for, and it is "
-                        "read-only so it cannot grow; give a size up to its length or leave the size out"
+                        f"{self.path} is {current} bytes, less than the size {size} asked for; adding a file "
+                        f"never grows it unless asked: give a size up to {current} (or none) to export it as "
+                        f"it is, or ask for create (--create, \"create\": true) to grow it sparsely to {size}"
                     )
-                # Grows sparsely: only the length changes, no blocks are written.
-                os.ftruncate(self._fd, size)
+                self._set_length(size)
+                if not self.created:
+                    self.grown_from = current
         if size <= 0:
-            raise BackendError(f"{self.path} is empty (0 bytes); give a size to grow it to")
+            raise BackendError(f"{self.path} is empty (0 bytes); give a size and create to grow it")
         return size
 
+    def _set_length(self, length: int) -> None:
+        """ftruncate(2) with the reasons a file system refuses a length spelled out."""
+        try:
+            os.ftruncate(self._fd, length)
+        except OverflowError:
+            raise BackendError(f"{self.path}: size {length} is beyond the largest file offset") from None
+        except OSError as exc:
+            reason = {
+                errno.EFBIG: "the file system (or RLIMIT_FSIZE) does not allow a file that large (EFBIG)",
+                errno.ENOSPC: "no space is left on its file system (ENOSPC)",
+                errno.EDQUOT: "the disk quota is exceeded (EDQUOT)",
+                errno.EINVAL: "the file system refuses that length (EINVAL)",
+            }.get(exc.errno or 0, exc.strerror or str(exc))
+            raise BackendError(f"cannot make {self.path} {length} bytes long: {reason}; give a smaller size") from None
+
     def _discard_failed_open(self) -> None:
+        self._undo_open_changes()
         os.close(self._fd)
         self._fd = -1
-        if self.created:
-            try:
-                os.unlink(self.path)
-            except OSError:
-                pass
+
+    def _undo_open_changes(self) -> None:
+        """Take back what opening did to the file: remove it if it was created (only if the name
+        still leads to the very file we created), or cut it back to its old length if grown."""
+        try:
+            if self.created:
+                opened, named = os.fstat(self._fd), os.lstat(self.path)
+                if (opened.st_dev, opened.st_ino) == (named.st_dev, named.st_ino):
+                    os.unlink(self.path)
+            elif self.grown_from is not None:
+                os.ftruncate(self._fd, self.grown_from)
+        except OSError:
+            pass
+
+    def close_unused(self) -> None:
+        """Close a backend that was opened but never used, undoing what the open did to the file
+        (TargetService calls it when the namespace it was opened for could not be added)."""
+        if self._fd >= 0 and self._inflight == 0:
+            self._undo_open_changes()
+        self.close()
 
     def _name(self) -> str:
         return f"file backend {self.path}"
@@ -296,8 +530,21 @@ class FileBackend(Backend):
         if length:
             await self._run("deallocate", _punch_hole, offset, length)
 
-    async def resize(self, new_size: int) -> None:
+    async def resize(self, new_size: int, *, allow_shrink: bool = False) -> int | None:
+        """Present ``new_size`` bytes. Growing past the end of the file extends it sparsely (the
+        resize is the explicit request); shrinking needs ``allow_shrink`` and cuts the file too when
+        the namespace ended where the file ends. A namespace on the first bytes of a longer file,
+        a block device and a read-only file are never changed: only what is presented.
+
+        Returns the file's length before, if it was changed (for ``revert_resize``), else None.
+        """
         self._positive_size(new_size, "new size")
+        if new_size < self._size and not allow_shrink:
+            raise BackendError(
+                f"{self._name()}: shrinking from {self._size} to {new_size} bytes cuts off the namespace's tail, "
+                "whose data hosts then lose; ask for it explicitly with allow_shrink "
+                "(--allow-shrink, \"allow_shrink\": true)"
+            )
         if self.block_device:
             capacity = await self._run("size lookup", _blockdev_size)
             if new_size > capacity:
@@ -305,11 +552,32 @@ class FileBackend(Backend):
                     f"block device {self.path} holds {capacity} bytes; cannot present {new_size}. "
                     "Grow the device first"
                 )
-        else:
+            self._size = new_size
+            return None
+        length = (await self._run("size lookup", os.fstat)).st_size
+        target: int | None = None
+        if new_size > length:
             if self._read_only:
-                raise BackendError(f"{self._name()} is read-only; it cannot be resized")
-            await self._run("resize", os.ftruncate, new_size)
+                raise BackendError(
+                    f"{self._name()} is read-only and {length} bytes long; it cannot grow to {new_size}"
+                )
+            target = new_size
+        elif new_size < self._size and length == self._size and not self._read_only:
+            target = new_size
+        if target is not None:
+            await self._run("resize", self._length_setter, target)
         self._size = new_size
+        return length if target is not None else None
+
+    async def revert_resize(self, size: int, length: int | None) -> None:
+        """Undo ``resize``: present ``size`` again, and give the file back its ``length``."""
+        if length is not None:
+            await self._run("resize", self._length_setter, length)
+        self._size = size
+
+    def _length_setter(self, fd: int, length: int) -> None:
+        # runs on the executor with the fd _run hands every call
+        self._set_length(length)
 
     def close(self) -> None:
         if self._closing:

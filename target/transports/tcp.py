@@ -5,8 +5,20 @@ task (a queue's commands may complete out of order); host data arrives in-capsul
 writes, after one R2T for the whole length (the host's MAXR2T is 0), its H2CData PDUs checked against
 that R2T before a buffer is allocated. R2Ts are paced by a per-connection byte budget (``h2c_budget``):
 a write whose R2T would exceed it waits, first come first served, for earlier ones to finish, while
-commands without host data go on. Reads go out as C2HData (SUCCESS only when SQ flow control is
-off and nothing else must be said) plus a CapsuleResp. Losing the admin queue tears the controller down.
+commands without host data go on; on top of it, all connections of a process share one global budget
+(``H2CBudget``), granted round-robin between the connections that wait for it. Large H2CData payloads
+are received straight into the write's buffer (the sans-IO ``place`` hook). Reads go out as C2HData
+(SUCCESS only when SQ flow control is off and nothing else must be said) plus a CapsuleResp. Losing
+the admin queue tears the controller down.
+
+Port limits (``TcpLimits``, per Target in ``TcpPort``): a connection must send ICReq within
+``ic_timeout`` and its Fabrics Connect within ``connect_timeout`` after our ICResp, or it is closed
+(one timer per connection, cancelled at Connect); connections are capped per listener and in total,
+and the total is kept below RLIMIT_NOFILE, so idle sockets cannot take the fds the API, backing
+files and established hosts need. At a cap, the oldest connection that has not completed Connect
+yet makes room for the new one (an attacker's half-open connections cannot lock a host out); with
+none, the new connection is closed at once. Receive buffers start at TCP_RECV_BUFFER_MIN, grow while
+reads fill them and drop back when a read leaves the small buffer enough room.
 """
 
 from __future__ import annotations
@@ -14,9 +26,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import resource
 import socket
+import time
+import weakref
 from collections import deque
 from collections.abc import Coroutine, Generator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from nvmeof import defaults
@@ -39,7 +56,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-RECV_BUFFER_SIZE = 256 * 1024
+RECV_BUFFER_MIN = defaults.TCP_RECV_BUFFER_MIN
+RECV_BUFFER_MAX = defaults.TCP_RECV_BUFFER_MAX
 # Commands in flight per connection before we stop reading: a queue holds at most MQES+1 commands
 # (plus the AERs parked on an admin queue), so a host exceeding this is not waiting for completions.
 MAX_INFLIGHT = defaults.MAX_QUEUE_SIZE + 8
@@ -100,11 +118,252 @@ async def _finish(coro: Coroutine[Any, Any, None], first: Any) -> None:
     await _Continue(coro, first)
 
 
+def _queue_gone() -> None:
+    """TargetQueue.close of a connection that is gone: nothing left to close."""
+
+
 def _format_peer(addr: Any) -> str:
     if isinstance(addr, tuple) and len(addr) >= 2:
         host, port = addr[0], addr[1]
         return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
     return str(addr) if addr else ""
+
+
+# --- port limits --------------------------------------------------------------------------------
+
+
+@dataclass
+class TcpLimits:
+    """What `nvmeof serve` lets NVMe/TCP connections hold (the --ic-timeout ... --h2c-budget options)."""
+
+    ic_timeout: float = defaults.TCP_ICREQ_TIMEOUT          # seconds from accept to ICReq
+    connect_timeout: float = defaults.TCP_CONNECT_TIMEOUT   # seconds from ICResp to the queue's Connect
+    max_connections: int = defaults.TCP_MAX_CONNECTIONS     # across all listeners (and worker processes)
+    max_connections_per_listener: int = defaults.TCP_MAX_CONNECTIONS_PER_LISTENER
+    h2c_global_budget: int = defaults.TCP_H2C_GLOBAL_BUDGET  # R2T'd bytes of all connections of this process
+
+    def check(self) -> None:
+        """Raise ValueError naming the option whose value cannot work."""
+        for name, value in (("--ic-timeout", self.ic_timeout), ("--connect-timeout", self.connect_timeout)):
+            if not value > 0:
+                raise ValueError(f"{name} {value}: give a positive number of seconds")
+        for name, count in (("--max-connections", self.max_connections),
+                            ("--max-connections-per-listener", self.max_connections_per_listener)):
+            if count < 1:
+                raise ValueError(f"{name} {count}: give at least 1 connection")
+        if self.h2c_global_budget < 1:
+            # Any positive budget works: one write always goes when none holds any (a budget below
+            # one transfer serializes the writes, it never stops them).
+            raise ValueError(f"--h2c-budget {self.h2c_global_budget}: give a positive size")
+
+
+class _LogThrottle:
+    """At most one log line per ``interval`` for one kind of event; what comes in between is counted
+    and said in one summary line at the end of the interval (a flood must not flood the log too)."""
+
+    def __init__(self, level: int, interval: float = defaults.TCP_LIMIT_LOG_INTERVAL) -> None:
+        self.level = level
+        self.interval = interval
+        self.total = 0
+        self._quiet_until = 0.0
+        self._held = 0
+        self._last = ""
+        self._timer: asyncio.TimerHandle | None = None
+
+    def __call__(self, text: str) -> None:
+        self.total += 1
+        now = time.monotonic()
+        if now >= self._quiet_until and not self._held:
+            log.log(self.level, "%s", text)
+            self._quiet_until = now + self.interval
+            return
+        self._held += 1
+        self._last = text
+        if self._timer is None:
+            with contextlib.suppress(RuntimeError):
+                self._timer = asyncio.get_running_loop().call_later(max(0.0, self._quiet_until - now), self._flush)
+
+    def _flush(self) -> None:
+        self._timer = None
+        held, self._held = self._held, 0
+        if held == 1:
+            log.log(self.level, "%s", self._last)
+        elif held:
+            log.log(self.level, "%s (and %d more like it in the last %.1f s; %d in all)", self._last, held - 1,
+                    self.interval, self.total)
+        self._quiet_until = time.monotonic() + self.interval
+
+
+class H2CBudget:
+    """R2T'd write bytes all connections of one process may have outstanding (--h2c-budget).
+
+    A connection whose next write fits its own budget but not this one joins ``queue``; released bytes
+    go to the queued connections in order, one write each before a connection queues again at the
+    end, so a host with many writes waiting cannot starve one with few. One write always goes when
+    nothing is outstanding, whatever its size.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self.queue: deque[TargetConnection] = deque()
+
+    def fits(self, nbytes: int) -> bool:
+        return self.used == 0 or self.used + nbytes <= self.limit
+
+    def wait(self, conn: TargetConnection) -> None:
+        if not conn._h2c_queued:
+            conn._h2c_queued = True
+            self.queue.append(conn)
+
+    def forget(self, conn: TargetConnection) -> None:
+        if conn._h2c_queued:
+            conn._h2c_queued = False
+            with contextlib.suppress(ValueError):
+                self.queue.remove(conn)
+
+    def release(self, nbytes: int) -> None:
+        self.used -= nbytes
+        queue = self.queue
+        while queue:
+            conn = queue[0]
+            want = conn._h2c_next()
+            if want is None:   # closed, or waiting for its own writes to finish: it queues again then
+                queue.popleft()
+                conn._h2c_queued = False
+                continue
+            if not self.fits(want):
+                return
+            queue.popleft()
+            conn._h2c_queued = False
+            conn._h2c_grant()
+            if conn._h2c_next() is not None:
+                self.wait(conn)   # more to ask for: behind everyone who waits now
+
+
+def _load_malloc_trim() -> Any:
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None).malloc_trim   # glibc; elsewhere there is nothing to call
+    except (OSError, AttributeError):
+        return None
+
+
+_malloc_trim = _load_malloc_trim()
+TRIM_AFTER_CLOSES = 256   # connections closed since the last peak before freed heap pages go back to the OS
+
+
+def _fds_in_use() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1   # minus the directory listdir itself opened
+    except OSError:
+        return 0
+
+
+def fd_headroom(wanted: int, *, raise_limit: bool = False) -> tuple[int, str | None]:
+    """The connection cap RLIMIT_NOFILE allows for ``wanted``, and why it is lower if it is.
+
+    Every connection is one fd in this process (handed-off ones one in a worker, which inherits the
+    same limit); the API's connections, backing files, listeners and worker channels need fds too,
+    so TCP_FD_RESERVE of them stay free beyond those already open. With ``raise_limit`` the soft
+    limit is raised towards the hard one first, as far as ``wanted`` needs (as Go's runtime does).
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    in_use = _fds_in_use()
+    need = wanted + in_use + defaults.TCP_FD_RESERVE
+    if soft == resource.RLIM_INFINITY:
+        return wanted, None
+    if raise_limit and soft < need and (hard == resource.RLIM_INFINITY or hard > soft):
+        new = need if hard == resource.RLIM_INFINITY else min(hard, need)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        except (OSError, ValueError) as exc:
+            log.warning("cannot raise RLIMIT_NOFILE from %d to %d: %s", soft, new, exc)
+        else:
+            log.info("raised the RLIMIT_NOFILE soft limit from %d to %d for up to %d NVMe/TCP connections",
+                     soft, new, wanted)
+            soft = new
+    room = soft - in_use - defaults.TCP_FD_RESERVE
+    if room >= wanted:
+        return wanted, None
+    cap = max(room, 1)
+    return cap, (f"RLIMIT_NOFILE is {soft} (hard {hard if hard != resource.RLIM_INFINITY else 'unlimited'}), "
+                 f"{in_use} fds are open and {defaults.TCP_FD_RESERVE} stay free for the API, backing files and "
+                 "listeners; raise it with `ulimit -n` or LimitNOFILE=")
+
+
+class TcpPort:
+    """One Target's NVMe/TCP port state: limits, the connection counts behind the caps, the global
+    H2C budget, and the rate-limited log lines of refusals and timeouts."""
+
+    _ports: weakref.WeakKeyDictionary[Any, TcpPort] = weakref.WeakKeyDictionary()
+
+    def __init__(self) -> None:
+        self.limits = TcpLimits()
+        self.h2c = H2CBudget(self.limits.h2c_global_budget)
+        self.open = 0                  # connections counted against max_connections (in workers too)
+        self.max_total = self.limits.max_connections   # after fd_headroom
+        self._fd_checked = False
+        self._raise_fd_limit = False
+        # Connections that have not completed Connect, oldest first: the ones a cap may close.
+        self.unconnected: dict[TargetConnection, None] = {}
+        # One rate-limited log line per kind: ICReq and Connect timeouts, refusals, evictions.
+        self.log_icreq_timeout = _LogThrottle(logging.WARNING)
+        self.log_connect_timeout = _LogThrottle(logging.WARNING)
+        self.log_refused = _LogThrottle(logging.WARNING)
+        self.log_evicted = _LogThrottle(logging.WARNING)
+        self._peak = 0                 # most connections open since the last trim
+        self._trim: asyncio.TimerHandle | None = None
+
+    def opened(self) -> None:
+        self.open += 1
+        if self.open > self._peak:
+            self._peak = self.open
+
+    def closed(self) -> None:
+        """One connection fewer. After a crowd has gone (a flood that timed out, say), give the heap
+        pages their buffers used back to the OS: glibc keeps freed memory inside its heap otherwise,
+        and the daemon's RSS would stay at the flood's peak."""
+        self.open -= 1
+        if self._peak - self.open >= TRIM_AFTER_CLOSES and self._trim is None and _malloc_trim is not None:
+            with contextlib.suppress(RuntimeError):
+                self._trim = asyncio.get_running_loop().call_later(1.0, self._trim_heap)
+
+    def _trim_heap(self) -> None:
+        self._trim = None
+        self._peak = self.open
+        _malloc_trim(0)
+
+    @classmethod
+    def of(cls, target: Any) -> TcpPort:
+        port = cls._ports.get(target)
+        if port is None:
+            port = cls._ports[target] = cls()
+        return port
+
+    def configure(self, limits: TcpLimits, *, raise_fd_limit: bool = False) -> None:
+        """Take new limits (raises ValueError naming a bad option). The fd check runs again at the
+        next listener start, or now with ``raise_fd_limit`` (before worker processes inherit the limit)."""
+        limits.check()
+        self.limits = limits
+        self.h2c.limit = limits.h2c_global_budget
+        self.max_total = limits.max_connections
+        self._raise_fd_limit = raise_fd_limit
+        self._fd_checked = False
+        if raise_fd_limit:
+            self.check_fds()
+
+    def check_fds(self) -> None:
+        """Cap the total below RLIMIT_NOFILE (once per configuration; listeners call it at start)."""
+        if self._fd_checked:
+            return
+        self._fd_checked = True
+        wanted = self.limits.max_connections
+        self.max_total, why = fd_headroom(wanted, raise_limit=self._raise_fd_limit)
+        if why:
+            log.warning("NVMe/TCP connection cap lowered from %d (--max-connections) to %d: %s", wanted,
+                        self.max_total, why)
 
 
 class TargetConnection(asyncio.BufferedProtocol):
@@ -126,15 +385,25 @@ class TargetConnection(asyncio.BufferedProtocol):
         self.listener = listener
         self.conn = TcpConnection(Role.CONTROLLER, maxh2cdata=defaults.MAXH2CDATA,
                                   max_incapsule=max(defaults.ADMIN_INCAPSULE_SIZE, defaults.IO_INCAPSULE_SIZE))
+        # Large H2CData payloads go straight into the write's buffer (see _place).
+        self.conn.place = self._place
         self.queue = TargetQueue(transport=transport_name, listener=listener, close=self.close)
         self.transport: asyncio.Transport | None = None
-        self._recv = bytearray(RECV_BUFFER_SIZE)
-        self._recv_view = memoryview(self._recv)
+        # Small while the connection is idle; grows while reads fill it (see buffer_updated).
+        self._recv = memoryview(bytearray(RECV_BUFFER_MIN))
+        self._recv_direct = False   # the last get_buffer() handed out a direct-placement buffer
         self._tasks: set[asyncio.Task[None]] = set()
         self._h2c: dict[int, _PendingH2C] = {}
         self._next_ttag = 0
-        self._h2c_bytes = 0   # of h2c_budget, held by the writes that got (or are getting) their R2T
+        self._port = TcpPort.of(target)
+        self._h2c_bytes = 0   # of h2c_budget (and of the port's global budget), held by writes with an R2T
         self._h2c_waiters: deque[tuple[asyncio.Future[None], int]] = deque()   # writes waiting for budget
+        self._h2c_queued = False    # in the global budget's queue
+        # Set by the TcpListener that accepted us: the caps count us, the deadlines apply.
+        self._server: TcpListener | None = None
+        self._counted = False
+        self._accepted_at = 0.0
+        self._deadline: asyncio.TimerHandle | None = None   # ICReq, then Connect; None once connected
         self._closed = False
         self._on_lost = on_lost
         self._write_paused = False
@@ -157,19 +426,44 @@ class TargetConnection(asyncio.BufferedProtocol):
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._server is not None and not self._closed:
+            self._arm_deadline(self._port.limits.ic_timeout, "ICReq")
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        return self._recv_view
+        direct = self.conn.direct_buffer()
+        if direct is not None:
+            self._recv_direct = True
+            return direct
+        self._recv_direct = False
+        return self._recv
 
     def buffer_updated(self, nbytes: int) -> None:
-        self.data_received(self._recv_view[:nbytes])
+        if self._recv_direct:
+            self._recv_direct = False
+            if not self._closed:
+                self._handle(self.conn.direct_received(nbytes))
+            return
+        buf = self._recv
+        size = len(buf)
+        if nbytes == size:
+            if size < RECV_BUFFER_MAX:
+                # The read filled the buffer, so more is waiting: take it in fewer, larger reads.
+                self._recv = memoryview(bytearray(min(size * 4, RECV_BUFFER_MAX)))
+        elif size > RECV_BUFFER_MIN and nbytes < RECV_BUFFER_MIN:
+            # The socket is drained and the small buffer would have done: give the big one back, so an
+            # idle connection holds RECV_BUFFER_MIN (the events below use the old one, which goes then).
+            self._recv = memoryview(bytearray(RECV_BUFFER_MIN))
+        self.data_received(buf[:nbytes])
 
     def data_received(self, data: bytes | memoryview) -> None:  # type: ignore[override]
         if self._closed:
             return
+        self._handle(self.conn.receive_data(data))
+
+    def _handle(self, events: list[Any]) -> None:
         self._batching = True
         try:
-            for event in self.conn.receive_data(data):
+            for event in events:
                 kind = type(event)
                 if kind is CommandReceived:
                     self._on_command(event)
@@ -177,6 +471,8 @@ class TargetConnection(asyncio.BufferedProtocol):
                     self._on_h2c_data(event)
                 elif kind is ICReqReceived:
                     self.conn.send_icresp(maxh2cdata=defaults.MAXH2CDATA)
+                    if self._deadline is not None:
+                        self._arm_deadline(self._port.limits.connect_timeout, "Connect")
                 elif kind is ProtocolError:
                     log.warning("NVMe/TCP protocol error from %s (fes %#x, fei %d): %s; sending C2HTermReq and closing",
                                 self.queue.peer, event.fes, event.fei, event.reason)
@@ -191,12 +487,65 @@ class TargetConnection(asyncio.BufferedProtocol):
                     return   # a command tore the connection down; close() flushed what it queued
         finally:
             self._batching = False
+        if self._deadline is not None and self.queue.ctrl is not None:
+            self._connected()
         self._flush()
 
     def eof_received(self) -> bool:
         return False   # let the transport close; connection_lost cleans up
 
+    # --- port limits ----------------------------------------------------------------------------
+
+    def _arm_deadline(self, seconds: float, what: str) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._deadline = asyncio.get_running_loop().call_later(seconds, self._deadline_passed, what, seconds)
+
+    def _deadline_passed(self, what: str, seconds: float) -> None:
+        self._deadline = None
+        if self._closed:
+            return
+        if self.queue.ctrl is not None:
+            self._connected()   # a Connect that completed outside a receive batch
+            return
+        port = self._port
+        if what == "ICReq":
+            since, option, say = "connecting", "--ic-timeout", port.log_icreq_timeout
+        else:
+            since, option, say = "our ICResp", "--connect-timeout", port.log_connect_timeout
+        say(f"NVMe/TCP connection from {self.queue.peer or '?'} sent no {what} within "
+                               f"{seconds:g} s of {since}; closing it ({option} SECONDS sets the limit)")
+        self.close()
+
+    def _connected(self) -> None:
+        """The queue's Connect succeeded: no deadline any more, and no cap may close it to make room."""
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        self._forget_unconnected()
+
+    def _forget_unconnected(self) -> None:
+        server = self._server
+        if server is not None:
+            server.unconnected.pop(self, None)
+            self._port.unconnected.pop(self, None)
+
+    def release_slot(self) -> None:
+        """The connection's socket is gone: it no longer counts against the caps."""
+        release = self.detach_slot()
+        if release is not None:
+            release()
+
+    def detach_slot(self) -> Any:
+        """Hand the cap accounting to whoever keeps the socket (a worker process): returns the
+        callable that ends it, or None when this connection is not counted."""
+        if not self._counted or self._server is None:
+            return None
+        self._counted = False
+        return self._server.release
+
     def connection_lost(self, exc: Exception | None) -> None:
+        self.release_slot()
         if self._linger is not None:
             self._linger.cancel()
             self._linger = None
@@ -207,6 +556,15 @@ class TargetConnection(asyncio.BufferedProtocol):
         self._cleanup()
         if self._on_lost is not None:
             self._on_lost(self)
+        self._break_cycles()
+
+    def _break_cycles(self) -> None:
+        # The sans-IO ``place`` hook and the queue's ``close`` are bound methods of this protocol: left
+        # in place, a closed connection (and its buffers) would wait for the cyclic GC instead of
+        # going when its last reference does. A queue handed to a worker has another ``close``.
+        self.conn.place = None
+        if getattr(self.queue.close, "__self__", None) is self:
+            self.queue.close = _queue_gone
 
     def pause_writing(self) -> None:
         # The peer is not reading our replies: stop reading its commands until they drain.
@@ -263,6 +621,10 @@ class TargetConnection(asyncio.BufferedProtocol):
             transport.abort()
 
     def _cleanup(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        self._forget_unconnected()
         for pending in self._h2c.values():
             if not pending.future.done():
                 pending.future.cancel()
@@ -270,6 +632,7 @@ class TargetConnection(asyncio.BufferedProtocol):
         for fut, _ in self._h2c_waiters:
             fut.cancel()
         self._h2c_waiters.clear()
+        self._port.h2c.forget(self)   # what its running writes hold comes back as their tasks end
         for task in list(self._tasks):
             task.cancel()
         self.target.queue_closed(self.queue)
@@ -371,12 +734,16 @@ class TargetConnection(asyncio.BufferedProtocol):
         return self._h2c_bytes == 0 or self._h2c_bytes + nbytes <= self.h2c_budget
 
     async def _reserve_h2c(self, nbytes: int) -> None:
-        """Take ``nbytes`` of the H2C budget, after every write that asked before (FIFO: none starves)."""
-        if not self._h2c_waiters and self._h2c_fits(nbytes):
+        """Take ``nbytes`` of this connection's H2C budget, after every write of it that asked before
+        (FIFO: none starves), and of the global one, in turn with the other connections waiting for it."""
+        budget = self._port.h2c
+        if not self._h2c_waiters and self._h2c_fits(nbytes) and not budget.queue and budget.fits(nbytes):
             self._h2c_bytes += nbytes
+            budget.used += nbytes
             return
         waiter = (asyncio.get_running_loop().create_future(), nbytes)
         self._h2c_waiters.append(waiter)
+        self._h2c_pump()
         try:
             await waiter[0]
         except BaseException:
@@ -389,17 +756,35 @@ class TargetConnection(asyncio.BufferedProtocol):
 
     def _release_h2c(self, nbytes: int) -> None:
         self._h2c_bytes -= nbytes
+        self._port.h2c.release(nbytes)   # other connections waiting for the global budget first
+        self._h2c_pump()
+
+    def _h2c_next(self) -> int | None:
+        """What the first waiting write asks for, when only the global budget can hold it back."""
+        if self._closed:
+            return None
         waiters = self._h2c_waiters
-        while waiters and not self._closed:
-            fut, want = waiters[0]
-            if fut.done():   # cancelled while waiting: its coroutine will not find it
-                waiters.popleft()
-                continue
-            if not self._h2c_fits(want):
-                break
+        while waiters and waiters[0][0].done():   # cancelled while waiting: its coroutine will not find it
             waiters.popleft()
-            self._h2c_bytes += want
-            fut.set_result(None)
+        if not waiters:
+            return None
+        want = waiters[0][1]
+        return want if self._h2c_fits(want) else None
+
+    def _h2c_grant(self) -> None:
+        fut, want = self._h2c_waiters.popleft()
+        self._h2c_bytes += want
+        self._port.h2c.used += want
+        fut.set_result(None)
+
+    def _h2c_pump(self) -> None:
+        """Grant waiting writes while both budgets allow; queue at the global one when it does not."""
+        budget = self._port.h2c
+        while (want := self._h2c_next()) is not None:
+            if self._h2c_queued or budget.queue or not budget.fits(want):
+                budget.wait(self)
+                return
+            self._h2c_grant()
 
     async def _r2t_data(self, req: Request) -> memoryview:
         ttag = self._alloc_ttag()
@@ -424,6 +809,16 @@ class TargetConnection(asyncio.BufferedProtocol):
                 return ttag
         return None
 
+    def _place(self, cccid: int, ttag: int, datao: int, datal: int) -> memoryview | None:
+        """Where a large H2CData payload goes (nvmeof.tcp direct placement): its part of the write's
+        buffer, after the sans-IO connection checked the PDU against our R2T."""
+        pending = self._h2c.get(ttag)
+        if pending is None or datao != pending.received:
+            return None
+        if pending.buf is None:
+            pending.buf = bytearray(pending.req.data_len)
+        return memoryview(pending.buf)[datao:datao + datal]
+
     def _on_h2c_data(self, event: H2CDataReceived) -> None:
         # The sans-IO connection checked this PDU against the R2T we sent (ttag, cccid, offset, length)
         # before parsing on: an event is only made for data that fits the next part of a live R2T,
@@ -431,9 +826,10 @@ class TargetConnection(asyncio.BufferedProtocol):
         pending = self._h2c[event.ttag]
         req = pending.req
         end = pending.received + len(event.data)
-        if pending.buf is None:
-            pending.buf = bytearray(req.data_len)
-        pending.buf[pending.received:end] = event.data
+        if not event.placed:
+            if pending.buf is None:
+                pending.buf = bytearray(req.data_len)
+            pending.buf[pending.received:end] = event.data
         pending.received = end
         if not event.digest_ok:
             pending.digest_ok = False
@@ -445,13 +841,36 @@ class TargetConnection(asyncio.BufferedProtocol):
                     NvmeError(Status.TRANSIENT_TR_ERR, "H2CData failed its data digest", dnr=False))
 
 
+class _Refused(asyncio.Protocol):
+    """A connection past a cap: closed as soon as it is made, with one (rate-limited) log line."""
+
+    def __init__(self, server: TcpListener, why: str) -> None:
+        self.server = server
+        self.why = why
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        peer = _format_peer(transport.get_extra_info("peername"))
+        transport.abort()   # nothing to flush: the fd goes at once
+        server = self.server
+        server.port_state.log_refused(f"NVMe/TCP listener {server.listener.id}: refused a connection from "
+                                      f"{peer or '?'}: {self.why} ({server.refused} refused on it so far)")
+
+
 class TcpListener:
-    """Accepts NVMe/TCP connections on one listener address."""
+    """Accepts NVMe/TCP connections on one listener address, within the port's caps."""
+
+    connection_class: type[TargetConnection] = TargetConnection
 
     def __init__(self, target: Target, listener: Listener) -> None:
         self.target = target
         self.listener = listener
         self.connections: set[TargetConnection] = set()
+        self.port_state = TcpPort.of(target)
+        self.open = 0        # connections counted against the per-listener cap (handed-off ones too)
+        self.refused = 0
+        self.evicted = 0
+        # This listener's connections that have not completed Connect, oldest first.
+        self.unconnected: dict[TargetConnection, None] = {}
         self._server: asyncio.Server | None = None
 
     @property
@@ -461,13 +880,64 @@ class TcpListener:
             return self.listener.trsvcid
         return int(self._server.sockets[0].getsockname()[1])
 
-    def _factory(self) -> TargetConnection:
-        conn = TargetConnection(self.target, self.listener, on_lost=self.connections.discard)
+    def _factory(self) -> asyncio.BaseProtocol:
+        why = self._make_room()
+        if why is not None:
+            self.refused += 1
+            return _Refused(self, why)
+        conn = self.connection_class(self.target, self.listener, on_lost=self.connections.discard)
+        port = self.port_state
+        conn._server = self
+        conn._counted = True
+        conn._accepted_at = time.monotonic()
+        self.open += 1
+        port.opened()
+        self.unconnected[conn] = None
+        port.unconnected[conn] = None
         self.connections.add(conn)
         return conn
 
+    def release(self) -> None:
+        """One counted connection's socket is gone (here, or in the worker it was handed to)."""
+        self.open -= 1
+        self.port_state.closed()
+
+    def _make_room(self) -> str | None:
+        """None if a new connection may come in (closing the oldest unconnected one at a cap, if any);
+        else why not."""
+        port = self.port_state
+        limits = port.limits
+        cap = limits.max_connections_per_listener
+        if self.open >= cap and not self._evict(self.unconnected, f"its cap of {cap} connections"):
+            return (f"it holds {self.open} connections that all completed Connect, its cap "
+                    f"(--max-connections-per-listener {cap})")
+        cap = port.max_total
+        if port.open >= cap:
+            what = f"the cap of {cap} NVMe/TCP connections in all"
+            if not self._evict(port.unconnected, what):
+                lowered = "" if cap == limits.max_connections else \
+                    f", lowered from {limits.max_connections} by RLIMIT_NOFILE"
+                return (f"{port.open} connections that all completed Connect are open across all listeners, "
+                        f"the cap (--max-connections {limits.max_connections}{lowered})")
+        return None
+
+    def _evict(self, candidates: dict[TargetConnection, None], what: str) -> bool:
+        victim = next(iter(candidates), None)
+        if victim is None:
+            return False
+        victim._forget_unconnected()
+        victim.release_slot()   # its fd goes with the abort below: count the new connection in its place
+        self.evicted += 1
+        age = time.monotonic() - victim._accepted_at
+        self.port_state.log_evicted(
+            f"NVMe/TCP listener {self.listener.id} reached {what}: closing the oldest connection that has not "
+            f"completed Connect ({victim.queue.peer or '?'}, {age:.1f} s old) to admit a new one")
+        victim.abort()
+        return True
+
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
+        self.port_state.check_fds()
         try:
             self._server = await loop.create_server(self._factory, self.listener.traddr, self.listener.trsvcid,
                                                     reuse_address=True)

@@ -109,6 +109,8 @@ def _wait_listening(port: int, deadline: float) -> None:
 
 def _start(log_path: Path, *, subnqn: str, size: str, block_size: int, extra_args: Sequence[str] = ()) -> OurTarget:
     io_port, disc_port, api_port = vm.free_ports(3)
+    # The daemon's own state directory (its API token file), next to its log.
+    state_dir = log_path.parent / "nvmeof-state"
     cmd = [
         sys.executable, "-m", "nvmeof.cli", "--log-level", "info", "serve",
         "--nqn", subnqn,
@@ -117,6 +119,7 @@ def _start(log_path: Path, *, subnqn: str, size: str, block_size: int, extra_arg
         "--listen", f"127.0.0.1:{io_port}",
         "--discovery", f"127.0.0.1:{disc_port}",
         "--api", f"127.0.0.1:{api_port}",
+        "--state-dir", str(state_dir),
         *extra_args,
     ]  # fmt: skip
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -129,6 +132,7 @@ def _start(log_path: Path, *, subnqn: str, size: str, block_size: int, extra_arg
         log.close()
     client = httpx.Client(timeout=10)
     api_url = f"http://127.0.0.1:{api_port}/api/v1"
+    health_url = f"http://127.0.0.1:{api_port}/health"  # the only route open without the token
     deadline = time.monotonic() + START_TIMEOUT
     try:
         while True:
@@ -136,7 +140,7 @@ def _start(log_path: Path, *, subnqn: str, size: str, block_size: int, extra_arg
                 raise AssertionError(f"nvmeof serve exited with status {proc.returncode} at start:\n"
                                      f"{log_path.read_text(errors='replace')[-3000:]}")
             try:
-                if client.get(api_url + "/health").is_success:
+                if client.get(health_url).is_success:
                     break
             except httpx.TransportError:
                 pass
@@ -146,6 +150,9 @@ def _start(log_path: Path, *, subnqn: str, size: str, block_size: int, extra_arg
             time.sleep(0.1)
         _wait_listening(io_port, deadline)
         _wait_listening(disc_port, deadline)
+        # Every other route needs the token `nvmeof serve` generated and wrote (0600) to its state directory.
+        token = (state_dir / "api-token").read_text().strip()
+        client.headers["Authorization"] = f"Bearer {token}"
         sub = client.get(f"{api_url}/subsystems/{subnqn}").json()
         ns1 = next(ns for ns in sub["namespaces"] if ns["nsid"] == 1)
     except BaseException:

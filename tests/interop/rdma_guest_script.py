@@ -9,7 +9,10 @@ accepts with crqsize. Then, driven by nvmeof.rdma's sans-IO queues:
 SEND_WITH_INV is not exercised: rxe cannot invalidate an ibv_reg_mr rkey, and binding a type-2
 memory window through pyverbs 44 gave IBV_WC_REM_ACCESS_ERR (see docs/RDMA-NOTES.md).
 Completions are waited for on each completion channel's file descriptor (select), as an event loop
-would. Prints one "STEP <name> OK ..." line per proven step; exits non-zero on the first failure.
+would. Each process records one "STEP <name> OK ..." line per proven step in a file of its own
+(guest_steps.StepLog: $NVMEOF_STEP_DIR/host.steps and controller.steps, on a 9p share the test reads
+after the guest exits), never on the shared console, where two writers could tear each other's lines.
+Exits non-zero on the first failure.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import traceback
 
 import pyverbs.cm_enums as ce
 import pyverbs.enums as e
+from guest_steps import STEP_DIR_ENV, StepLog  # shipped beside this script
 from pyverbs.cmid import CMID, AddrInfo, CMEvent, CMEventChannel, ConnParam
 from pyverbs.cq import CQ, CompChannel
 from pyverbs.device import get_device_list
@@ -42,10 +46,16 @@ TIMEOUT = 20.0
 RESULTS: dict[str, str] = {}
 READY_FD: list[int] = []
 PATTERN = os.urandom(SIZE)  # made before fork: both sides know what the host buffer holds
+STEP_LOG: list[StepLog] = []  # this process's log, opened after fork
 
 
 def step(name: str, detail: str = "") -> None:
-    print(f"STEP {name} OK {detail}".rstrip(), flush=True)
+    STEP_LOG[0].step(name, detail)
+
+
+def say(text: str) -> None:
+    """A console line for people, in one write() call so the other process cannot split it."""
+    os.write(1, f"[{os.getpid()}] {text}\n".encode(errors="replace"))
 
 
 FD_LOCK = threading.Lock()
@@ -278,7 +288,7 @@ def guarded(fn) -> int:
     try:
         fn()
     except Exception:
-        print(f"ERROR {fn.__name__}: {traceback.format_exc()}", flush=True)
+        say(f"ERROR {fn.__name__}: {traceback.format_exc()}")
         return 1
     return 0
 
@@ -286,16 +296,23 @@ def guarded(fn) -> int:
 def main() -> int:
     # two processes, not threads: pyverbs holds the GIL inside blocking verbs calls
     faulthandler.dump_traceback_later(TIMEOUT * 3, exit=True)
-    print(f"devices {[d.name for d in get_device_list()]}", flush=True)
+    say(f"devices {[d.name for d in get_device_list()]}")
+    # both files opened before fork: each process then writes only its own
+    step_dir = os.environ.get(STEP_DIR_ENV)
+    host_log, controller_log = StepLog(step_dir, "host"), StepLog(step_dir, "controller")
     ready_r, ready_w = os.pipe()
     pid = os.fork()
     if pid == 0:
         os.close(ready_r)
         READY_FD.append(ready_w)
+        host_log.close()
+        STEP_LOG.append(controller_log)
         os._exit(guarded(controller))
     os.close(ready_w)
+    controller_log.close()
+    STEP_LOG.append(host_log)
     if not select.select([ready_r], [], [], TIMEOUT)[0] or os.read(ready_r, 1) != b"R":
-        print("ERROR controller never listened", flush=True)
+        say("ERROR controller never listened")
         os.kill(pid, 9)
         return 1
     rc = guarded(host)
@@ -306,12 +323,11 @@ def main() -> int:
             break
         if time.monotonic() > deadline:
             os.kill(pid, 9)
-            print("ERROR controller did not finish", flush=True)
+            say("ERROR controller did not finish")
             return 1
         time.sleep(0.1)
     child = os.waitstatus_to_exitcode(status)
-    print(f"fds {RESULTS.get('fd-rdma_cm')} {RESULTS.get('fd-infinibandevent')} controller exit {child}",
-          flush=True)
+    say(f"fds {RESULTS.get('fd-rdma_cm')} {RESULTS.get('fd-infinibandevent')} controller exit {child}")
     return rc or child
 
 

@@ -129,12 +129,15 @@ mkdir -p /etc/nvme
 nvme gen-hostnqn > /etc/nvme/hostnqn
 cat /proc/sys/kernel/random/uuid > /etc/nvme/hostid
 dmesg -n 7
-echo "@@NVMEOF-VM-READY $TOKEN@@"
+# The script's own serial port (vm.INIT_SCRIPT says why): no kernel message can tear its lines.
+OUT=/dev/ttyS1
+[ -c $OUT ] || { echo "nvmeof-rootfs init: no $OUT, the script shares the kernel console"; OUT=/dev/console; }
+echo "@@NVMEOF-VM-READY $TOKEN@@" > $OUT
 cd /root
-sh $R/run.sh < /dev/null
+sh $R/run.sh < /dev/null > $OUT 2>&1
 rc=$?
 sync
-echo "@@NVMEOF-VM-EXIT $TOKEN $rc@@"
+echo "@@NVMEOF-VM-EXIT $TOKEN $rc@@" > $OUT
 $R/busybox poweroff -f
 """
 
@@ -437,7 +440,7 @@ def run_rootfs_guest(
     with rootfs_guest(rootfs, **kwargs) as guest:  # type: ignore[arg-type]
         guest.start(script)
         code = guest.wait_exit(timeout)
-        return vm.GuestResult(code, guest.output)
+        return vm.GuestResult(code, guest.output, guest.script_text)
 
 
 def python_run_script(setup: str = "", env: Mapping[str, str] | None = None) -> str:

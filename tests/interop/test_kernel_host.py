@@ -40,7 +40,8 @@ STEP_TIMEOUT = 180.0  # the longest stretch between two host steps (dd + fio und
 # with: the check runner, the HTTP barrier, connect and the I/O checks.  A script sets T, IOP, NQN,
 # GO (and what its own checks use) after it; guest_script_text() fills in the @NAME@ placeholders.
 GUEST_PREAMBLE = r"""
-# Kernel messages would interleave with the marker lines: keep them off the console (dmesg still
+# The markers travel on the script's own serial port (vm.INIT_SCRIPT), where no kernel message can
+# tear them; keeping kernel messages off the console just keeps the saved console short (dmesg still
 # has them, and failing checks print what they need).
 dmesg -n 1
 exec 3>&1

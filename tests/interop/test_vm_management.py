@@ -276,7 +276,7 @@ async def test_kernel_nvmetcli_dump_imports_into_ours(vm_assets: vm.Assets, tmp_
     [port] = vm.free_ports(1)
     out["listeners"] = [{"trtype": "tcp", "traddr": "127.0.0.1", "trsvcid": port, "portid": 1}]
     target = Target()
-    service = TargetService(target, config_path=tmp_path / "config.json")
+    service = TargetService(target, config_path=tmp_path / "config.json", backing_dirs=[tmp_path])
     try:
         assert await service.restore(dict(out), persist=True) == []
         assert service.get_subsystem(VOL).hosts == {HOST}

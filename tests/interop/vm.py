@@ -121,16 +121,21 @@ echo "nqn.2014-08.org.nvmexpress:uuid:$HOSTID" > /etc/nvme/hostnqn
 echo "$HOSTID" > /etc/nvme/hostid
 # Boot ran quiet for speed; from here on the console shows info messages (nvme connect/errors).
 dmesg -n 7
-echo "@@NVMEOF-VM-READY $TOKEN@@"
+# The script and the markers own the second serial port: the kernel prints on ttyS0 at any moment,
+# even between two bytes of a script's line, so sharing one port could tear any line the test parses.
+OUT=/dev/ttyS1
+[ -c $OUT ] || { echo "nvmeof-vm init: no $OUT, the script shares the kernel console"; OUT=/dev/console; }
+echo "@@NVMEOF-VM-READY $TOKEN@@" > $OUT
 cd /root
-sh @RUN_DIR@/run.sh < /dev/null
+sh @RUN_DIR@/run.sh < /dev/null > $OUT 2>&1
 rc=$?
 sync
-echo "@@NVMEOF-VM-EXIT $TOKEN $rc@@"
+echo "@@NVMEOF-VM-EXIT $TOKEN $rc@@" > $OUT
 poweroff -f
 """
 
-KERNEL_CMDLINE = "console=ttyS0 panic=-1 quiet rdinit=/init 8250.nr_uarts=1 mitigations=off"
+# ttyS0 is the kernel console; ttyS1 carries only the guest script's output (see INIT_SCRIPT).
+KERNEL_CMDLINE = "console=ttyS0 panic=-1 quiet rdinit=/init 8250.nr_uarts=2 mitigations=off"
 
 
 class VmError(Exception):
@@ -572,7 +577,7 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _spawn(cmd: list[str]) -> subprocess.Popen[bytes]:
+def _spawn(cmd: list[str], pass_fds: Sequence[int] = ()) -> subprocess.Popen[bytes]:
     global _spawner
     with _live_lock:
         if _spawner is None:
@@ -586,6 +591,7 @@ def _spawn(cmd: list[str]) -> subprocess.Popen[bytes]:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
+            pass_fds=tuple(pass_fds),
             preexec_fn=lambda: _die_with_parent(parent),
         )
 
@@ -601,14 +607,38 @@ def _spawn(cmd: list[str]) -> subprocess.Popen[bytes]:
 @dataclasses.dataclass(frozen=True)
 class GuestResult:
     exit_code: int
-    output: str  # the whole serial console (kernel messages included), "\r\n" turned into "\n"
+    # both serial ports (kernel console and the script's port) joined line by line, "\r\n" turned into "\n"
+    output: str
+    script: str | None = None  # the script's port alone (no kernel message can be in it)
 
     @property
     def script_output(self) -> str:
-        """Console text between the boot-complete marker and the exit marker."""
-        start = re.search(r"@@NVMEOF-VM-READY \S+@@\n?", self.output)
-        end = re.search(r"@@NVMEOF-VM-EXIT \S+ \d+@@", self.output)
-        return self.output[start.end() if start else 0 : end.start() if end else len(self.output)]
+        """The script's output between the boot-complete marker and the exit marker."""
+        text = self.output if self.script is None else self.script
+        start = re.search(r"@@NVMEOF-VM-READY \S+@@\n?", text)
+        end = re.search(r"@@NVMEOF-VM-EXIT \S+ \d+@@", text)
+        return text[start.end() if start else 0 : end.start() if end else len(text)]
+
+
+class LineSplitter:
+    """Cuts one serial port's byte stream into whole lines (kept with their "\n").
+
+    The guest's two ports are read by two threads; each appends only whole lines to the shared
+    transcript, so a kernel message can never land inside a line of the script or vice versa.
+    """
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._partial = ""
+
+    def feed(self, data: bytes) -> list[str]:
+        """The lines `data` completes; an empty `data` means end of stream and flushes the rest."""
+        text = self._partial + self._decoder.decode(data, final=not data).replace("\r", "")
+        if not data:
+            self._partial = ""
+            return [text] if text else []
+        head, sep, self._partial = text.rpartition("\n")
+        return (head + sep).splitlines(keepends=True)
 
 
 class Guest:
@@ -649,10 +679,13 @@ class Guest:
         self.boot_seconds: float | None = None
         self.attempts = 0
         self._proc: subprocess.Popen[bytes] | None = None
-        self._reader: threading.Thread | None = None
+        self._readers: list[threading.Thread] = []
+        self._script_fd: int | None = None  # our end of the pipe behind the guest's ttyS1
         self._cond = threading.Condition()
-        self._chunks: list[str] = []
+        self._chunks: list[str] = []  # whole lines from either port, in arrival order
         self._text = ""
+        self._script_text = ""  # whole lines from the script's port only
+        self._open_streams = 0
         self._eof = False
         self._token = ""
         self._ready_end = 0
@@ -714,6 +747,8 @@ class Guest:
         with self._cond:
             self._chunks = []
             self._text = ""
+            self._script_text = ""
+            self._open_streams = 2
             self._eof = False
             self._ready_end = 0
         fd, name = tempfile.mkstemp(prefix="nvmeof-vm-", suffix=".cpio")
@@ -725,11 +760,21 @@ class Guest:
                 with open(self.assets.fio_layer, "rb") as layer:
                     shutil.copyfileobj(layer, out, 1 << 20)
             out.write(run_layer(script, self._token, self.files))
-        self._proc = _spawn(self._command())
-        self._reader = threading.Thread(target=self._read, args=(self._proc,), daemon=True)
-        self._reader.start()
+        script_r, script_w = os.pipe()
+        self._script_fd = script_r
+        try:
+            self._proc = _spawn(self._command(script_w), pass_fds=(script_w,))
+        finally:
+            os.close(script_w)  # QEMU holds the write end: EOF on ours once QEMU is gone
+        assert self._proc.stdout is not None
+        self._readers = [
+            threading.Thread(target=self._read, args=(self._proc, self._proc.stdout.fileno(), False), daemon=True),
+            threading.Thread(target=self._read, args=(self._proc, script_r, True), daemon=True),
+        ]
+        for reader in self._readers:
+            reader.start()
 
-    def _command(self) -> list[str]:
+    def _command(self, script_fd: int) -> list[str]:
         netdev = "user,id=n0"
         for host_port, guest_port in self.hostfwd:
             netdev += f",hostfwd=tcp:127.0.0.1:{host_port}-:{guest_port}"
@@ -743,7 +788,10 @@ class Guest:
             "-nodefaults", "-no-user-config",
             "-display", "none",
             "-monitor", "none",
-            "-serial", "stdio",
+            "-serial", "stdio",  # ttyS0: the kernel console
+            # ttyS1: the guest script's output only, on a pipe of its own
+            "-chardev", f"file,id=script,path=/dev/fd/{script_fd}",
+            "-serial", "chardev:script",
             "-no-reboot",
             "-kernel", str(self.assets.vmlinux),
             "-initrd", str(self._initrd),
@@ -753,21 +801,23 @@ class Guest:
             *self.qemu_args,
         ]  # fmt: skip
 
-    def _read(self, proc: subprocess.Popen[bytes]) -> None:
-        assert proc.stdout is not None
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        fd = proc.stdout.fileno()
+    def _read(self, proc: subprocess.Popen[bytes], fd: int, script: bool) -> None:
+        """Append one port's whole lines to the transcript (and the script's to its own text too)."""
+        splitter = LineSplitter()
         while True:
             try:
                 data = os.read(fd, 65536)
             except OSError:
                 data = b""
-            text = decoder.decode(data, final=not data).replace("\r", "")
+            lines = splitter.feed(data)
             with self._cond:
                 if self._proc is proc:
-                    self._chunks.append(text)
+                    self._chunks.extend(lines)
+                    if script:
+                        self._script_text += "".join(lines)
                     if not data:
-                        self._eof = True
+                        self._open_streams -= 1
+                        self._eof = self._open_streams <= 0
                     self._cond.notify_all()
             if not data:
                 return
@@ -777,11 +827,14 @@ class Guest:
         proc = self._proc
         if proc is not None:
             _kill(proc)
-        if self._reader is not None:
-            self._reader.join(timeout=5)
-            self._reader = None
+        for reader in self._readers:
+            reader.join(timeout=5)
+        self._readers = []
         if proc is not None and proc.stdout is not None:
             proc.stdout.close()
+        if self._script_fd is not None:
+            os.close(self._script_fd)
+            self._script_fd = None
         if self._initrd is not None:
             self._initrd.unlink(missing_ok=True)
             self._initrd = None
@@ -790,8 +843,15 @@ class Guest:
 
     @property
     def output(self) -> str:
+        """Both ports joined line by line: kernel messages and the script's lines, each line whole."""
         with self._cond:
             return self._joined()
+
+    @property
+    def script_text(self) -> str:
+        """The script's port alone (the boot markers and what the script printed), no kernel message."""
+        with self._cond:
+            return self._script_text
 
     def _joined(self) -> str:
         if self._chunks:
@@ -887,7 +947,7 @@ def run_guest(
     with guest:
         guest.start(script)
         code = guest.wait_exit(timeout)
-        return GuestResult(code, guest.output)
+        return GuestResult(code, guest.output, guest.script_text)
 
 
 # --------------------------------------------------------------------------- guest script fragments
