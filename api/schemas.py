@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from nvmeof import defaults
+from target.backends import KINDS
 
 NSID_MAX = 0xFFFFFFFE  # 0 and 0xFFFFFFFF (broadcast) are not namespace IDs
 HEX_NGUID = r"^[0-9A-Fa-f]{32}$"
@@ -101,7 +102,7 @@ class SubsystemOut(BaseModel):
 class NamespaceCreate(_Request):
     model_config = _example({"backend": "ram", "size": 1 << 30, "block_size": 512})
 
-    backend: Literal["file", "ram", "null"]
+    backend: Literal[KINDS]  # type: ignore[valid-type]  # the registry in target/backends
     path: str | None = Field(None, description="Absolute path of a file under a backing directory, or of an "
                                                "allowed block device (backend 'file'); stored resolved")
     size: int | None = Field(None, ge=1, description="Bytes; required for ram/null, or with create=true")

@@ -13,28 +13,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import signal
-import socket
 import subprocess
 import sys
-import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import Row, free_port, machine, run_bench, run_json, running, serving
+
 BASELINE = Path(__file__).resolve().parent / "baseline.py"
-
-
-@dataclass(frozen=True)
-class Row:
-    name: str
-    rw: str
-    bs: int
-    iodepth: int
-
 
 MATRIX = (
     Row("4k-randread-qd1", "randread", 4096, 1),
@@ -49,77 +39,19 @@ GOAL_CPU_US = 10.0
 GOAL_QD1_LAT_RATIO = 3.0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_port(port: int, proc: subprocess.Popen[bytes], what: str, timeout: float = 30.0) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise SystemExit(f"{what} exited with status {proc.returncode} before listening on port {port}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise SystemExit(f"{what} did not listen on port {port} within {timeout:.0f} s")
-
-
-def env() -> dict[str, str]:
-    e = dict(os.environ)
-    e["PYTHONPATH"] = str(ROOT) + (os.pathsep + e["PYTHONPATH"] if e.get("PYTHONPATH") else "")
-    return e
-
-
-def machine() -> dict[str, Any]:
-    model = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        import uvloop  # noqa: F401
-        loop = "uvloop"
-    except ImportError:
-        loop = "asyncio"
-    return {"cpus": os.cpu_count(), "cpu_model": model, "python": platform.python_version(),
-            "kernel": platform.release(), "event_loop": loop}
-
-
-def run_bench(row: Row, port: int, target_pid: int, args: argparse.Namespace) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "nvmeof.cli", "bench", "-a", "127.0.0.1", "-s", str(port),
-           "--name", row.name, "--rw", row.rw, "--bs", str(row.bs), "--iodepth", str(row.iodepth),
-           "--runtime", str(args.runtime), "--time_based", "--ramp_time", str(args.ramp),
-           "--numjobs", str(args.numjobs), "--group_reporting",
-           "--output-format", "json", "--eta", "never", "--target-pid", str(target_pid)]
-    out = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=args.runtime * 4 + 120)
-    if out.returncode != 0:
-        raise SystemExit(f"nvmeof bench failed for {row.name} (status {out.returncode}):\n{out.stderr}")
-    report = json.loads(out.stdout)
-    job = report["jobs"][0]
-    d = job["read"] if "read" in row.rw else job["write"]
-    return {
-        "iops": d["iops"], "bw_bytes": d["bw_bytes"], "mean_lat_ns": d["clat_ns"]["mean"],
-        "p99_ns": d["clat_ns"].get("percentile", {}).get("99.000000"), "total_ios": d["total_ios"],
-        "runtime_ms": d["runtime"], "target_cpu_us_per_io": report["cpu_us_per_io"]["target"],
-        "initiator_cpu_us_per_io": report["cpu_us_per_io"]["initiator"],
-    }
+@contextmanager
+def baseline_server() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """The raw TCP echo server (benchmarks/baseline.py) on a free loopback port, once it listens."""
+    port = free_port()
+    with running([sys.executable, str(BASELINE), "serve", "--port", str(port)], port, "baseline server") as raw:
+        yield raw, port
 
 
 def run_baseline(row: Row, port: int, server_pid: int, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, str(BASELINE), "client", "--port", str(port), "--rw", row.rw, "--bs", str(row.bs),
            "--iodepth", str(row.iodepth), "--runtime", str(args.runtime), "--ramp", str(args.ramp),
            "--server-pid", str(server_pid)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.runtime * 4 + 60)
-    if out.returncode != 0:
-        raise SystemExit(f"baseline client failed for {row.name} (status {out.returncode}):\n{out.stderr}")
-    return json.loads(out.stdout)
+    return run_json(cmd, f"baseline client failed for {row.name}", args.runtime * 4 + 60)
 
 
 def fmt_rate(bw: float) -> str:
@@ -171,16 +103,6 @@ def goals(by_name: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def stop(proc: subprocess.Popen[Any]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runtime", type=float, default=3.0, help="measured seconds per row (default 3)")
@@ -196,30 +118,18 @@ def main(argv: list[str] | None = None) -> int:
         unknown = set(args.only) - {r.name for r in MATRIX}
         ap.error(f"unknown --only row(s) {', '.join(sorted(unknown))}")
 
-    io_port, disc_port, raw_port = free_port(), free_port(), free_port()
-    target = subprocess.Popen(
-        [sys.executable, "-m", "nvmeof.cli", "--log-level", "warning", "serve", "--api", "none",
-         "--listen", f"tcp://127.0.0.1:{io_port}", "--discovery", f"tcp://127.0.0.1:{disc_port}",
-         "--ramdisk-size", args.ramdisk_size], env=env(), stdout=subprocess.DEVNULL)
-    raw = subprocess.Popen([sys.executable, str(BASELINE), "serve", "--port", str(raw_port)],
-                           stdout=subprocess.DEVNULL)
     results: list[dict[str, Any]] = []
-    try:
-        wait_port(io_port, target, "nvmeof serve")
-        wait_port(raw_port, raw, "baseline server")
+    with serving(args.ramdisk_size, log_level="warning") as (target, io_port), baseline_server() as (raw, raw_port):
         for row in rows:
             print(f"running {row.name} ...", file=sys.stderr, flush=True)
             base = run_baseline(row, raw_port, raw.pid, args)
-            ours = run_bench(row, io_port, target.pid, args)
+            ours = run_bench(row, io_port, target.pid, runtime=args.runtime, ramp=args.ramp, numjobs=args.numjobs)
             results.append({
                 "name": row.name, "rw": row.rw, "bs": row.bs, "iodepth": row.iodepth,
                 "nvmeof": ours, "baseline": base,
                 "throughput_ratio": ours["bw_bytes"] / base["bw_bytes"] if base["bw_bytes"] else 0.0,
                 "latency_ratio": ours["mean_lat_ns"] / base["mean_lat_ns"] if base["mean_lat_ns"] else 0.0,
             })
-    finally:
-        stop(target)
-        stop(raw)
     info = machine()
     print(f"machine: {info['cpus']} CPUs, {info['cpu_model']}, Python {info['python']} ({info['event_loop']}), "
           f"kernel {info['kernel']}; runtime {args.runtime:g} s + ramp {args.ramp:g} s per row")

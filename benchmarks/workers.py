@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from run import ROOT, Row, env, free_port, machine, stop, wait_port
+from harness import Row, machine, run_bench, serving
 
 ROWS = (
     Row("4k-randread-qd32", "randread", 4096, 32),
@@ -31,34 +30,10 @@ ROWS = (
 )
 
 
-def bench(row: Row, port: int, target_pid: int, args: argparse.Namespace) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "nvmeof.cli", "bench", "-a", "127.0.0.1", "-s", str(port),
-           "--name", row.name, "--rw", row.rw, "--bs", str(row.bs), "--iodepth", str(row.iodepth),
-           "--runtime", str(args.runtime), "--time_based", "--ramp_time", str(args.ramp),
-           "--numjobs", str(args.numjobs), "--nr-io-queues", str(args.nr_io_queues), "--group_reporting",
-           "--output-format", "json", "--eta", "never", "--target-pid", str(target_pid)]
-    out = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=args.runtime * 4 + 120)
-    if out.returncode != 0:
-        raise SystemExit(f"nvmeof bench failed for {row.name} (status {out.returncode}):\n{out.stderr}")
-    report = json.loads(out.stdout)
-    job = report["jobs"][0]
-    d = job["read"] if "read" in row.rw else job["write"]
-    return {"iops": d["iops"], "bw_bytes": d["bw_bytes"], "mean_lat_ns": d["clat_ns"]["mean"],
-            "target_cpu_us_per_io": report["cpu_us_per_io"]["target"],
-            "initiator_cpu_us_per_io": report["cpu_us_per_io"]["initiator"]}
-
-
 def run_target(workers: int, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    port, disc = free_port(), free_port()
-    target = subprocess.Popen(
-        [sys.executable, "-m", "nvmeof.cli", "serve", "--api", "none", "--workers", str(workers),
-         "-l", f"127.0.0.1:{port}", "-d", f"127.0.0.1:{disc}", "--ramdisk-size", args.ramdisk_size],
-        env=env(), stdout=subprocess.DEVNULL, cwd=ROOT)
-    try:
-        wait_port(port, target, f"nvmeof serve --workers {workers}")
-        return {row.name: bench(row, port, target.pid, args) for row in ROWS}
-    finally:
-        stop(target)
+    with serving(args.ramdisk_size, workers=workers) as (target, port):
+        return {row.name: run_bench(row, port, target.pid, runtime=args.runtime, ramp=args.ramp,
+                                    numjobs=args.numjobs, nr_io_queues=args.nr_io_queues) for row in ROWS}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from target.daemon import DaemonOptions, serve
+from nvmeof.cli.daemon import DaemonOptions, serve
 
 
 def main() -> int:

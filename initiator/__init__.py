@@ -4,7 +4,8 @@
 kernel host instead.
 """
 
-from initiator.controller import AsyncEvent, HostController, connect, default_hostnqn
+from initiator.connecting import connect
+from initiator.controller import AsyncEvent, HostController, default_hostnqn
 from initiator.discovery import DiscoveryEntry, DiscoveryLogChanging, connect_all, discover, read_discovery_log
 from initiator.nvm import NamespaceGeometry
 from initiator.queue import CommandTimeout, HostQueue, TransportError

@@ -125,7 +125,7 @@ _CONNECT_DATA_FIELDS = {0: "hostid", 16: "cntlid", 256: "subsysnqn", 512: "hostn
 
 
 class HostController(NvmIo):
-    """The public async API of one connected controller; see :func:`connect`."""
+    """The public async API of one connected controller; see :func:`initiator.connect`."""
 
     def __init__(self, traddr: str, trsvcid: int | str = defaults.TCP_IO_PORT,
                  subnqn: str = defaults.DEFAULT_SUBSYSTEM_NQN, *, hostnqn: str | None = None,
@@ -137,8 +137,9 @@ class HostController(NvmIo):
                  event_queue: asyncio.Queue[AsyncEvent | None] | None = None) -> None:
         if transport not in ("tcp", "loop", "rdma"):
             raise ValueError(f"transport {transport!r} is not supported by the Python host (tcp, rdma or loop)")
-        if transport == "loop" and target is None:
-            raise ValueError("transport 'loop' needs target=<target.core.Target>")
+        if transport == "loop" and not callable(getattr(target, "connect_loop", None)):
+            raise ValueError("transport 'loop' needs target=<target.core.Target> (an object with an async "
+                             f"connect_loop(protocol_factory)), got {type(target).__name__}")
         if nr_io_queues < 0 or nr_io_queues > 0xFFFE:
             raise ValueError(f"nr_io_queues must be 0..65534, got {nr_io_queues}")
         if not 2 <= queue_size <= 65536:
@@ -195,10 +196,9 @@ class HostController(NvmIo):
         queue = HostQueue(qid, queue_size=size, name=self._queue_name(qid), hdr_digest=self.hdr_digest,
                           data_digest=self.data_digest, incapsule_size=incapsule, timeout=self.timeout)
         if self.transport == "loop":
-            from target.transports.loop import create_loop_connection
-
+            # duck-typed (target.core.Target.connect_loop): the host library does not import the target
             def factory(pf: Any) -> Any:
-                return create_loop_connection(self.target, pf)
+                return self.target.connect_loop(pf)
         else:
             loop = asyncio.get_running_loop()
 
@@ -596,50 +596,3 @@ def _parse_hostid(hostid: str | uuid.UUID | bytes) -> uuid.UUID:
     except ValueError:
         raise ValueError(f"hostid {hostid!r} is not a UUID") from None
 
-
-class _Connecting:
-    """What :func:`connect` returns: await it for the controller, or use it with ``async with``."""
-
-    def __init__(self, make: Callable[[], Any]) -> None:
-        self._make = make
-        self._ctrl: Any = None
-
-    def __await__(self) -> Any:
-        return self._make().__await__()
-
-    async def __aenter__(self) -> Any:
-        self._ctrl = await self._make()
-        return self._ctrl
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self._ctrl.disconnect()
-
-
-def connect(traddr: str, trsvcid: int | str = defaults.TCP_IO_PORT,
-            subnqn: str = defaults.DEFAULT_SUBSYSTEM_NQN, hostnqn: str | None = None,
-            hostid: str | uuid.UUID | bytes | None = None, transport: str = "tcp",
-            nr_io_queues: int = 1, queue_size: int = defaults.MAX_QUEUE_SIZE, hdr_digest: bool = False,
-            data_digest: bool = False, kato: int = defaults.DEFAULT_KATO_MS, timeout: float = 30.0, *,
-            target: Any = None, disable_sqflow: bool = False,
-            event_callback: Callable[[AsyncEvent], Any] | None = None, reconnect: bool = False,
-            max_reconnect_delay: float = 30.0, reconnect_attempts: int | None = None) -> _Connecting:
-    """Connect to an NVMe-oF controller: ``ctrl = await connect(...)`` or ``async with connect(...) as ctrl``.
-
-    With ``reconnect=True`` the result is a :class:`initiator.reconnect.ReconnectingController`.
-    """
-    kwargs: dict[str, Any] = dict(
-        hostnqn=hostnqn, hostid=hostid, transport=transport, nr_io_queues=nr_io_queues, queue_size=queue_size,
-        hdr_digest=hdr_digest, data_digest=data_digest, kato=kato, timeout=timeout, target=target,
-        disable_sqflow=disable_sqflow, event_callback=event_callback)
-    if reconnect:
-        from initiator.reconnect import ReconnectingController
-
-        async def make_reconnecting() -> Any:
-            rc = ReconnectingController(traddr, trsvcid, subnqn, max_delay=max_reconnect_delay,
-                                        attempts=reconnect_attempts, **kwargs)
-            return await rc.open()
-        return _Connecting(make_reconnecting)
-
-    async def make() -> HostController:
-        return await HostController(traddr, trsvcid, subnqn, **kwargs).open()
-    return _Connecting(make)

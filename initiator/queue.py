@@ -22,6 +22,7 @@ from nvmeof.spec.nvme import (
     SQE_FLAGS_PSDT_SGL,
     Command,
     Completion,
+    Direction,
 )
 from nvmeof.spec.tcp import MIN_MAXH2CDATA, FatalErrorStatus
 from nvmeof.status import NvmeError, Status
@@ -53,8 +54,7 @@ class CommandTimeout(TransportError, TimeoutError):
 
 
 class _Pending:
-    __slots__ = ("cid", "data_in", "data_out", "deadline", "error", "future", "opcode", "received", "sent",
-                 "timeout")
+    __slots__ = ("cid", "data_in", "data_out", "deadline", "error", "future", "opcode", "timeout")
 
     def __init__(self, cid: int, opcode: int, future: asyncio.Future[Completion],
                  data_out: memoryview | None, data_in: memoryview | None) -> None:
@@ -63,8 +63,6 @@ class _Pending:
         self.future = future
         self.data_out = data_out
         self.data_in = data_in
-        self.sent = 0          # H2C bytes already sent for R2Ts
-        self.received = 0      # C2H bytes already copied into data_in
         self.error: NvmeError | None = None  # set by a data digest mismatch; reported at completion
         self.timeout: float | None = None   # seconds, as given to submit
         self.deadline = 0.0                 # loop.time() by which the completion must arrive
@@ -279,11 +277,15 @@ class HostQueue(asyncio.BufferedProtocol):
         cmd.cid = cid
         cmd.flags |= SQE_FLAGS_PSDT_SGL
         incapsule = None
+        direction, length = Direction.NONE, 0   # what the controller moves by R2T/H2CData or C2HData
         if out_view is not None and len(out_view) <= self.incapsule_size:
             cmd.dptr = Command.make_sgl(SGL_ID_INCAPSULE, 0, len(out_view))
             incapsule = out_view
         else:
-            length = len(out_view) if out_view is not None else len(in_view) if in_view is not None else 0
+            if out_view is not None:
+                direction, length = Direction.H2C, len(out_view)
+            elif in_view is not None:
+                direction, length = Direction.C2H, len(in_view)
             cmd.dptr = Command.make_sgl(SGL_ID_TRANSPORT, 0, length)
         if timeout is DEFAULT_TIMEOUT:
             timeout = self.timeout
@@ -292,7 +294,8 @@ class HostQueue(asyncio.BufferedProtocol):
             pending.deadline = deadline = loop.time() + timeout
             if self._timer is None or deadline < self._timer_at:
                 self._arm_timer(deadline)
-        self._conn.send_command(cmd.to_bytes(), incapsule)
+        self._conn.send_command(cmd.to_bytes(), incapsule, direction=direction if length else Direction.NONE,
+                                data_len=length)
         self.commands_submitted += 1
         self._flush_soon()
         if self._write_paused:
@@ -361,71 +364,34 @@ class HostQueue(asyncio.BufferedProtocol):
         else:
             fut.set_result(cqe)
 
+    # The connection checked each CapsuleResp, C2HData and R2T against the command it names (its cid,
+    # direction, offsets and length) before the event, so the handlers below only move the data.
+
     def _on_response(self, raw: memoryview) -> None:
         cqe = Completion.from_bytes(raw)
-        pending = self._pending.get(cqe.cid)
-        if pending is None:
-            self._protocol_failure(FatalErrorStatus.INVALID_HEADER_FIELD,
-                                   f"CapsuleResp for cid {cqe.cid}, which has no command in flight")
-            return
-        self._finish(pending, cqe)
+        self._finish(self._pending[cqe.cid], cqe)
 
     def _place(self, cccid: int, ttag: int, datao: int, datal: int) -> memoryview | None:
-        """Where a large C2HData payload may go directly: the reader's buffer, if the PDU fits it."""
-        pending = self._pending.get(cccid)
-        if pending is None:
-            return None
-        buf = pending.data_in
-        if buf is None or datao != pending.received or datao + datal > len(buf):
-            return None   # the general path reports it
+        """Where a large C2HData payload goes directly: the reader's buffer, which the PDU fits."""
+        buf = self._pending[cccid].data_in
+        assert buf is not None
         return buf[datao:datao + datal]
 
     def _on_c2h_data(self, ev: C2HDataReceived) -> None:
-        pending = self._pending.get(ev.cccid)
-        if pending is None:
-            self._protocol_failure(FatalErrorStatus.INVALID_HEADER_FIELD,
-                                   f"C2HData for cid {ev.cccid}, which has no command in flight")
-            return
+        pending = self._pending[ev.cccid]
         buf = pending.data_in
-        length = len(ev.data)
-        if buf is None:
-            self._protocol_failure(FatalErrorStatus.INVALID_HEADER_FIELD,
-                                   f"C2HData for cid {ev.cccid}, a command that reads no data")
-            return
-        if ev.offset != pending.received or ev.offset + length > len(buf):
-            self._protocol_failure(
-                FatalErrorStatus.DATA_OUT_OF_RANGE,
-                f"C2HData for cid {ev.cccid} at offset {ev.offset} length {length}: expected offset "
-                f"{pending.received} within a {len(buf)}-byte buffer")
-            return
+        assert buf is not None
         if not ev.placed:
-            buf[ev.offset:ev.offset + length] = ev.data
-        pending.received += length
+            buf[ev.offset:ev.offset + len(ev.data)] = ev.data
         if not ev.digest_ok and pending.error is None:
             pending.error = NvmeError(Status.DATA_XFER_ERROR,
                                       f"{self.name} cid {ev.cccid}: data digest mismatch in C2HData at "
                                       f"offset {ev.offset}", dnr=False)
         if ev.success:
-            if not ev.last:
-                self._protocol_failure(FatalErrorStatus.INVALID_HEADER_FIELD,
-                                       f"C2HData for cid {ev.cccid} has SUCCESS without LAST")
-                return
             self._finish(pending, Completion(ev.cccid, sqid=self.qid))
 
     def _on_r2t(self, ev: R2TReceived) -> None:
-        pending = self._pending.get(ev.cccid)
-        if pending is None:
-            self._protocol_failure(FatalErrorStatus.INVALID_HEADER_FIELD,
-                                   f"R2T for cid {ev.cccid}, which has no command in flight")
-            return
-        data = pending.data_out
-        total = len(data) if data is not None else 0
-        if ev.length == 0 or ev.offset + ev.length > total or ev.offset < pending.sent:
-            self._protocol_failure(
-                FatalErrorStatus.DATA_OUT_OF_RANGE,
-                f"R2T for cid {ev.cccid} asks offset {ev.offset} length {ev.length}; the command has "
-                f"{total} bytes, {pending.sent} already sent")
-            return
+        data = self._pending[ev.cccid].data_out
         assert data is not None
         offset, end = ev.offset, ev.offset + ev.length
         chunk = self.maxh2cdata
@@ -433,7 +399,6 @@ class HostQueue(asyncio.BufferedProtocol):
             n = min(chunk, end - offset)
             self._conn.send_h2c_data(ev.cccid, ev.ttag, offset, data[offset:offset + n], offset + n == end)
             offset += n
-        pending.sent = end
 
     def _arm_timer(self, when: float) -> None:
         if self._timer is not None:

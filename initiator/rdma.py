@@ -20,9 +20,9 @@ from typing import Any
 from initiator.queue import DEFAULT_TIMEOUT, CommandTimeout, TransportError, data_views
 from nvmeof import defaults
 from nvmeof import rdma as core
+from nvmeof import verbs as rv
 from nvmeof.spec.nvme import SQE_SIZE, Command, Completion
 from nvmeof.status import NvmeError, Status
-from target.transports import rdma_verbs as rv
 
 CQE_SIZE = 16
 
@@ -57,13 +57,12 @@ class RdmaQueue:
         self.on_broken: Any = None
         self.rq = core.RdmaHostQueue(qid, queue_size, incapsule_size=self.incapsule_size)
         self.pv: Any = None
-        self.channel: Any = None
+        self.cm: rv.CmEventChannel | None = None
         self.cmid: Any = None
         self.qp: rv.VerbsQueuePair | None = None
         self.regions: list[rv.Region] = []
         self.pool: rv.BufferPool | None = None
         self.crqsize: int | None = None
-        self._fd = -1
         self._events: asyncio.Queue[tuple[int, bytes, str]] = asyncio.Queue()
         self._pending: dict[int, _Pending] = {}
         self._send_slots: dict[int, _Pending] = {}
@@ -105,10 +104,9 @@ class RdmaQueue:
         self._closed = loop.create_future()
         ce, e = pv.ce, pv.e
         try:
-            self.channel = pv.CMEventChannel()
-            self._fd = rv.cm_channel_fd(self.channel)
-            loop.add_reader(self._fd, self._on_cm_readable)
-            self.cmid = pv.CMID(creator=self.channel, port_space=ce.RDMA_PS_TCP)
+            self.cm = rv.CmEventChannel(pv, self.name)
+            self.cm.start(self._on_cm_event)
+            self.cmid = pv.CMID(creator=self.cm.channel, port_space=ce.RDMA_PS_TCP)
             ms = defaults.RDMA_CM_TIMEOUT_MS
             self.cmid.resolve_addr(pv.AddrInfo(dst=traddr, dst_service=str(trsvcid), port_space=ce.RDMA_PS_TCP), ms)
             await self._expect(ce.RDMA_CM_EVENT_ADDR_RESOLVED, timeout, f"resolving {traddr} to an RDMA device")
@@ -178,23 +176,16 @@ class RdmaQueue:
             raise core.rejection(data)
         raise TransportError(self.name, f"{what} failed: RDMA CM event {text or got}")
 
-    def _on_cm_readable(self) -> None:
-        pv = self.pv
-        while self.channel is not None:
-            try:
-                ev = pv.CMEvent(self.channel)
-            except pv.PyverbsError:
-                return
-            kind, text = ev.event_type, ev.event_str()
-            data = ev.private_data if kind in (pv.ce.RDMA_CM_EVENT_CONNECT_RESPONSE,
-                                               pv.ce.RDMA_CM_EVENT_REJECTED) else b""
-            ev.ack_cm_event()
-            if not self._connected:
-                self._events.put_nowait((kind, data, text))
-            elif kind in (pv.ce.RDMA_CM_EVENT_DISCONNECTED, pv.ce.RDMA_CM_EVENT_DEVICE_REMOVAL,
-                          pv.ce.RDMA_CM_EVENT_TIMEWAIT_EXIT):
-                self._break(TransportError(self.name, f"controller {'disconnected' if 'DISCONN' in text else text}"))
-                return
+    def _on_cm_event(self, ev: Any) -> None:
+        ce = self.pv.ce
+        kind, text = ev.event_type, ev.event_str()
+        data = ev.private_data if kind in (ce.RDMA_CM_EVENT_CONNECT_RESPONSE, ce.RDMA_CM_EVENT_REJECTED) else b""
+        ev.ack_cm_event()   # before _break destroys the CM id (rdma_destroy_id waits for unacked events)
+        if not self._connected:
+            self._events.put_nowait((kind, data, text))
+        elif kind in (ce.RDMA_CM_EVENT_DISCONNECTED, ce.RDMA_CM_EVENT_DEVICE_REMOVAL,
+                      ce.RDMA_CM_EVENT_TIMEWAIT_EXIT):
+            self._break(TransportError(self.name, f"controller {'disconnected' if 'DISCONN' in text else text}"))
 
     # ---- commands ------------------------------------------------------------------------------
 
@@ -333,10 +324,8 @@ class RdmaQueue:
         self.rq.abort_all()
         if self.pool is not None:
             self.pool.close()
-        loop = asyncio.get_running_loop()
-        if self._fd >= 0:
-            loop.remove_reader(self._fd)
-            self._fd = -1
+        if self.cm is not None:
+            self.cm.stop()
         pv = self.pv
         if self.cmid is not None and self._connected:
             try:
@@ -348,8 +337,10 @@ class RdmaQueue:
             self.qp.close()
         for region in self.regions:
             region.close()
-        rv.close_quietly(self.cmid, self.channel)
-        self.cmid = self.channel = None
+        rv.close_quietly(self.cmid)
+        if self.cm is not None:
+            self.cm.close()
+        self.cmid = self.cm = None
         if self._closed is not None and not self._closed.done():
             self._closed.set_result(None)
         if self.on_broken is not None and self._connected:

@@ -18,8 +18,8 @@ from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
 from initiator import discovery
+from initiator.connecting import connect as _async_connect
 from initiator.controller import AsyncEvent, HostController
-from initiator.controller import connect as _async_connect
 from initiator.discovery import DiscoveryEntry
 
 T = TypeVar("T")

@@ -16,6 +16,7 @@ IO_INCAPSULE_SIZE = 8192     # advertised through IOCCSZ = (64 + this) / 16
 MAXH2CDATA = 128 * 1024      # ICResp maxdata: multiple of 4, >= 4096
 MDTS = 8                     # 2**8 * 4 KiB = 1 MiB per command
 PAGE_SIZE = 4096             # CAP.MPSMIN = 0
+MAX_TRANSFER = (1 << MDTS) * PAGE_SIZE   # MDTS in bytes: the most data one command moves (CAP.MPSMIN is 4 KiB)
 KAS_UNITS_MS = 100           # Identify KAS granularity
 DEFAULT_KATO_MS = 5000       # NVME_DEFAULT_KATO = 5 s
 KATO_GRACE = 1.0             # extra seconds before a silent host's controller is torn down (CTRATT TBKAS off)

@@ -18,7 +18,6 @@ Facts: ../shared/PROTOCOL.md §3.2; Linux drivers/nvme/{host,target}/rdma.c.
 from __future__ import annotations
 
 import dataclasses
-import enum
 
 from nvmeof import defaults
 from nvmeof.spec import rdma as spec
@@ -30,6 +29,7 @@ from nvmeof.spec.nvme import (
     SQE_SIZE,
     Command,
     Completion,
+    Direction,
     SglFields,
 )
 from nvmeof.spec.rdma import RejectStatus
@@ -37,14 +37,6 @@ from nvmeof.status import NvmeError, Status
 
 KEYED_SGL_MAX_LENGTH = (1 << 24) - 1  # the keyed descriptor's length field is 24 bits
 _PSDT_MASK = 0xC0
-
-
-class DataDirection(enum.IntEnum):
-    """Same values as target.request.Direction, so either can be passed."""
-
-    NONE = 0
-    H2C = 1
-    C2H = 2
 
 
 class RdmaQueueError(Exception):
@@ -208,7 +200,7 @@ class InflightCommand:
 
     cmd: Command
     sgl: SglFields
-    direction: DataDirection
+    direction: Direction
     data_len: int
     invalidate_rkey: int | None
     incapsule: memoryview | None
@@ -237,7 +229,7 @@ class RdmaControllerQueue:
     """
 
     def __init__(self, params: QueueParams, *, incapsule_size: int = 0,
-                 max_transfer: int = (1 << defaults.MDTS) * defaults.PAGE_SIZE,
+                 max_transfer: int = defaults.MAX_TRANSFER,
                  max_rdma_size: int | None = None) -> None:
         if incapsule_size < 0 or max_transfer <= 0:
             raise ValueError(f"incapsule_size {incapsule_size} / max_transfer {max_transfer} out of range")
@@ -267,18 +259,18 @@ class RdmaControllerQueue:
         sgl = cmd.sgl()
         rkey = sgl.key if sgl.sgl_id == SGL_ID_KEYED_INVALIDATE else None
         extra = capsule[SQE_SIZE:]
-        self.inflight[cmd.cid] = InflightCommand(cmd, sgl, DataDirection.NONE, 0, rkey,
+        self.inflight[cmd.cid] = InflightCommand(cmd, sgl, Direction.NONE, 0, rkey,
                                                  extra if len(extra) else None)
         return cmd
 
-    def plan(self, cid: int, direction: int, data_len: int) -> DataPlan:
+    def plan(self, cid: int, direction: Direction, data_len: int) -> DataPlan:
         """Check the command's data descriptor against what it transfers; say how H2C data arrives.
 
         Call after the command set parsed the command (direction, data_len). Raises NvmeError with
         the status to complete the command with; the command stays in flight until complete().
         """
         ic = self._get(cid)
-        ic.direction = DataDirection(direction)
+        ic.direction = Direction(direction)
         ic.data_len = data_len
         cmd, sgl = ic.cmd, ic.sgl
         if cmd.flags & _PSDT_MASK != SQE_FLAGS_PSDT_SGL:
@@ -295,7 +287,7 @@ class RdmaControllerQueue:
 
     def _plan_keyed(self, ic: InflightCommand) -> DataPlan:
         sgl = ic.sgl
-        if ic.direction == DataDirection.NONE or ic.data_len == 0:
+        if ic.direction == Direction.NONE or ic.data_len == 0:
             return DataPlan([], None)
         if sgl.length > self.max_transfer:
             raise NvmeError(Status.SGL_INVALID_DATA,
@@ -306,7 +298,7 @@ class RdmaControllerQueue:
                             "the command transfers")
         if sgl.addr + ic.data_len > 1 << 64:
             raise NvmeError(Status.SGL_INVALID_DATA, f"keyed SGL address {sgl.addr:#x} + {ic.data_len} wraps")
-        if ic.direction == DataDirection.H2C:
+        if ic.direction == Direction.H2C:
             return DataPlan(_split(RdmaRead, sgl.addr, ic.data_len, sgl.key, self.max_rdma_size), None)
         return DataPlan([], None)
 
@@ -316,7 +308,7 @@ class RdmaControllerQueue:
         ic.invalidate_rkey = None
         if sgl.length == 0 and ic.data_len == 0:
             return DataPlan([], None)
-        if ic.direction != DataDirection.H2C:
+        if ic.direction != Direction.H2C:
             raise NvmeError(Status.INVALID_FIELD, "in-capsule data descriptor on a command that returns "
                             "data or moves none")
         end = sgl.addr + sgl.length  # addr is the offset into the in-capsule data
@@ -350,7 +342,7 @@ class RdmaControllerQueue:
             raise ValueError(f"CQE must be 16 bytes, got {len(cqe)}")
         actions: list[RdmaWrite | Send] = []
         if reply_len:
-            if ic.direction != DataDirection.C2H or ic.sgl.sgl_id not in (SGL_ID_KEYED, SGL_ID_KEYED_INVALIDATE):
+            if ic.direction != Direction.C2H or ic.sgl.sgl_id not in (SGL_ID_KEYED, SGL_ID_KEYED_INVALIDATE):
                 raise ValueError(f"cid {cid}: {reply_len} reply bytes for a command with no keyed "
                                  "controller-to-host descriptor")
             if reply_len > min(ic.data_len, ic.sgl.length):

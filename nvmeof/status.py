@@ -129,16 +129,26 @@ class NvmeError(Exception):
     """An NVMe command completed, or must complete, with a non-success status.
 
     ``status`` is ``(SCT << 8) | SC``; ``dnr`` and ``more`` are the CQE bits; ``result`` is DW0
-    (for example the IATTR/IPO of a failed Connect). ``detail`` is the human reason that gets logged.
+    (for example the IATTR/IPO of a failed Connect). ``detail`` is the human reason that gets logged;
+    ``logged`` says it has been already (where the failure was found), so the target's completion
+    path (Target.fail) does not log it twice.
     """
 
+    status: int
+    dnr: bool
+    more: bool
+    result: int
+    detail: str
+    logged: bool
+
     def __init__(self, status: int, detail: str = "", *, dnr: bool = True, more: bool = False,
-                 result: int = 0) -> None:
+                 result: int = 0, logged: bool = False) -> None:
         self.status = int(status)
         self.dnr = dnr
         self.more = more
         self.result = result
         self.detail = detail
+        self.logged = logged
         super().__init__(f"{describe(self.status)} (sct={self.sct:#x}, sc={self.sc:#04x}"
                          f"{', dnr' if dnr else ''}){': ' + detail if detail else ''}")
 
@@ -157,6 +167,11 @@ class NvmeError(Exception):
     def cqe_status(self) -> int:
         """The 15-bit status field as it sits in CQE bits 31:17 (phase bit excluded)."""
         return encode_status(self.status, dnr=self.dnr, more=self.more)
+
+    def mark_logged(self) -> NvmeError:
+        """Record that the failure has been logged; returns the error, for ``raise err.mark_logged()``."""
+        self.logged = True
+        return self
 
 
 def encode_status(status: int, *, dnr: bool = False, more: bool = False) -> int:

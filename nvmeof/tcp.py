@@ -16,6 +16,13 @@ status instead.
 The controller keeps the R2Ts it sent (``send_r2t``) until their data is in, and checks each H2CData
 header against them (ttag, cccid, offset, length) in the same pass as its framing, as nvmet does, so
 a bad H2CData is reported with its own FES/FEI even when later PDUs of the same read are bad too.
+The host likewise knows every command it sent (``send_command(..., direction=, data_len=)``) and checks
+each R2T, C2HData and CapsuleResp against it (nvme_tcp_handle_r2t, nvme_tcp_handle_c2h_data,
+nvme_tcp_process_nvme_cqe), so both roles report a bad data PDU with the FEI of the offending field.
+
+A READY connection can move to another process at a PDU boundary: ``export_state()`` gives a
+``HandoffState`` of plain values (negotiated parameters, limits, outstanding R2Ts or commands, the
+received bytes of a PDU not yet complete) and ``TcpConnection.resume(state)`` goes on from it.
 
 Memoryviews in events point into the received bytes and stay valid until the next ``receive_data``
 call; a consumer keeping data longer copies it.
@@ -27,10 +34,12 @@ import enum
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from nvmeof import defaults
 from nvmeof.crc32c import crc32c, digest_bytes
 from nvmeof.spec import tcp as spec
+from nvmeof.spec.nvme import Direction
 from nvmeof.spec.tcp import FatalErrorStatus as Fes
 from nvmeof.spec.tcp import PduType
 
@@ -39,6 +48,8 @@ __all__ = [
     "CommandReceived",
     "Event",
     "H2CDataReceived",
+    "HandoffRefused",
+    "HandoffState",
     "ICReqReceived",
     "ICRespReceived",
     "ProtocolError",
@@ -145,6 +156,54 @@ Event = (
     | C2HDataReceived | R2TReceived | TermReqReceived | ProtocolError
 )
 
+
+# ------------------------------------------------------------------------------------- hand-off
+
+
+class HandoffRefused(RuntimeError):
+    """``export_state()`` was asked at a moment the connection cannot move (the message says why)."""
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffState:
+    """What a READY connection needs to go on elsewhere (``export_state`` / ``TcpConnection.resume``).
+
+    ``unconsumed`` is the start of the next PDU, received but not yet complete (never a whole PDU:
+    ``receive_data`` parses every complete one). ``to_dict``/``from_dict`` give a JSON-able form.
+    """
+
+    role: Role
+    hdgst: bool
+    ddgst: bool
+    maxr2t: int
+    maxh2cdata: int
+    max_incapsule: int
+    max_data: int
+    pfv: int = spec.PFV_1_0
+    hpda: int = 0
+    cpda: int = 0
+    unconsumed: bytes = b""
+    r2ts: tuple[tuple[int, ...], ...] = ()       # controller: (ttag, cccid, next datao, end, r2to) per R2T
+    commands: tuple[tuple[int, ...], ...] = ()   # host: (cccid, direction, next offset, end) per command
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "role": self.role.value, "hdgst": self.hdgst, "ddgst": self.ddgst, "maxr2t": self.maxr2t,
+            "maxh2cdata": self.maxh2cdata, "max_incapsule": self.max_incapsule, "max_data": self.max_data,
+            "pfv": self.pfv, "hpda": self.hpda, "cpda": self.cpda, "unconsumed": self.unconsumed.hex(),
+            "r2ts": [list(r) for r in self.r2ts], "commands": [list(c) for c in self.commands],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> HandoffState:
+        return cls(
+            Role(d["role"]), bool(d["hdgst"]), bool(d["ddgst"]), int(d["maxr2t"]), int(d["maxh2cdata"]),
+            int(d["max_incapsule"]), int(d["max_data"]), int(d["pfv"]), int(d["hpda"]), int(d["cpda"]),
+            bytes.fromhex(d["unconsumed"]), tuple(tuple(int(v) for v in r) for r in d["r2ts"]),
+            tuple(tuple(int(v) for v in c) for c in d["commands"]),
+        )
+
+
 # ----------------------------------------------------------------------------------------- tables
 
 _ICREQ = PduType.ICREQ.value
@@ -190,6 +249,7 @@ _RSP_HDR = spec.CAPSULE_RESP_HDR
 _DATA_HDR = spec.DATA_PDU_HDR
 _unpack_common = _COMMON.unpack_from
 _unpack_data_hdr = _DATA_HDR.unpack_from
+_unpack_le16 = struct.Struct("<H").unpack_from
 _unpack_le32 = struct.Struct("<I").unpack_from
 _unpack_le64 = struct.Struct("<Q").unpack_from
 
@@ -200,6 +260,10 @@ _SUCCESS = spec.DATA_SUCCESS
 _DGST_LEN = spec.DIGEST_LENGTH
 _TERM_DATA_MAX = spec.TERM_REQ_MAX_DATA
 _DIRECT_MIN = defaults.TCP_DIRECT_PLACEMENT_MIN
+_RSP_CID = spec.OFF_RSP_CID
+_DIR_H2C = Direction.H2C
+_DIR_C2H = Direction.C2H
+_DATA_DIRS = (_DIR_H2C, _DIR_C2H)
 
 
 def _pdu_name(ptype: int) -> str:
@@ -281,6 +345,10 @@ class TcpConnection:
         # H2CData header is checked against it as soon as it is parsed (nvmet_tcp_handle_h2c_data_pdu),
         # so a bad one fails in stream order, before any later PDU of the same read is looked at.
         self._r2t: dict[int, list[int]] = {}
+        # Host: every command sent and not yet answered, cccid -> [direction, next offset, end]: what
+        # its R2Ts may still ask for (H2C) or where its next C2HData must start (C2H). Checked per PDU
+        # header like the controller's R2T table; a CapsuleResp (or a C2HData with SUCCESS) retires it.
+        self._cmds: dict[int, list[int]] = {}
         # A TermReq for a PDU found bad while parsing, held back until data_to_send() (see _fail).
         self._term: bytes | None = None
 
@@ -304,6 +372,46 @@ class TcpConnection:
     @property
     def closed(self) -> bool:
         return self.state is State.CLOSED
+
+    # --------------------------------------------------------------------------------- hand-off
+
+    def export_state(self) -> HandoffState:
+        """Snapshot this READY connection for ``resume`` in another process; raise HandoffRefused when
+        it is not at a point where it can move. The connection itself is unchanged: once the state has
+        gone elsewhere, stop feeding it (or keep using it if the hand-off is given up)."""
+        if self.state is not State.READY:
+            raise HandoffRefused(f"the connection is {self.state.value}, not ready: only an initialized "
+                                 "connection that sent no TermReq can move")
+        if self._direct is not None:
+            raise HandoffRefused("a data PDU's payload is being placed directly")
+        if self._out or self._term is not None:
+            raise HandoffRefused("PDUs queued for the peer were not taken by data_to_send() yet")
+        if self._pending is not None and self._pending[0] in (_H2C, _C2H):
+            # Its header was checked and moved the R2T (or the read) on: it cannot be checked twice.
+            raise HandoffRefused(f"a {_pdu_name(self._pending[0])} PDU is half received")
+        return HandoffState(
+            self.role, self.hdgst, self.ddgst, self.maxr2t, self.maxh2cdata, self.max_incapsule, self.max_data,
+            spec.PFV_1_0, self.hpda, self.cpda, bytes(self._buf[self._pos:]),
+            tuple((ttag, *r) for ttag, r in self._r2t.items()),
+            tuple((cid, *c) for cid, c in self._cmds.items()),
+        )
+
+    @classmethod
+    def resume(cls, state: HandoffState) -> TcpConnection:
+        """A READY connection going on from ``state`` (see export_state): no IC exchange; the bytes
+        of the PDU that was half received are buffered and complete with the next ``receive_data``."""
+        if state.pfv != spec.PFV_1_0:
+            raise ValueError(f"cannot resume a connection with pfv {state.pfv}")
+        conn = cls(state.role, maxh2cdata=state.maxh2cdata, max_incapsule=state.max_incapsule,
+                   max_data=state.max_data)
+        conn.hdgst = conn._req_hdgst = state.hdgst
+        conn.ddgst = conn._req_ddgst = state.ddgst
+        conn.maxr2t, conn.hpda, conn.cpda = state.maxr2t, state.hpda, state.cpda
+        conn._r2t = {ttag: [cccid, nxt, end, r2to] for ttag, cccid, nxt, end, r2to in state.r2ts}
+        conn._cmds.update({cid: [Direction(d), nxt, end] for cid, d, nxt, end in state.commands})
+        conn._buf = bytearray(state.unconsumed)
+        conn._set_state(State.READY)
+        return conn
 
     # ---------------------------------------------------------------------------------- receive
 
@@ -408,6 +516,7 @@ class TcpConnection:
         fast_hlen = self._fast_hlen
         fast_plen = self._fast_plen
         fast_cmd = self.role is Role.CONTROLLER
+        retire = self._cmds.pop
         while self.state is not State.CLOSED:
             avail = end - pos
             pending = self._pending
@@ -420,10 +529,14 @@ class TcpConnection:
                     if hlen == fast_plen or crc32c(mv[pos:pos + hlen]) == _unpack_le32(mv, pos + hlen)[0]:
                         if fast_cmd:
                             events.append(CommandReceived(mv[pos + 8:pos + hlen], None, True))
-                        else:
+                            pos += fast_plen
+                            continue
+                        # A response retires its command; one for no command takes the general path,
+                        # which reports it.
+                        if retire(mv[pos + 20] | mv[pos + 21] << 8, None) is not None:   # the CQE's cid
                             events.append(ResponseReceived(mv[pos + 8:pos + hlen]))
-                        pos += fast_plen
-                        continue
+                            pos += fast_plen
+                            continue
                 try:
                     pending = self._check_header(mv, pos, avail)
                 except _Fatal as err:
@@ -590,10 +703,41 @@ class TcpConnection:
         if ptype == _H2C or ptype == _C2H:
             self._check_data_header(mv, pos, ptype, flags, pdo, plen, dd)
         elif ptype == _R2T:
-            r2tl = _unpack_le32(mv, pos + spec.OFF_R2TL)[0]
-            if r2tl == 0:
-                raise _Fatal(Fes.INVALID_HEADER_FIELD, spec.OFF_R2TL, "R2T with r2tl 0")
+            self._check_r2t(mv, pos)
+        elif ptype == _RSP:
+            cid = _unpack_le16(mv, pos + _RSP_CID)[0]
+            if self._cmds.pop(cid, None) is None:
+                # nvme_tcp_process_nvme_cqe: "got bad cqe.command_id"
+                raise _Fatal(Fes.INVALID_HEADER_FIELD, _RSP_CID,
+                             f"CapsuleResp for cid {cid}, which has no command in flight")
         return ptype, flags, hlen, pdo, plen, hd, dd
+
+    def _check_r2t(self, mv: memoryview, pos: int) -> None:
+        """Host: an R2T must ask for data its command has and has not asked for yet (nvme_tcp_handle_r2t,
+        nvme_tcp_setup_h2c_data_pdu); it moves the command on once, when its header is in."""
+        _t, _f, _h, _p, _l, cccid, _ttag, r2to, r2tl = _unpack_data_hdr(mv, pos)
+        if r2tl == 0:
+            raise _Fatal(Fes.INVALID_HEADER_FIELD, spec.OFF_R2TL, "R2T with r2tl 0")
+        cmd = _command_for("R2T", cccid, self._cmds.get(cccid), _DIR_H2C, "a command with no data to send by R2T")
+        _d, asked, end = cmd
+        if r2to < asked or r2to + r2tl > end:
+            raise _Fatal(
+                Fes.DATA_OUT_OF_RANGE, spec.OFF_R2TO if r2to < asked else spec.OFF_R2TL,
+                f"R2T for cid {cccid} asks offset {r2to} length {r2tl}; the command has {end} bytes, "
+                f"{asked} already asked for",
+            )
+        cmd[1] = r2to + r2tl
+
+    @staticmethod
+    def _bad_c2h(cccid: int, datao: int, datal: int, cmd: list[int] | None) -> None:
+        """Host: why a C2HData does not continue its read where the last one ended, within its length."""
+        _d, expected, end = _command_for("C2HData", cccid, cmd, _DIR_C2H, "a command that reads no data")
+        if datao != expected or datao + datal > end:
+            raise _Fatal(
+                Fes.DATA_OUT_OF_RANGE, spec.OFF_DATAO if datao != expected else spec.OFF_DATAL,
+                f"C2HData for cid {cccid} at offset {datao} length {datal}: expected offset {expected} "
+                f"within a {end}-byte buffer",
+            )
 
     def _check_data_header(
         self, mv: memoryview, pos: int, ptype: int, flags: int, pdo: int, plen: int, dd: int
@@ -617,6 +761,15 @@ class TcpConnection:
             if flags & _SUCCESS and not flags & _LAST:
                 # The Linux host rejects this combination too (nvme_tcp_handle_c2h_data).
                 raise _Fatal(Fes.INVALID_HEADER_FIELD, spec.OFF_FLAGS, "C2H_DATA with SUCCESS but not LAST")
+            # The read it continues (nvme_tcp_handle_c2h_data), moved on once, now that its header is in.
+            cmds = self._cmds
+            cmd = cmds.get(cccid)
+            if cmd is None or cmd[0] != _DIR_C2H or cmd[1] != datao or datao + datal > cmd[2]:
+                self._bad_c2h(cccid, datao, datal, cmd)
+            if flags & _SUCCESS:
+                del cmds[cccid]   # SUCCESS stands for the CapsuleResp: the command is done
+            else:
+                cmd[1] = datao + datal   # type: ignore[index]
             return
         # H2CData: it must continue the R2T its ttag names (nvmet_tcp_handle_h2c_data_pdu), and
         # moves that R2T on here, once per PDU, before its data is waited for.
@@ -787,11 +940,24 @@ class TcpConnection:
         self._out.append(_IC.pack(_ICREQ, 0, size, 0, size, spec.PFV_1_0, hpda, dgst, maxr2t))
         self._set_state(State.IC_PENDING)
 
-    def send_command(self, sqe: bytes | memoryview, incapsule: bytes | memoryview | None = None) -> None:
+    def send_command(
+        self, sqe: bytes | memoryview, incapsule: bytes | memoryview | None = None, *,
+        direction: Direction = Direction.NONE, data_len: int = 0,
+    ) -> None:
+        """Queue a CapsuleCmd. ``direction`` and ``data_len`` say what data the controller moves for it
+        with data PDUs (C2H: C2HData filling ``data_len`` bytes; H2C: R2Ts asking for up to ``data_len``
+        bytes); in-capsule data is not counted. The R2Ts, C2HData and CapsuleResp are checked against it."""
         if not self._require(Role.HOST, "CAPSULE_CMD"):
             return
         if len(sqe) != 64:
             raise ValueError(f"an SQE is 64 bytes, got {len(sqe)}")
+        if (data_len or direction) and (data_len <= 0 or incapsule or direction not in _DATA_DIRS):
+            raise ValueError(f"direction {direction!r} with data_len {data_len}"
+                             f"{' and in-capsule data' if incapsule else ''}: data moved by data PDUs needs "
+                             "Direction.H2C or Direction.C2H, a length > 0 and no in-capsule data")
+        entry = [direction, 0, data_len]
+        if self._cmds.setdefault(cid := _unpack_le16(sqe, 2)[0], entry) is not entry:
+            raise ValueError(f"cid {cid} is still in flight on this queue")
         hd = _DGST_LEN if self.hdgst else 0
         flags = _HDGSTF if hd else 0
         hlen = spec.CAPSULE_CMD_HEADER_SIZE
@@ -931,6 +1097,16 @@ class TcpConnection:
         out.append(data)
         if dd:
             out.append(digest_bytes(data))
+
+
+def _command_for(pdu: str, cccid: int, cmd: list[int] | None, direction: Direction, wrong: str) -> list[int]:
+    """Host: the command in flight a data PDU names, if it moves data that way; else the fatal error,
+    its FEI the PDU's CCCID."""
+    if cmd is None:
+        raise _Fatal(Fes.INVALID_HEADER_FIELD, spec.OFF_CCCID, f"{pdu} for cid {cccid}, which has no command in flight")
+    if cmd[0] != direction:
+        raise _Fatal(Fes.INVALID_HEADER_FIELD, spec.OFF_CCCID, f"{pdu} for cid {cccid}, {wrong}")
+    return cmd
 
 
 def _check_maxh2cdata(value: int) -> None:

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 
 from nvmeof import defaults
 from nvmeof.spec import identify as idf
-from nvmeof.spec.fabrics import TrType
 from nvmeof.spec.identify import IDENTIFY_DATA_SIZE, IdentifyController, IdentifyNamespace
 from nvmeof.spec.logs import (
     CHANGED_NS_LIST_OVERFLOW,
@@ -27,7 +26,7 @@ from nvmeof.spec.logs import (
     build_effects_log,
     log_slice,
 )
-from nvmeof.spec.nvme import NSID_ALL, AdminOpcode, Cns, FeatureId, IoOpcode, LogPageId
+from nvmeof.spec.nvme import NSID_ALL, AdminOpcode, Cns, Direction, FeatureId, IoOpcode, LogPageId
 from nvmeof.status import NvmeError, Status
 from target.controller import (
     AEC_SMART_MASK,
@@ -37,19 +36,16 @@ from target.controller import (
     SMART_TEMPERATURE_K,
     Controller,
 )
-from target.request import Direction
 
 if TYPE_CHECKING:
     from target.model import Namespace
     from target.request import Execute, Request
+    from target.transport_ops import TransportOps
 
-MAX_TRANSFER = (1 << defaults.MDTS) * defaults.PAGE_SIZE   # MDTS in bytes (CAP.MPSMIN is 4 KiB)
 WCTEMP_K = 343   # 70 C
 CCTEMP_K = 358   # 85 C
 HOST_ID_SIZE = 16
 VWC_FLUSH_BROADCAST = 0x3 << 1
-_TRTYPES = {"tcp": TrType.TCP, "rdma": TrType.RDMA}
-
 ADMIN_OPCODES = (AdminOpcode.GET_LOG_PAGE, AdminOpcode.IDENTIFY, AdminOpcode.ABORT, AdminOpcode.SET_FEATURES,
                  AdminOpcode.GET_FEATURES, AdminOpcode.ASYNC_EVENT_REQUEST, AdminOpcode.KEEP_ALIVE)
 IO_EFFECTS = {IoOpcode.FLUSH: EFFECTS_CSUPP, IoOpcode.WRITE: EFFECTS_CSUPP | EFFECTS_LBCC,
@@ -95,7 +91,7 @@ async def _identify(req: Request) -> None:
     cns = req.cmd.cdw10 & 0xFF
     ctrl = _ctrl(req)
     if cns == Cns.CONTROLLER:
-        req.reply = identify_controller(ctrl, req.queue.transport)
+        req.reply = identify_controller(ctrl, req.queue.ops)
     elif cns == Cns.NAMESPACE:
         req.reply = _identify_namespace(req, ctrl)
     elif cns == Cns.ACTIVE_NS_LIST:
@@ -148,7 +144,8 @@ def identify_namespace(ns: Namespace) -> bytes:
     })
 
 
-def identify_controller(ctrl: Controller, transport: str = "tcp") -> bytes:
+def identify_controller(ctrl: Controller, ops: TransportOps) -> bytes:
+    """Identify Controller; SGLS and IOCCSZ come from the queue's transport (nvmet_execute_identify_ctrl)."""
     sub = ctrl.subsystem
     discovery = ctrl.is_discovery
     fields = {
@@ -175,7 +172,7 @@ def identify_controller(ctrl: Controller, transport: str = "tcp") -> bytes:
         "cctemp": 0 if discovery else CCTEMP_K,
         "kas": max(1, defaults.KAS_UNITS_MS // 100),
         "maxcmd": defaults.MAX_QUEUE_SIZE,
-        "sgls": idf.SGLS_SUPPORTED | (idf.SGLS_KEYED if transport == "rdma" else 0) | idf.SGLS_OFFSET,
+        "sgls": idf.SGLS_SUPPORTED | (idf.SGLS_KEYED if ops.keyed_sgls else 0) | idf.SGLS_OFFSET,
         "subnqn": sub.nqn,
         "icdoff": 0,
         "msdbd": 1,
@@ -190,7 +187,7 @@ def identify_controller(ctrl: Controller, transport: str = "tcp") -> bytes:
             "oncs": idf.ONCS_COMPARE | idf.ONCS_DSM | idf.ONCS_WRITE_ZEROES,
             # present, and Flush with NSID FFFFFFFFh flushes every namespace (bits 2:1 = 11b)
             "vwc": idf.VWC_PRESENT | VWC_FLUSH_BROADCAST,
-            "ioccsz": (64 + defaults.IO_INCAPSULE_SIZE) // 16,
+            "ioccsz": (64 + ops.io_incapsule) // 16,
             "iorcsz": 1,
         })
     return IdentifyController.build(fields)
@@ -205,8 +202,9 @@ def parse_get_log_page(req: Request, execute: Execute) -> None:
     lpo = cmd.cdw12 | (cmd.cdw13 << 32)
     if lpo & 3:
         raise NvmeError(Status.INVALID_FIELD, f"Get Log Page offset {lpo} is not dword aligned")
-    if length > MAX_TRANSFER:
-        raise NvmeError(Status.INVALID_FIELD, f"Get Log Page of {length} bytes exceeds MDTS ({MAX_TRANSFER} bytes)")
+    if length > defaults.MAX_TRANSFER:
+        raise NvmeError(Status.INVALID_FIELD,
+                        f"Get Log Page of {length} bytes exceeds MDTS ({defaults.MAX_TRANSFER} bytes)")
     req.expect(Direction.C2H, length, execute)
 
 
@@ -226,7 +224,7 @@ async def _get_log_page(req: Request) -> None:
     ctrl = _ctrl(req)
     lid, rae, offset = log_page_args(req)
     if lid == LogPageId.ERROR:
-        page = _error_log(ctrl, req.queue.transport)
+        page = _error_log(ctrl, req.queue.ops.nvme_trtype)
     elif lid == LogPageId.SMART:
         page = _smart_log(req, ctrl)
     elif lid == LogPageId.FW_SLOT:
@@ -244,8 +242,7 @@ async def _get_log_page(req: Request) -> None:
     reply_log(req, page, lid, offset)
 
 
-def _error_log(ctrl: Controller, transport: str) -> bytes:
-    trtype = _TRTYPES.get(transport, 0)
+def _error_log(ctrl: Controller, trtype: int) -> bytes:
     entries = [
         ErrorLogEntry.build({
             "error_count": rec.error_count,

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from nvmeof import defaults
 from nvmeof.spec.identify import OAES_DISC_CHANGE, OAES_NS_ATTR
 from nvmeof.spec.logs import CHANGED_NS_MAX
-from nvmeof.spec.nvme import AsyncEventNotice, AsyncEventType, LogPageId
+from nvmeof.spec.nvme import LBA_OPCODES, AsyncEventNotice, AsyncEventType, LogPageId
 from nvmeof.spec.registers import (
     CAP_CQR,
     CAP_CSS_NVM,
@@ -264,7 +264,7 @@ class Controller:
     def record_error(self, req: Request, status: int, dnr: bool) -> None:
         self.error_count += 1
         cmd = req.cmd
-        lba = cmd.slba if req.queue.qid and cmd.opcode in _LBA_OPCODES else 0
+        lba = cmd.slba if req.queue.qid and cmd.opcode in LBA_OPCODES else 0
         self.errors.appendleft(ErrorRecord(self.error_count, req.queue.qid, cmd.cid, status, dnr, lba,
                                            cmd.nsid if cmd.opcode != 0x7F else 0, cmd.opcode))
 
@@ -293,7 +293,7 @@ class Controller:
 
     def info(self) -> dict[str, object]:
         peer = self.queues[0].peer if 0 in self.queues else ""
-        transport = self.queues[0].transport if 0 in self.queues else ""
+        transport = self.queues[0].trtype if 0 in self.queues else ""
         return {
             "cntlid": self.cntlid,
             "subnqn": self.subsystem.nqn,
@@ -306,6 +306,3 @@ class Controller:
             "connected_since": self.created,
             "enabled": self.enabled,
         }
-
-
-_LBA_OPCODES = frozenset({0x01, 0x02, 0x05, 0x08})  # Write, Read, Compare, Write Zeroes

@@ -11,24 +11,18 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from nvmeof import defaults
 from nvmeof.spec.fabrics import FABRICS_OPCODE
-from nvmeof.spec.nvme import (
-    SGL_ID_INCAPSULE,
-    SGL_ID_KEYED,
-    SGL_ID_KEYED_INVALIDATE,
-    SGL_ID_TRANSPORT,
-    SQE_FLAGS_PSDT_SGL,
-    FabricsType,
-)
+from nvmeof.spec.nvme import SGL_ID_INCAPSULE, SQE_FLAGS_PSDT_SGL, Direction, FabricsType
 from nvmeof.status import NvmeError, Status, describe
 from target import admin, discovery, fabrics, io
 from target.controller import Controller, host_label
 from target.model import Listener, Referral, Subsystem
-from target.request import Direction, Request, TargetQueue
+from target.request import Request, TargetQueue
+from target.transports import ListenerServer, TransportEntry, TransportRegistry, transports_for
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +38,8 @@ class Target:
     """Everything the target serves, and the routing of each command to its command set."""
 
     def __init__(self, *, clock: Callable[[], float] = time.monotonic,
-                 keep_alive_interval: float = 1.0, discovery_serial: str = "discovery") -> None:
+                 keep_alive_interval: float = 1.0, discovery_serial: str = "discovery",
+                 transports: TransportRegistry | Mapping[str, TransportEntry] | None = None) -> None:
         self.subsystems: dict[str, Subsystem] = {}
         self.listeners: dict[str, Listener] = {}
         self.referrals: list[Referral] = []
@@ -56,7 +51,9 @@ class Target:
         self.keep_alive_interval = keep_alive_interval
         self.started = time.time()
         self._next_cntlid = CNTLID_MIN
-        self._servers: dict[str, Any] = {}
+        # trtype -> listener factory: the standard ones, or what the daemon (or PooledTarget) injects
+        self.transports = transports_for(transports)
+        self._servers: dict[str, ListenerServer] = {}
         self._ka_task: asyncio.Task[None] | None = None
         self._closing = False
 
@@ -178,14 +175,19 @@ class Target:
             if ctrl.is_discovery:
                 ctrl.discovery_changed()
 
+    async def settle(self) -> None:
+        """Return once every process serving I/O queues has applied the changes announced so far;
+        this Target serves them all itself (PooledTarget waits for its workers)."""
+
+    async def start_workers(self) -> None:
+        """Start the processes that serve I/O queues: none here (PooledTarget, `serve --workers`)."""
+
     # --- listeners --------------------------------------------------------------------------------
 
     async def start_listener(self, listener: Listener) -> Any:
-        from target.transports import get_transport
-
         if listener.id in self._servers:
             raise ValueError(f"listener {listener.id} is already running")
-        server = get_transport(listener.trtype)(self, listener)
+        server = self.transports.get(listener.trtype)(self, listener)
         await server.start()
         self._servers[listener.id] = server
         return server
@@ -197,6 +199,16 @@ class Target:
 
     def server(self, listener_id: str) -> Any:
         return self._servers.get(listener_id)
+
+    async def connect_loop(self, protocol_factory: Callable[[], asyncio.BaseProtocol]) -> tuple[Any, Any]:
+        """An in-memory connection to this target, the twin of ``loop.create_connection``.
+
+        The host's ``transport="loop"`` calls it on the object given as ``target=``, so the initiator
+        needs no import of the target (layers point down: tests/test_layers.py).
+        """
+        from target.transports.loop import create_loop_connection
+
+        return await create_loop_connection(self, protocol_factory)
 
     async def close(self) -> None:
         self._closing = True
@@ -250,7 +262,7 @@ class Target:
         queue = req.queue
         ctrl = queue.ctrl
         level = logging.INFO if err.status in _PROBE_STATUSES and queue.qid == 0 else logging.WARNING
-        if not getattr(err, "logged", False) and log.isEnabledFor(level):
+        if not err.logged and log.isEnabledFor(level):
             who = f"controller {ctrl.cntlid} (host {host_label(ctrl.hostnqn)})" if ctrl else \
                 f"peer {queue.peer}"
             log.log(level, "%s qid %d cid %d opcode %#04x failed with %s: %s", who, queue.qid, req.cmd.cid,
@@ -276,17 +288,14 @@ def check_sgl(req: Request) -> None:
         return
     if sgl_id == SGL_ID_INCAPSULE:
         if req.direction != Direction.H2C:
-            raise NvmeError(Status.INVALID_FIELD,
-                            "in-capsule data SGL on a command that returns data; use a transport SGL (0x5A)")
+            raise NvmeError(Status.INVALID_FIELD, "in-capsule data SGL on a command that returns data; use a "
+                            f"{req.queue.ops.sgl_choices(incapsule=False)} SGL")
         if addr != 0:
             raise NvmeError(Status.SGL_INVALID_OFFSET, f"in-capsule data offset {addr}; ICDOFF is 0")
         if length > req.queue.max_incapsule:
             raise NvmeError(Status.SGL_INVALID_OFFSET,
                             f"{length} bytes of in-capsule data; this queue accepts {req.queue.max_incapsule}")
-    elif req.queue.transport == "rdma":
-        if sgl_id not in (SGL_ID_KEYED, SGL_ID_KEYED_INVALIDATE):
-            raise NvmeError(Status.SGL_INVALID_TYPE,
-                            f"SGL identifier {sgl_id:#04x}; NVMe/RDMA takes in-capsule (0x01) or keyed (0x40/0x4F)")
-    elif sgl_id != SGL_ID_TRANSPORT:
+    elif sgl_id not in req.queue.ops.sgl_types:
+        ops = req.queue.ops
         raise NvmeError(Status.SGL_INVALID_TYPE,
-                        f"SGL identifier {sgl_id:#04x}; NVMe/TCP takes in-capsule (0x01) or transport (0x5A) SGLs")
+                        f"SGL identifier {sgl_id:#04x}; {ops.name} takes {ops.sgl_choices()} SGLs")

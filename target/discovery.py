@@ -25,11 +25,10 @@ from nvmeof.spec.fabrics import (
     TrType,
 )
 from nvmeof.spec.identify import IDENTIFY_DATA_SIZE
-from nvmeof.spec.nvme import AdminOpcode, Cns, LogPageId
+from nvmeof.spec.nvme import AdminOpcode, Cns, Direction, LogPageId
 from nvmeof.status import NvmeError, Status
 from target import admin
 from target.controller import AEN_BIT_DISC_CHANGE
-from target.request import Direction
 
 if TYPE_CHECKING:
     from target.controller import Controller
@@ -65,7 +64,7 @@ async def _identify(req: Request) -> None:
         raise NvmeError(Status.INVALID_FIELD, f"a discovery controller answers Identify CNS 01h only, not {cns:#04x}")
     ctrl = req.queue.ctrl
     assert ctrl is not None
-    req.reply = admin.identify_controller(ctrl, req.queue.transport)
+    req.reply = admin.identify_controller(ctrl, req.queue.ops)
 
 
 async def _get_log_page(req: Request) -> None:

@@ -28,10 +28,9 @@ from nvmeof.spec.fabrics import (
     Property,
 )
 from nvmeof.spec.fields import field_offset
-from nvmeof.spec.nvme import FabricsType
+from nvmeof.spec.nvme import Direction, FabricsType
 from nvmeof.status import NvmeError, Status
 from target.controller import host_label
-from target.request import Direction
 
 if TYPE_CHECKING:
     from target.controller import Controller
@@ -56,8 +55,7 @@ def _invalid_param(iattr: int, ipo: int, detail: str) -> NvmeError:
 
 def _rejected(err: NvmeError, req: Request) -> NvmeError:
     log.warning("Connect from %s refused with %s: %s", req.queue.peer or "a local peer", err.name, err.detail)
-    err.logged = True  # type: ignore[attr-defined]  # core.Target.fail need not log it again
-    return err
+    return err.mark_logged()  # core.Target.fail need not log it again
 
 
 # --- Connect -------------------------------------------------------------------------------------

@@ -11,10 +11,9 @@ import time
 from typing import TYPE_CHECKING
 
 from nvmeof import defaults
-from nvmeof.spec.nvme import DSM_AD, DSM_RANGE_SIZE, NSID_ALL, RW_FUA, WZ_DEAC, DsmRange, IoOpcode
+from nvmeof.spec.nvme import DSM_AD, DSM_RANGE_SIZE, NSID_ALL, RW_FUA, WZ_DEAC, Direction, DsmRange, IoOpcode
 from nvmeof.status import NvmeError, Status
 from target.backends.base import BackendError
-from target.request import Direction
 
 if TYPE_CHECKING:
     from target.model import Namespace
@@ -22,7 +21,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MAX_TRANSFER = (1 << defaults.MDTS) * defaults.PAGE_SIZE
 _perf_ns = time.perf_counter_ns
 _READ, _WRITE, _FLUSH = IoOpcode.READ.value, IoOpcode.WRITE.value, IoOpcode.FLUSH.value
 _COMPARE, _WZ, _DSM = IoOpcode.COMPARE.value, IoOpcode.WRITE_ZEROES.value, IoOpcode.DATASET_MANAGEMENT.value
@@ -43,9 +41,9 @@ def parse(req: Request) -> None:
     if op == _READ or op == _WRITE or op == _COMPARE:
         _check_range(ns, cmd.slba, cmd.nlb)
         length = cmd.nlb << ns.lba_shift
-        if length > MAX_TRANSFER:
+        if length > defaults.MAX_TRANSFER:
             raise NvmeError(Status.INVALID_FIELD,
-                            f"{cmd.nlb} blocks ({length} bytes) exceed MDTS ({MAX_TRANSFER} bytes)")
+                            f"{cmd.nlb} blocks ({length} bytes) exceed MDTS ({defaults.MAX_TRANSFER} bytes)")
         if op == _READ:
             req.expect(Direction.C2H, length, _read)
         elif op == _WRITE:

@@ -6,33 +6,26 @@ and what executes it; completing a request never names a transport. The transpor
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-from nvmeof import defaults
 from nvmeof.spec.fabrics import SQHD_DISABLED
-from nvmeof.spec.nvme import Command, pack_cqe
+from nvmeof.spec.nvme import Command, Direction, pack_cqe
 from nvmeof.status import encode_status
 
 if TYPE_CHECKING:
     from target.controller import Controller
     from target.model import Listener, Namespace
-
-
-class Direction(enum.IntEnum):
-    NONE = 0
-    H2C = 1   # host to controller: the command carries data (Write, Connect, Set Features ...)
-    C2H = 2   # controller to host: the command returns data (Read, Identify, Get Log Page ...)
+    from target.transport_ops import TransportOps
 
 
 class TargetQueue:
     """A submission/completion queue pair on the target, bound to a controller by Connect."""
 
-    __slots__ = ("close", "connected_at", "ctrl", "listener", "local_addr", "peer", "qid", "sqflow_disabled",
-                 "sqhd", "sqsize", "transport")
+    __slots__ = ("close", "connected_at", "ctrl", "listener", "local_addr", "ops", "peer", "qid", "sqflow_disabled",
+                 "sqhd", "sqsize")
 
-    def __init__(self, *, peer: str = "", transport: str = "tcp", listener: Listener | None = None,
+    def __init__(self, *, ops: TransportOps, peer: str = "", listener: Listener | None = None,
                  local_addr: str = "", close: Callable[[], None] | None = None) -> None:
         self.qid = 0
         self.ctrl: Controller | None = None
@@ -40,18 +33,24 @@ class TargetQueue:
         self.sqhd = 0
         self.sqflow_disabled = False
         self.peer = peer
-        self.transport = transport
+        self.ops = ops            # the transport's constants: check_sgl and Identify ask these
         self.listener = listener
         self.local_addr = local_addr  # our IP address on this connection (fills wildcard listeners' entries)
         self.connected_at = 0.0   # wall-clock time of the Connect that bound this queue
         self.close: Callable[[], None] = close or _no_close
 
     @property
+    def trtype(self) -> str:
+        """The transport's name: "tcp", "rdma", "loop"."""
+        return self.ops.trtype
+
+    @property
     def max_incapsule(self) -> int:
-        """In-capsule data this queue accepts: 8 KiB on admin queues and for Connect (NVME_TCP_ADMIN_CCSZ)."""
+        """In-capsule data this queue accepts: the transport's admin size (8 KiB, NVME_TCP_ADMIN_CCSZ) on
+        admin queues and for Connect, its I/O size (IOCCSZ) on I/O queues."""
         if self.ctrl is None or self.qid == 0:
-            return defaults.ADMIN_INCAPSULE_SIZE
-        return defaults.IO_INCAPSULE_SIZE
+            return self.ops.admin_incapsule
+        return self.ops.io_incapsule
 
     def complete(self, req: Request, status: int = 0, dw0: int = 0, dw1: int = 0, dnr: bool = False) -> bytes:
         """The 16-byte CQE for ``req``; advances SQHD (nvmet_update_sq_head) unless flow control is off."""

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 from nvmeof import defaults
 from target import config as configmod
-from target.backends import KINDS, BackendError, BackingPolicy, FileBackend, open_backend
+from target.backends import BackendError, BackingPolicy, FileBackend, kinds, open_backend
 from target.model import (
     ADRFAMS,
     BLOCK_SIZES,
@@ -86,6 +86,8 @@ class TargetHooks(Protocol):
 
     def namespace_changed(self, subnqn: str, nsid: int) -> None: ...
     def discovery_changed(self) -> None: ...
+    async def settle(self) -> None: ...
+    async def start_workers(self) -> None: ...
     async def start_listener(self, listener: Listener) -> None: ...
     async def stop_listener(self, listener: Listener) -> None: ...
     def disconnect_subsystem(self, subnqn: str) -> int: ...
@@ -269,9 +271,7 @@ class TargetService:
     async def _settle(self) -> None:
         """With worker processes (`serve --workers`), wait until they have applied a namespace change,
         so I/O the host sends after this call returns sees it."""
-        settle = getattr(self.target, "settle", None)
-        if settle is not None:
-            await settle()
+        await self.target.settle()
 
     async def save(self) -> None:
         """Write the running configuration to the config file now (under the lock, like a mutation)."""
@@ -584,8 +584,8 @@ class TargetService:
         persist: bool,
     ) -> Namespace:
         sub = self.get_subsystem(subnqn)
-        if backend not in KINDS:
-            raise _bad(f"backend {backend!r} is not one of {', '.join(KINDS)}")
+        if backend not in kinds():
+            raise _bad(f"backend {backend!r} is not one of {', '.join(kinds())}")
         if block_size not in BLOCK_SIZES:
             raise _bad(f"block size {block_size!r} is not supported; use 512 or 4096")
         read_only = _bool(read_only, "read_only")

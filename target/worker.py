@@ -1,10 +1,11 @@
 """One worker process of `nvmeof serve --workers N`: serves the I/O queues the main process hands it.
 
 Run as ``python -m target.worker --fd FD --index I``. FD is this worker's end of the control
-channel (target/worker_channel.py). The worker mirrors the namespaces of every subsystem (RAM disks
-mapped from the main process's memfds, file backends opened here, null backends made here) and
-runs the same TargetConnection / Target.parse / io.py code as the main process for each I/O queue
-it receives. Controller state stays in the main process: a `RemoteController` here carries what
+channel (target/worker_channel.py). The worker mirrors the namespaces of every subsystem (each
+backend attached from the description and descriptors the main process sends: RAM disks map its
+memfds, file backends serve the descriptors it checked, null backends are made here) and runs
+the same TargetConnection / Target.parse / io.py code as the main process for each I/O queue it
+receives. Controller state stays in the main process: a `RemoteController` here carries what
 I/O commands read (cntlid, host, subsystem, enabled) and collects what they change (keep-alive
 activity, error log entries, namespace statistics) for the periodic report to the main process.
 """
@@ -21,11 +22,10 @@ import socket
 import sys
 from typing import Any
 
-from nvmeof.spec import tcp as tcp_spec
-from target.backends.base import Backend, BackendError
-from target.backends.file import FileBackend
-from target.backends.null import NullBackend
-from target.backends.shared_ram import SharedRamBackend
+from nvmeof.spec.nvme import LBA_OPCODES
+from nvmeof.tcp import HandoffState, TcpConnection
+from target.backends import attach_backend
+from target.backends.base import BackendError
 from target.core import Target
 from target.model import Namespace, NamespaceStats, Subsystem
 from target.request import Request, TargetQueue
@@ -35,21 +35,7 @@ from target.worker_channel import Channel
 log = logging.getLogger("nvmeof.worker")
 
 REPORT_INTERVAL = 0.25   # seconds between keep-alive/statistics reports (KATO is seconds at least)
-_LBA_OPCODES = frozenset({0x01, 0x02, 0x05, 0x08})  # Write, Read, Compare, Write Zeroes: LBA in the error log
 _FABRICS = 0x7F
-
-
-def replay_ic(conn: Any, *, hdgst: bool, ddgst: bool, maxr2t: int, maxh2cdata: int) -> None:
-    """Bring a fresh controller-role TcpConnection to READY with the digests and limits the main
-    process negotiated, through its public API: the ICReq the host sent, then our ICResp (dropped)."""
-    dgst = (tcp_spec.HDR_DIGEST_ENABLE if hdgst else 0) | (tcp_spec.DATA_DIGEST_ENABLE if ddgst else 0)
-    size = tcp_spec.IC_PDU_SIZE
-    icreq = tcp_spec.IC_HDR.pack(tcp_spec.PduType.ICREQ, 0, size, 0, size, tcp_spec.PFV_1_0, 0, dgst, maxr2t)
-    events = conn.receive_data(icreq)
-    if len(events) != 1 or type(events[0]).__name__ != "ICReqReceived":
-        raise RuntimeError(f"replaying the ICReq gave {events!r}")
-    conn.send_icresp(maxh2cdata=maxh2cdata)
-    conn.data_to_send()
 
 
 class RemoteController:
@@ -82,7 +68,7 @@ class RemoteController:
     def record_error(self, req: Request, status: int, dnr: bool) -> None:
         cmd = req.cmd
         qid = req.queue.qid
-        lba = cmd.slba if qid and cmd.opcode in _LBA_OPCODES else 0
+        lba = cmd.slba if qid and cmd.opcode in LBA_OPCODES else 0
         nsid = cmd.nsid if cmd.opcode != _FABRICS else 0
         self.errors.append([qid, cmd.cid, status, int(dnr), lba, nsid, cmd.opcode])
 
@@ -102,11 +88,14 @@ class WorkerTarget(Target):
 
 
 class WorkerConnection(TargetConnection):
-    """A TargetConnection resumed after Connect: IC state replayed, queue bound, leftover bytes fed."""
+    """A TargetConnection resumed after Connect from the main process's ``TcpConnection.export_state()``:
+    the negotiated digests and limits, and the bytes of a PDU the host had begun to send."""
 
-    def __init__(self, target: Target, leftover: bytes, on_lost: Any) -> None:
+    def __init__(self, target: Target, state: HandoffState, on_lost: Any) -> None:
         super().__init__(target, None, on_lost=on_lost)
-        self._leftover = leftover
+        place = self.conn.place
+        self.conn = TcpConnection.resume(state)
+        self.conn.place = place
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if self._closed:
@@ -116,9 +105,6 @@ class WorkerConnection(TargetConnection):
         peer, local = self.queue.peer, self.queue.local_addr
         super().connection_made(transport)
         self.queue.peer, self.queue.local_addr = peer or self.queue.peer, local or self.queue.local_addr
-        if self._leftover:
-            data, self._leftover = self._leftover, b""
-            self.data_received(data)
 
 
 class Worker:
@@ -207,7 +193,7 @@ class Worker:
                 self._resize(key, ns, msg["size"])
             return
         try:
-            backend = self._open_backend(msg, fds)
+            backend = attach_backend(msg["backend"], fds)
         except (BackendError, OSError) as exc:
             log.error("worker %d: cannot open namespace %d of %s: %s", self.index, msg["nsid"], msg["subnqn"], exc)
             self.channel.send({"op": "ns_error", "key": key, "error": str(exc)})
@@ -222,35 +208,11 @@ class Worker:
         sub.namespaces[ns.nsid] = ns
         self.namespaces[key] = (sub.nqn, ns)
 
-    @staticmethod
-    def _open_backend(msg: dict[str, Any], fds: list[int]) -> Backend:
-        kind, size, read_only = msg["kind"], msg["size"], bool(msg["backend_read_only"])
-        if kind == "ram":
-            if len(fds) != 1:
-                for fd in fds:
-                    os.close(fd)
-                raise BackendError(f"a RAM namespace arrived with {len(fds)} descriptors instead of its memfd")
-            return SharedRamBackend.attach(fds[0], size, read_only=read_only)
-        if kind == "file" and len(fds) == 1:
-            return FileBackend.from_fd(fds[0], msg["path"], size, read_only=read_only)
-        for fd in fds:
-            os.close(fd)
-        if kind == "null":
-            return NullBackend(size, read_only=read_only)
-        if kind == "file":
-            raise BackendError(f"a file namespace arrived with {len(fds)} descriptors instead of its file's")
-        raise BackendError(f"unknown backend kind {kind!r}")
-
     def _resize(self, key: int, ns: Namespace, size: int) -> None:
-        backend = ns.backend
-        if isinstance(backend, SharedRamBackend):
-            backend.remap(size)
-        elif isinstance(backend, FileBackend | NullBackend):
-            # The main process already changed the file; here only the presented size follows.
-            backend._size = size
-        else:
-            log.error("worker %d: namespace %d cannot follow a resize of a %s backend", self.index, ns.nsid,
-                      backend.kind)
+        try:
+            ns.backend.follow_resize(size)
+        except BackendError as exc:
+            log.error("worker %d: namespace %d: %s", self.index, ns.nsid, exc)
 
     def _forget(self, ns: Namespace) -> None:
         for key, (_subnqn, other) in list(self.namespaces.items()):
@@ -282,10 +244,8 @@ class Worker:
             ctrl = RemoteController(msg["ctrl_id"], msg["cntlid"], msg["hostnqn"], self._subsystem(msg["subnqn"]),
                                     bool(msg["enabled"]))
             self.controllers[ctrl.ctrl_id] = ctrl
-        conn = WorkerConnection(self.target, bytes.fromhex(msg["leftover"]),
+        conn = WorkerConnection(self.target, HandoffState.from_dict(msg["tcp"]),
                                 on_lost=lambda c, hid=hid: self._connection_lost(hid, c))
-        replay_ic(conn.conn, hdgst=msg["hdgst"], ddgst=msg["ddgst"], maxr2t=msg["maxr2t"],
-                  maxh2cdata=msg["maxh2cdata"])
         queue = conn.queue
         queue.qid = msg["qid"]
         queue.sqsize = msg["sqsize"]
@@ -393,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--h2c-budget", type=int, default=0,
                         help="this worker's share of the global H2C budget in bytes (0: the default)")
     args = parser.parse_args(argv)
-    # The main process's layout (nvmeof/cli.py) with the worker named after the level, so whatever reads
+    # The main process's layout (nvmeof/cli/__init__.py) with the worker named after the level, so whatever reads
     # the shared stderr log for "<date> <time> LEVEL" sees the workers' errors too.
     logging.basicConfig(level=args.log_level, format=f"%(asctime)s %(levelname)s worker{args.index} %(name)s: "
                         "%(message)s", stream=sys.stderr)

@@ -9,9 +9,10 @@ digests, MAXR2T, MAXH2CDATA, and any bytes already read past the Connect), and t
 (target/worker.py) runs the same TargetConnection code for its I/O commands.
 
 What the workers need and the main process owns travels as messages:
-* namespaces: every namespace of every subsystem is mirrored in every worker. RAM disks move to a
-  memfd (SharedRamBackend) whose descriptor each worker maps; file backends are opened by path in
-  each worker; null backends are made there. Add, remove, resize, enable and read-only changes go
+* namespaces: every namespace of every subsystem is mirrored in every worker. Each backend says how
+  (target/backends, ``for_workers``/``describe_for_worker``/``attach``): RAM disks move to a memfd
+  each worker maps, file backends send the descriptor the main process opened and checked, null
+  backends are made there. Add, remove, resize, enable and read-only changes go
   out from the Target's ``namespace_changed``/``discovery_changed`` hooks, and the management call
   waits (``settle``) until every live worker has applied them, so the host's next I/O sees them.
 * controllers: the CC.EN/CSTS.RDY state is sent when an admin queue changes it; losing a controller
@@ -39,11 +40,8 @@ from typing import TYPE_CHECKING, Any
 
 from nvmeof.spec.fabrics import FABRICS_OPCODE
 from nvmeof.spec.nvme import FabricsType
-from nvmeof.tcp import State
-from target.backends.file import FileBackend
-from target.backends.null import NullBackend
-from target.backends.ram import RamBackend
-from target.backends.shared_ram import SharedRamBackend
+from nvmeof.tcp import HandoffRefused, HandoffState, State
+from target.backends.base import BackendError
 from target.controller import ErrorRecord
 from target.core import Target
 from target.transports.tcp import TargetConnection, TcpListener, TcpPort
@@ -304,8 +302,9 @@ class WorkerPool:
             self._ctrl_enabled[cid] = ctrl.enabled
         return cid
 
-    def hand_off(self, conn: TargetConnection, fd: int, leftover: bytes) -> int | None:
-        """Send an accepted I/O queue to a worker; the pool owns ``fd`` from here. None: no worker."""
+    def hand_off(self, conn: TargetConnection, fd: int, state: HandoffState) -> int | None:
+        """Send an accepted I/O queue, its NVMe/TCP connection exported as ``state``, to a worker; the
+        pool owns ``fd`` from here. None: no worker."""
         w = self._pick()
         queue = conn.queue
         ctrl = queue.ctrl
@@ -314,14 +313,12 @@ class WorkerPool:
             return None
         hid = self._next_hid
         self._next_hid += 1
-        tcp = conn.conn
         msg = {
             "op": "queue", "hid": hid, "ctrl_id": self._ctrl_id(ctrl), "cntlid": ctrl.cntlid,
             "hostnqn": ctrl.hostnqn, "subnqn": ctrl.subsystem.nqn, "enabled": ctrl.enabled,
             "qid": queue.qid, "sqsize": queue.sqsize, "sqhd": queue.sqhd, "sqflow_disabled": queue.sqflow_disabled,
             "connected_at": queue.connected_at, "peer": queue.peer, "local_addr": queue.local_addr,
-            "hdgst": tcp.hdgst, "ddgst": tcp.ddgst, "maxr2t": tcp.maxr2t, "maxh2cdata": tcp.maxh2cdata,
-            "leftover": leftover.hex(),
+            "tcp": state.to_dict(),
         }
         w.channel.send(msg, [fd], close_fds=True)
         w.hids.add(hid)
@@ -387,10 +384,11 @@ class WorkerPool:
         return key
 
     def _share(self, ns: Namespace) -> None:
-        """RAM disks move into shared memory the first time workers need them."""
+        """The first time workers need it, a backend becomes one they can share (a RAM disk moves to a memfd)."""
         backend = ns.backend
-        if isinstance(backend, RamBackend) and not isinstance(backend, SharedRamBackend):
-            ns.backend = SharedRamBackend.from_ram(backend)
+        shared = backend.for_workers()
+        if shared is not backend:
+            ns.backend = shared
             backend.close()
 
     def sync(self) -> None:
@@ -422,27 +420,21 @@ class WorkerPool:
             state = (backend.size, ns.enabled, ns.read_only, backend.read_only)
             if w.sent.get(key) == state:
                 continue
+            try:
+                description, fds = backend.describe_for_worker()
+            except BackendError as exc:
+                log.error("namespace %d of %s: %s; its I/O fails on their queues", ns.nsid, subnqn, exc)
+                continue
             msg: dict[str, Any] = {
-                "op": "ns", "key": key, "subnqn": subnqn, "nsid": ns.nsid, "kind": backend.kind,
+                "op": "ns", "key": key, "subnqn": subnqn, "nsid": ns.nsid, "backend": description,
                 "size": backend.size, "block_size": ns.block_size, "enabled": ns.enabled, "read_only": ns.read_only,
-                "backend_read_only": backend.read_only,
             }
-            fds: list[int] = []
-            if key not in w.sent:
-                if isinstance(backend, SharedRamBackend):
-                    fds = [backend.fd]
-                elif isinstance(backend, FileBackend):
-                    # The checked descriptor, not the path: a file swapped since must not be reopened.
-                    fds = [backend.fileno()]
-                    msg["path"] = backend.path
-                elif not isinstance(backend, NullBackend):
-                    log.error("namespace %d of %s: a %s backend cannot be served by worker processes; "
-                              "its I/O fails on their queues", ns.nsid, subnqn, backend.kind)
-                    continue
+            if key in w.sent:
+                fds = []   # the worker has attached it already; this is a change of state
             self._seq += 1
             w.last_sent = msg["seq"] = self._seq
             w.sent[key] = state
-            # The memfd stays ours: the kernel gives the worker its own copy of the descriptor.
+            # The descriptors stay ours: the kernel gives the worker its own copies.
             w.channel.send(msg, fds)
 
     async def settle(self) -> None:
@@ -537,16 +529,17 @@ class PoolConnection(TargetConnection):
                 return
             asyncio.get_running_loop().call_later(0.001, self._try_handoff)
             return
-        leftover = _unparsed(self.conn)
-        if leftover is None:
-            self._give_up_handoff("a PDU is being placed directly")
+        try:
+            state = self.conn.export_state()
+        except HandoffRefused as exc:
+            self._give_up_handoff(str(exc))
             return
         sock = transport.get_extra_info("socket")
         if sock is None:
             self._give_up_handoff("the transport has no socket")
             return
         fd = os.dup(sock.fileno())
-        hid = self.pool.hand_off(self, fd, leftover)
+        hid = self.pool.hand_off(self, fd, state)
         if hid is None:
             self._give_up_handoff("no worker process is running")
             return
@@ -562,14 +555,6 @@ class PoolConnection(TargetConnection):
         super()._cleanup()
 
 
-def _unparsed(conn: Any) -> bytes | None:
-    """Bytes the sans-IO connection holds that no event has consumed yet (normally none)."""
-    if getattr(conn, "_direct", None) is not None:
-        return None
-    buf = conn._buf
-    return bytes(buf[conn._pos:])
-
-
 class PooledTcpListener(TcpListener):
     connection_class = PoolConnection   # type: ignore[assignment]
 
@@ -579,20 +564,12 @@ class PooledTarget(Target):
 
     def __init__(self, workers: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        # TCP listeners hand their I/O queues to the workers; every other trtype is served as injected.
+        self.transports = self.transports.with_entries({"tcp": PooledTcpListener})
         self.pool = WorkerPool(self, workers)
 
     async def start_workers(self) -> None:
         await self.pool.start()
-
-    async def start_listener(self, listener: Listener) -> Any:
-        if listener.trtype != "tcp":
-            return await super().start_listener(listener)
-        if listener.id in self._servers:
-            raise ValueError(f"listener {listener.id} is already running")
-        server = PooledTcpListener(self, listener)
-        await server.start()
-        self._servers[listener.id] = server
-        return server
 
     def namespace_changed(self, subsystem_nqn: str, nsid: int) -> None:
         # Workers first, so the change is on its way before any host hears of it.

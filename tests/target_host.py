@@ -18,6 +18,7 @@ from nvmeof.spec.nvme import (
     AdminOpcode,
     Command,
     Completion,
+    Direction,
     FabricsType,
 )
 from nvmeof.tcp import (
@@ -146,11 +147,16 @@ class TinyHost(asyncio.Protocol):
             else:
                 cmd.dptr = Command.make_sgl(SGL_ID_TRANSPORT, 0, len(data))
                 self.outgoing[cid] = data
-                self.conn.send_command(cmd.to_bytes())
+                self.conn.send_command(cmd.to_bytes(), direction=Direction.H2C, data_len=len(data))
         else:
             if cmd.dptr == bytes(16):
                 cmd.dptr = Command.make_sgl(SGL_ID_TRANSPORT, 0, read_len)
-            self.conn.send_command(cmd.to_bytes())
+            # The data the controller may move for it: as much as its SGL describes, in the direction
+            # of the opcode's bits 1:0 (a write sent without data still gets its R2T).
+            length = cmd.sgl().length
+            direction = Direction.H2C if cmd.opcode & 3 == Direction.H2C else Direction.C2H
+            self.conn.send_command(cmd.to_bytes(), direction=direction if length else Direction.NONE,
+                                   data_len=length)
         self.flush()
         return fut
 

@@ -27,7 +27,7 @@ import httpx
 import pytest
 
 from nvmeof import defaults
-from target.daemon import DaemonError, state_directory, write_private_file
+from nvmeof.cli.daemon import DaemonError, state_directory, write_private_file
 from tests.ports import free_ports
 
 REPO = Path(__file__).resolve().parents[1]

@@ -591,3 +591,76 @@ def test_policy_catches_a_swap_between_check_and_open(disks, tmp_path, monkeypat
             policy.check_opened(fd, f"{disks}/ok.img", os.stat(disks / "ok.img"))
     finally:
         os.close(fd)
+
+
+# --- describing a backend to a worker process and attaching there (issue 11: the registry) -------------
+
+
+def _worker_copy(backend):
+    """What a worker receives: the description, and its own copies of the descriptors (SCM_RIGHTS dups them)."""
+    from target.backends import attach_backend
+
+    description, fds = backend.describe_for_worker()
+    return attach_backend(description, [os.dup(fd) for fd in fds])
+
+
+async def test_a_ram_disk_reaches_a_worker_through_its_memfd():
+    ram = RamBackend(MiB)
+    await ram.write(8192, b"shared!")
+    shared = ram.for_workers()
+    assert shared is not ram and shared.kind == "ram" and shared.for_workers() is shared
+    ram.close()
+    theirs = _worker_copy(shared)
+    try:
+        assert bytes(await theirs.read(8192, 7)) == b"shared!"
+        await theirs.write(0, b"from the worker")
+        assert bytes(await shared.read(0, 15)) == b"from the worker"
+        await shared.resize(2 * MiB)
+        theirs.follow_resize(2 * MiB)
+        assert theirs.size == 2 * MiB and bytes(await theirs.read(2 * MiB - 4, 4)) == bytes(4)
+        with pytest.raises(BackendError, match="only the main process resizes"):
+            await theirs.resize(MiB)
+    finally:
+        theirs.close()
+        shared.close()
+
+
+async def test_null_and_file_backends_describe_themselves_to_a_worker(tmp_path):
+    null = NullBackend(MiB, read_only=True)
+    theirs = _worker_copy(null)
+    assert isinstance(theirs, NullBackend) and theirs.size == MiB and theirs.read_only
+    theirs.follow_resize(2 * MiB)
+    assert theirs.size == 2 * MiB
+    path = tmp_path / "w.img"
+    path.write_bytes(b"F" * 8192)
+    f = FileBackend(path, policy=BackingPolicy([tmp_path]))
+    assert f.for_workers() is f
+    theirs = _worker_copy(f)
+    try:
+        assert isinstance(theirs, FileBackend) and theirs.path == str(path) and theirs.size == 8192
+        assert bytes(await theirs.read(0, 2)) == b"FF"
+    finally:
+        theirs.close()
+        f.close()
+
+
+def test_a_description_with_the_wrong_descriptors_is_refused_and_they_are_closed(tmp_path):
+    from target.backends import attach_backend
+
+    ram = RamBackend(MiB)
+    with pytest.raises(BackendError, match="cannot be served by worker processes"):
+        ram.describe_for_worker()   # a private mapping: for_workers() first
+    ram.close()
+    path = tmp_path / "x.img"
+    path.write_bytes(bytes(4096))
+    f = FileBackend(path)
+    description, fds = f.describe_for_worker()
+    a, b = os.dup(fds[0]), os.dup(fds[0])
+    with pytest.raises(BackendError, match="arrived with 2 descriptors instead of one"):
+        attach_backend(description, [a, b])
+    for fd in (a, b):
+        with pytest.raises(OSError):
+            os.fstat(fd)
+    with pytest.raises(BackendError, match="RAM namespace arrived with 0 descriptors"):
+        attach_backend({"kind": "ram", "size": MiB, "read_only": False}, [])
+    f.close()

@@ -13,9 +13,9 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from nvmeof.cli import cli
+from nvmeof.cli.daemon import Daemon, DaemonOptions
 from nvmeof.uri import TransportAddress
 from target.core import Target
-from target.daemon import Daemon, DaemonOptions
 from target.service import TargetService
 from tests.ports import free_ports
 

@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from nvmeof.cli import cli
-from nvmeof.commands.bench import ProgressLine, fmt_bw, fmt_count
+from nvmeof.cli.commands.bench import ProgressLine, fmt_bw, fmt_count
 from target.core import Target
 from target.service import TargetService
 

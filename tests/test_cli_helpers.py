@@ -1,6 +1,6 @@
 import pytest
 
-from nvmeof.commands.common import format_size, parse_size, table
+from nvmeof.cli.commands.common import format_size, parse_size, table
 from nvmeof.uri import TransportAddress, parse_address
 
 

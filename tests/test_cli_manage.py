@@ -16,7 +16,7 @@ import uvicorn
 from click.testing import CliRunner
 
 from api.app import create_app
-from nvmeof.commands import manage
+from nvmeof.cli.commands import manage
 from target.core import Target
 from target.service import TargetService
 from tests.ports import free_port

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from target_host import SUBNQN, TinyHost, admin_session, io_session, make_target
 
-from nvmeof.spec.nvme import AdminOpcode, Command, Completion, IoOpcode
+from nvmeof.spec.nvme import AdminOpcode, Command, Completion, Direction, IoOpcode
 from nvmeof.status import Status
 from nvmeof.tcp import C2HDataReceived, ProtocolError
 from target.backends.file import FileBackend
@@ -150,10 +150,21 @@ def _ready_pair(hdgst: bool = False) -> tuple[Any, Any]:
     return host, ctrl
 
 
+_C2H_SIZES = (4096, 16 * 1024, 16 * 1024 + 1, 128 * 1024, 40000, 300 * 1024, 512)
+
+
+def _reads_sent(host: Any, sizes: dict[int, int] | None = None) -> Any:
+    """The host sent the reads (cid: length) the controller's C2HData answers: it checks the data against them."""
+    for cid, size in (sizes or dict(enumerate(_C2H_SIZES))).items():
+        host.send_command(Command(IoOpcode.READ, cid=cid).to_bytes(), direction=Direction.C2H, data_len=size)
+    host.data_to_send()
+    return host
+
+
 def _c2h_stream(ctrl: Any, rng: random.Random) -> tuple[bytes, dict[int, bytes]]:
     """C2HData for several commands (some split over PDUs, sizes around the placement threshold)."""
     payloads: dict[int, bytes] = {}
-    for cid, size in enumerate((4096, 16 * 1024, 16 * 1024 + 1, 128 * 1024, 40000, 300 * 1024, 512)):
+    for cid, size in enumerate(_C2H_SIZES):
         data = rng.randbytes(size)
         payloads[cid] = data
         split = 64 * 1024 if cid == 5 else size
@@ -193,6 +204,8 @@ def test_direct_placement_equals_general_path(seed: int) -> None:
     rng = random.Random(seed)
     host_a, ctrl = _ready_pair(hdgst=seed % 2 == 1)
     host_b, _ = _ready_pair(hdgst=seed % 2 == 1)
+    _reads_sent(host_a)
+    _reads_sent(host_b)
     stream, payloads = _c2h_stream(ctrl, rng)
     cuts = sorted(rng.sample(range(1, len(stream)), 40))
     dests = {cid: bytearray(len(p)) for cid, p in payloads.items()}
@@ -210,12 +223,14 @@ def test_direct_placement_equals_general_path(seed: int) -> None:
     assert bytes(dests[3]) == payloads[3]   # 128 KiB in one PDU: always placed (it spans many cuts)
     # a placement callback that declines keeps the general path
     host_c, _ = _ready_pair(hdgst=seed % 2 == 1)
+    _reads_sent(host_c)
     host_c.place = lambda *a: None
     assert _feed(host_c, stream, cuts, direct=True) == general
 
 
 def test_direct_placement_then_malformed_pdu_still_fails() -> None:
     host, ctrl = _ready_pair()
+    _reads_sent(host, {1: 64 * 1024})
     dest = bytearray(64 * 1024)
     host.place = lambda cccid, ttag, datao, datal: memoryview(dest)[datao:datao + datal]
     ctrl.send_c2h_data(1, 0, bytes(range(256)) * 256, last=True, success=True)

@@ -281,6 +281,8 @@ async def test_bad_arguments() -> None:
         HostController("127.0.0.1", 4420, NQN, transport="fc")
     with pytest.raises(ValueError, match="needs target="):
         HostController("x", 0, NQN, transport="loop")
+    with pytest.raises(ValueError, match=r"connect_loop\(protocol_factory\)\), got object"):
+        HostController("x", 0, NQN, transport="loop", target=object())
     with pytest.raises(ValueError, match="subsystem NQN"):
         HostController("127.0.0.1", 4420, "n" * 300)
 

@@ -13,10 +13,11 @@ import struct
 import pytest
 
 from initiator.queue import CommandTimeout, HostQueue, TransportError, open_queue
+from nvmeof.spec import tcp as tcp_spec
 from nvmeof.spec.nvme import SGL_ID_INCAPSULE, SGL_ID_TRANSPORT, Command, pack_cqe
 from nvmeof.spec.tcp import FatalErrorStatus
 from nvmeof.status import NvmeError, Status, encode_status
-from nvmeof.tcp import CommandReceived, H2CDataReceived, ICReqReceived, Role, TcpConnection
+from nvmeof.tcp import CommandReceived, H2CDataReceived, ICReqReceived, Role, TcpConnection, TermReqReceived
 
 HANG = 0x7E
 FAIL = 0x7D
@@ -88,7 +89,7 @@ class FakeController(asyncio.Protocol):
             else:
                 assert sgl.sgl_id == SGL_ID_TRANSPORT
                 self.writes[cmd.cid] = (cmd, bytearray(sgl.length), 0)
-                self.conn.send_r2t(cmd.cid, 7, 0, sgl.length)
+                self.conn.send_r2t(cmd.cid, 7, 0, sgl.length + (512 if srv.action == "bad_r2t" else 0))
         elif cmd.opcode == 0x02:
             off = cmd.cdw10 * 512
             payload = bytes(srv.ram[off:off + sgl.length])
@@ -220,6 +221,15 @@ async def test_data_digest_error_fails_the_command(server: FakeServer) -> None:
     await q.submit(rw(0x02, 0), data_in=bytearray(4096))  # queue still works
 
 
+async def _term_req_seen(server: FakeServer) -> TermReqReceived:
+    for _ in range(200):
+        terms = [ev for ev in server.other_events if isinstance(ev, TermReqReceived)]
+        if terms:
+            return terms[0]
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"no H2CTermReq reached the controller: {server.other_events}")
+
+
 async def test_bad_c2h_offset_breaks_queue(server: FakeServer) -> None:
     q = await open_host(server)
     server.action = "bad_offset"
@@ -227,6 +237,18 @@ async def test_bad_c2h_offset_breaks_queue(server: FakeServer) -> None:
         await q.submit(rw(0x02, 0), data_in=bytearray(4096))
     with pytest.raises(TransportError):
         await q.submit(rw(0x02, 0), data_in=bytearray(512))
+    # The H2CTermReq names the field in error: the C2HData's DATAO (it said FEI 0 before).
+    term = await _term_req_seen(server)
+    assert (term.fes, term.fei) == (FatalErrorStatus.DATA_OUT_OF_RANGE, tcp_spec.OFF_DATAO)
+
+
+async def test_r2t_beyond_the_write_breaks_queue(server: FakeServer) -> None:
+    q = await open_host(server)
+    server.action = "bad_r2t"
+    with pytest.raises(TransportError, match="asks offset 0 length 16896; the command has 16384 bytes"):
+        await q.submit(rw(0x01, 0), data_out=bytes(16384))
+    term = await _term_req_seen(server)
+    assert (term.fes, term.fei) == (FatalErrorStatus.DATA_OUT_OF_RANGE, tcp_spec.OFF_R2TL)
 
 
 async def test_termreq_fails_all_in_flight(server: FakeServer) -> None:

@@ -26,11 +26,11 @@ import initiator
 from api.app import create_app
 from initiator.discovery import read_discovery_log
 from nvmeof import defaults
+from nvmeof.cli.daemon import Daemon, DaemonOptions
 from nvmeof.status import NvmeError, Status
 from nvmeof.uri import TransportAddress
 from target.config import ConfigError, import_nvmetcli, load_config, save_config, validate_config
 from target.core import Target
-from target.daemon import Daemon, DaemonOptions
 from target.service import ServiceError, TargetService
 from tests.ports import free_ports
 

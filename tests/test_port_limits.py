@@ -218,8 +218,8 @@ def test_the_daemon_raises_its_soft_fd_limit_for_the_cap():
 async def test_queues_handed_to_workers_still_count_against_the_caps():
     """With --workers the main process accepts every connection; a queue living in a worker keeps its slot."""
     import initiator
+    from nvmeof.cli.daemon import Daemon, DaemonOptions
     from nvmeof.uri import TransportAddress
-    from target.daemon import Daemon, DaemonOptions
 
     io, disc = free_ports(2)
     daemon = Daemon(DaemonOptions(listen=[TransportAddress("tcp", "127.0.0.1", io)],

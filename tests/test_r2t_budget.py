@@ -89,7 +89,7 @@ async def _next_pdu(peer: RawPeer, data: dict[int, bytes]) -> None:
 
 def test_default_budget_allows_one_mdts_transfer():
     assert TargetConnection.h2c_budget == defaults.TCP_H2C_BUDGET
-    assert defaults.TCP_H2C_BUDGET >= (1 << defaults.MDTS) * defaults.PAGE_SIZE
+    assert defaults.TCP_H2C_BUDGET >= defaults.MAX_TRANSFER
 
 
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "tasks"])

@@ -6,7 +6,7 @@ import pytest
 
 from nvmeof import rdma
 from nvmeof.spec import rdma as spec
-from nvmeof.spec.nvme import SGL_ID_INCAPSULE, SGL_ID_KEYED, Command, Completion, IoOpcode, pack_cqe
+from nvmeof.spec.nvme import SGL_ID_INCAPSULE, SGL_ID_KEYED, Command, Completion, Direction, IoOpcode, pack_cqe
 from nvmeof.status import NvmeError, Status
 
 RS = spec.RejectStatus
@@ -93,7 +93,7 @@ def test_write_with_keyed_sgl_reads_from_the_host() -> None:
     q = controller()
     cmd = q.receive_capsule(capsule(5, IoOpcode.WRITE, keyed(0x1000, 8192, 0xABC)))
     assert cmd.cid == 5
-    plan = q.plan(5, rdma.DataDirection.H2C, 8192)
+    plan = q.plan(5, Direction.H2C, 8192)
     assert plan.reads == [rdma.RdmaRead(0x1000, 8192, 0xABC, 0)] and plan.data is None
     assert q.complete(5, pack_cqe(5)) == [rdma.Send(pack_cqe(5), None)]
     assert not q.inflight
@@ -102,7 +102,7 @@ def test_write_with_keyed_sgl_reads_from_the_host() -> None:
 def test_large_transfers_split_by_max_rdma_size() -> None:
     q = controller(max_rdma_size=4096)
     q.receive_capsule(capsule(1, IoOpcode.WRITE, keyed(0x10000, 10000, 7)))
-    reads = q.plan(1, rdma.DataDirection.H2C, 10000).reads
+    reads = q.plan(1, Direction.H2C, 10000).reads
     assert reads == [rdma.RdmaRead(0x10000, 4096, 7, 0), rdma.RdmaRead(0x11000, 4096, 7, 4096),
                      rdma.RdmaRead(0x12000, 1808, 7, 8192)]
 
@@ -110,7 +110,7 @@ def test_large_transfers_split_by_max_rdma_size() -> None:
 def test_read_writes_then_sends_with_invalidate() -> None:
     q = controller()
     q.receive_capsule(capsule(9, IoOpcode.READ, keyed(0x2000, 4096, 0x55, invalidate=True)))
-    assert q.plan(9, rdma.DataDirection.C2H, 4096).reads == []
+    assert q.plan(9, Direction.C2H, 4096).reads == []
     cqe = pack_cqe(9, sqid=1)
     assert q.complete(9, cqe, 4096) == [rdma.RdmaWrite(0x2000, 4096, 0x55, 0), rdma.Send(cqe, 0x55)]
 
@@ -119,20 +119,20 @@ def test_failed_command_still_invalidates_and_moves_no_data() -> None:
     q = controller()
     q.receive_capsule(capsule(3, IoOpcode.READ, keyed(0x2000, 4096, 0x66, invalidate=True)))
     with pytest.raises(NvmeError) as err:
-        q.plan(3, rdma.DataDirection.C2H, 8192)
+        q.plan(3, Direction.C2H, 8192)
     assert err.value.status == Status.SGL_INVALID_DATA and "shorter than the 8192" in err.value.detail
     cqe = pack_cqe(3, err.value.cqe_status())
     assert q.complete(3, cqe) == [rdma.Send(cqe, 0x66)]
 
 
 @pytest.mark.parametrize(("dptr", "direction", "length", "status", "words"), [
-    (keyed(0, 2 * MIB, 1), rdma.DataDirection.H2C, 4096, Status.SGL_INVALID_DATA, "exceeds the 1048576-byte MDTS"),
-    (keyed(0, 4096, 1), rdma.DataDirection.C2H, 2 * MIB, Status.INVALID_FIELD, "MDTS allows"),
-    (keyed(0xFFFFFFFFFFFFF000, 8192, 1), rdma.DataDirection.H2C, 8192, Status.SGL_INVALID_DATA, "wraps"),
-    (Command.make_sgl(0x5A, 0, 4096), rdma.DataDirection.H2C, 4096, Status.SGL_INVALID_TYPE, "0x5a"),
-    (Command.make_sgl(SGL_ID_INCAPSULE, 0, 4096), rdma.DataDirection.C2H, 4096, Status.INVALID_FIELD,
+    (keyed(0, 2 * MIB, 1), Direction.H2C, 4096, Status.SGL_INVALID_DATA, "exceeds the 1048576-byte MDTS"),
+    (keyed(0, 4096, 1), Direction.C2H, 2 * MIB, Status.INVALID_FIELD, "MDTS allows"),
+    (keyed(0xFFFFFFFFFFFFF000, 8192, 1), Direction.H2C, 8192, Status.SGL_INVALID_DATA, "wraps"),
+    (Command.make_sgl(0x5A, 0, 4096), Direction.H2C, 4096, Status.SGL_INVALID_TYPE, "0x5a"),
+    (Command.make_sgl(SGL_ID_INCAPSULE, 0, 4096), Direction.C2H, 4096, Status.INVALID_FIELD,
      "in-capsule data descriptor"),
-    (Command.make_sgl(SGL_ID_INCAPSULE, 4096, 8192), rdma.DataDirection.H2C, 8192, Status.SGL_INVALID_OFFSET,
+    (Command.make_sgl(SGL_ID_INCAPSULE, 4096, 8192), Direction.H2C, 8192, Status.SGL_INVALID_OFFSET,
      "exceeds the 8192 bytes this queue advertises"),
 ])
 def test_bad_descriptors_become_statuses(dptr: bytes, direction, length: int, status: Status, words: str) -> None:
@@ -149,7 +149,7 @@ def test_prp_commands_are_refused() -> None:
     q = controller()
     q.receive_capsule(capsule(2, IoOpcode.WRITE, keyed(0, 4096, 1), flags=0x00))
     with pytest.raises(NvmeError, match="PSDT 0") as err:
-        q.plan(2, rdma.DataDirection.H2C, 4096)
+        q.plan(2, Direction.H2C, 4096)
     assert err.value.status == Status.INVALID_FIELD
 
 
@@ -157,13 +157,13 @@ def test_incapsule_data_is_checked_against_what_arrived() -> None:
     q = controller()
     payload = bytes(range(256)) * 16
     q.receive_capsule(capsule(4, IoOpcode.WRITE, Command.make_sgl(SGL_ID_INCAPSULE, 0, 4096), payload))
-    plan = q.plan(4, rdma.DataDirection.H2C, 4096)
+    plan = q.plan(4, Direction.H2C, 4096)
     assert plan.reads == [] and bytes(plan.data) == payload
     q.complete(4, pack_cqe(4))
     # the descriptor claims more than the capsule carried
     q.receive_capsule(capsule(5, IoOpcode.WRITE, Command.make_sgl(SGL_ID_INCAPSULE, 0, 4096), payload[:100]))
     with pytest.raises(NvmeError, match="exceeds the 100 data bytes received") as err:
-        q.plan(5, rdma.DataDirection.H2C, 4096)
+        q.plan(5, Direction.H2C, 4096)
     assert err.value.status == Status.SGL_INVALID_DATA
     # an in-capsule descriptor never asks for an invalidation
     assert q.complete(5, pack_cqe(5)) == [rdma.Send(pack_cqe(5), None)]
@@ -174,14 +174,14 @@ def test_admin_queue_advertises_no_incapsule_data() -> None:
     assert q.recv_buffer_size == 64
     q.receive_capsule(capsule(1, 0x7F, Command.make_sgl(SGL_ID_INCAPSULE, 0, 1024), bytes(1024)))
     with pytest.raises(NvmeError) as err:
-        q.plan(1, rdma.DataDirection.H2C, 1024)
+        q.plan(1, Direction.H2C, 1024)
     assert err.value.status == Status.SGL_INVALID_OFFSET
 
 
 def test_no_data_command_with_null_sgl() -> None:
     q = controller()
     q.receive_capsule(capsule(6, IoOpcode.FLUSH, Command.make_sgl(SGL_ID_KEYED, 0, 0, 0)))
-    assert q.plan(6, rdma.DataDirection.NONE, 0) == rdma.DataPlan([], None)
+    assert q.plan(6, Direction.NONE, 0) == rdma.DataPlan([], None)
     assert q.complete(6, pack_cqe(6)) == [rdma.Send(pack_cqe(6), None)]
 
 
@@ -206,7 +206,7 @@ def test_fatal_capsule_errors() -> None:
 def test_reply_longer_than_planned_is_a_programming_error() -> None:
     q = controller()
     q.receive_capsule(capsule(1, IoOpcode.READ, keyed(0, 4096, 1)))
-    q.plan(1, rdma.DataDirection.C2H, 512)
+    q.plan(1, Direction.C2H, 512)
     with pytest.raises(ValueError, match="exceeds the 512 planned"):
         q.complete(1, pack_cqe(1), 4096)
 
@@ -266,7 +266,7 @@ def test_host_and_controller_agree_end_to_end() -> None:
     ctrl = rdma.RdmaControllerQueue(decision.params, max_transfer=MIB)
     sqe = host.submit(Command(IoOpcode.READ, nsid=1), buffer=rdma.RemoteBuffer(0x9000, 4096, 0x77, True))
     cmd = ctrl.receive_capsule(sqe)
-    ctrl.plan(cmd.cid, rdma.DataDirection.C2H, 4096)
+    ctrl.plan(cmd.cid, Direction.C2H, 4096)
     write, send = ctrl.complete(cmd.cid, pack_cqe(cmd.cid, sqid=1), 4096)
     assert write == rdma.RdmaWrite(0x9000, 4096, 0x77, 0)
     assert isinstance(send, rdma.Send)

@@ -12,6 +12,7 @@ import pytest
 from target_host import make_target
 
 import initiator
+from nvmeof import verbs as rv
 from nvmeof.spec import identify as idf
 from nvmeof.spec.identify import IdentifyController
 from nvmeof.spec.nvme import (
@@ -21,16 +22,17 @@ from nvmeof.spec.nvme import (
     SGL_ID_TRANSPORT,
     SQE_FLAGS_PSDT_SGL,
     Command,
+    Direction,
     IoOpcode,
 )
 from nvmeof.status import NvmeError, Status
 from target import admin
 from target.core import Target, check_sgl
-from target.request import Direction, Request, TargetQueue
+from target.request import Request, TargetQueue
 from target.service import ServiceError, TargetService
 from target.transports import get_transport
-from target.transports import rdma_verbs as rv
-from target.transports.rdma import RdmaListener
+from target.transports.rdma import RDMA_OPS, RdmaListener
+from target.transports.tcp import TCP_OPS
 
 PYVERBS_MODULES = ("pyverbs", "pyverbs.cm_enums", "pyverbs.enums", "pyverbs.cmid", "pyverbs.cq", "pyverbs.mr",
                    "pyverbs.pyverbs_error", "pyverbs.qp", "pyverbs.wr")
@@ -91,7 +93,7 @@ async def test_rdma_listener_refuses_wildcard_address() -> None:
 
 
 def _request(transport: str, sgl_id: int, length: int, key: int = 0, direction: Direction = Direction.H2C) -> Request:
-    queue = TargetQueue(transport=transport)
+    queue = TargetQueue(ops={"rdma": RDMA_OPS, "tcp": TCP_OPS}[transport])
     cmd = Command(IoOpcode.WRITE, nsid=1, flags=SQE_FLAGS_PSDT_SGL)
     cmd.dptr = Command.make_sgl(sgl_id, 0x1000 if sgl_id != SGL_ID_INCAPSULE else 0, length, key)
     req = Request(queue, cmd)
@@ -118,8 +120,8 @@ def test_identify_advertises_keyed_sgls_on_rdma_only() -> None:
     target = make_target()
     sub = next(iter(target.subsystems.values()))
     ctrl = target.create_controller(sub, "nqn.2014-08.org.nvmexpress:uuid:1", bytes(16), 0)
-    rdma = IdentifyController.parse(admin.identify_controller(ctrl, "rdma"))
-    tcp = IdentifyController.parse(admin.identify_controller(ctrl, "tcp"))
+    rdma = IdentifyController.parse(admin.identify_controller(ctrl, RDMA_OPS))
+    tcp = IdentifyController.parse(admin.identify_controller(ctrl, TCP_OPS))
     assert rdma.sgls & idf.SGLS_KEYED and rdma.sgls & idf.SGLS_OFFSET
     assert not tcp.sgls & idf.SGLS_KEYED
 

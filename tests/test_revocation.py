@@ -23,10 +23,10 @@ import initiator
 from api.app import create_app
 from initiator.queue import TransportError
 from nvmeof import defaults
+from nvmeof.cli.daemon import Daemon, DaemonOptions
 from nvmeof.status import NvmeError, Status
 from nvmeof.uri import TransportAddress
 from target.core import Target
-from target.daemon import Daemon, DaemonOptions
 from target.service import TargetService
 from tests.ports import free_port, free_ports
 
@@ -189,7 +189,7 @@ def test_rest_delete_answers_how_many_controllers_went() -> None:
 
 
 def test_cli_note_names_the_count() -> None:
-    from nvmeof.commands.manage import _disconnected, _disconnected_note
+    from nvmeof.cli.commands.manage import _disconnected, _disconnected_note
 
     assert _disconnected_note(_disconnected({"disconnected": 1})) == " (1 controller disconnected)"
     assert _disconnected_note(_disconnected({"disconnected": 3})) == " (3 controllers disconnected)"

@@ -34,9 +34,16 @@ class FakeTarget:
         self.events: list[tuple[Any, ...]] = []
         self.servers: dict[str, asyncio.AbstractServer] = {}
         self.ctrls: dict[int, dict[str, Any]] = {}
+        self.settles = 0
 
     def namespace_changed(self, subnqn: str, nsid: int) -> None:
         self.events.append(("namespace_changed", subnqn, nsid))
+
+    async def settle(self) -> None:
+        self.settles += 1
+
+    async def start_workers(self) -> None:
+        return None
 
     def discovery_changed(self) -> None:
         self.events.append(("discovery_changed",))
@@ -213,6 +220,35 @@ async def test_add_namespace_defaults_and_lowest_free_nsid(svc, target, cfg):
         svc.get_namespace(SUB, 4)
     assert info.value.status == 404
     assert load_config(cfg) == svc.snapshot()
+
+
+async def test_namespace_changes_wait_for_the_targets_settle_hook(svc, target):
+    """Issue 11: ``settle`` is part of TargetHooks and called directly (it was probed with getattr,
+    so a target whose settle was misspelt, or missing, was silently never waited for)."""
+    await svc.add_subsystem(SUB)
+    before = target.settles
+    await svc.add_namespace(SUB, backend="ram", size=MiB)
+    await svc.resize_namespace(SUB, 1, 2 * MiB)
+    await svc.remove_namespace(SUB, 1)
+    assert target.settles - before == 3
+
+
+def test_every_target_implements_the_whole_target_hooks_protocol():
+    """The service and the daemon call every hook directly (no getattr probes), so the plain Target
+    has each one (a no-op where it has no workers) and PooledTarget overrides what it needs."""
+    import inspect
+
+    from target.core import Target
+    from target.service import TargetHooks
+    from target.workers import PooledTarget
+
+    methods = [n for n, v in vars(TargetHooks).items() if not n.startswith("_") and callable(v)]
+    assert {"settle", "start_workers", "namespace_changed"} <= set(methods)
+    for cls in (Target, PooledTarget, FakeTarget):
+        for name in methods:
+            hook, impl = getattr(TargetHooks, name), getattr(cls, name, None)
+            assert impl is not None, f"{cls.__name__} has no {name}"
+            assert inspect.iscoroutinefunction(impl) == inspect.iscoroutinefunction(hook), f"{cls.__name__}.{name}"
 
 
 @pytest.mark.parametrize(

@@ -15,10 +15,10 @@ import pytest
 from initiator.bench.jobspec import ConnectSpec, JobSpec
 from initiator.bench.results import EILSEQ, EIO, BenchReport, JobResult
 from initiator.bench.verify import VerifyError, VerifyResult
-from nvmeof.commands.common import run_async
+from nvmeof import verbs as rv
+from nvmeof.cli.commands.common import run_async
 from nvmeof.spec.identify import build_active_ns_list, check_nsid, parse_active_ns_list, parse_ns_list
 from nvmeof.spec.logs import CHANGED_NS_LIST_OVERFLOW, build_changed_ns_list, parse_changed_ns_list
-from target.transports import rdma_verbs as rv
 
 
 def _dwords(*values: int) -> bytes:

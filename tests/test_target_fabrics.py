@@ -138,6 +138,22 @@ async def test_connect_unknown_subsystem(target, caplog):
     assert not target.controllers
 
 
+async def test_a_refused_connect_is_logged_once(target, caplog):
+    """Issue 11: ``NvmeError.logged`` is a field (default False) that Target.fail reads; the Connect
+    refusal logs its reason where it is found and marks the error, so the generic "failed with" line
+    of Target.fail does not repeat it."""
+    from nvmeof.status import NvmeError
+
+    assert NvmeError(Status.INVALID_FIELD).logged is False
+    assert NvmeError(Status.INVALID_FIELD, logged=True).logged is True
+    host = await open_loop(target)
+    with caplog.at_level(logging.INFO):
+        res = await host.connect("nqn.2026-01.com.example:nope")
+    assert res.status == Status.CONNECT_INVALID_PARAM
+    lines = [r.getMessage() for r in caplog.records if "does not exist" in r.getMessage()]
+    assert len(lines) == 1 and "refused with" in lines[0], lines
+
+
 async def test_connect_host_not_allowed(target, caplog):
     sub = target.subsystems[SUBNQN]
     sub.allow_any_host = False

@@ -134,7 +134,7 @@ async def test_read_write_errors(target):
     assert res.status == Status.SGL_INVALID_DATA
     # beyond MDTS (on a namespace big enough that the range itself is fine)
     target.subsystems[SUBNQN].namespaces[3] = Namespace(3, RamBackend(4 << 20))
-    too_big = ((1 << defaults.MDTS) * defaults.PAGE_SIZE) // 512 + 8
+    too_big = defaults.MAX_TRANSFER // 512 + 8
     res = await io.cmd(rw(IoOpcode.READ, 0, too_big, nsid=3), read_len=too_big * 512)
     assert res.status == Status.INVALID_FIELD
     # an in-capsule SGL announcing more than the queue accepts

@@ -10,11 +10,14 @@ from hypothesis import strategies as st
 
 from nvmeof.crc32c import crc32c, digest_bytes
 from nvmeof.spec import tcp as spec
+from nvmeof.spec.nvme import Direction
 from nvmeof.spec.tcp import FatalErrorStatus as Fes
 from nvmeof.tcp import (
     C2HDataReceived,
     CommandReceived,
     H2CDataReceived,
+    HandoffRefused,
+    HandoffState,
     ICReqReceived,
     ICRespReceived,
     ProtocolError,
@@ -124,7 +127,7 @@ def test_full_exchange(hdgst, ddgst):
 
     # a write through R2T / H2CData, in two PDUs
     big = bytes(i % 251 for i in range(20000))
-    host.send_command(sqe(3, 0x01))
+    host.send_command(sqe(3, 0x01), direction=Direction.H2C, data_len=len(big))
     [ev] = ctrl.receive_data(wire(host))
     ctrl.send_r2t(3, 77, 0, len(big))
     [ev] = host.receive_data(wire(ctrl))
@@ -137,7 +140,7 @@ def test_full_exchange(hdgst, ddgst):
     assert all(isinstance(e, H2CDataReceived) for e in evs)
 
     # a read answered by C2HData and CapsuleResp
-    host.send_command(sqe(4))
+    host.send_command(sqe(4), direction=Direction.C2H, data_len=len(big))
     ctrl.receive_data(wire(host))
     ctrl.send_c2h_data(4, 0, big, last=True, success=False)
     ctrl.send_response(cqe(4))
@@ -149,6 +152,8 @@ def test_full_exchange(hdgst, ddgst):
             evs[0].digest_ok) == (4, 0, big, True, False, True)
 
     # a read completed by C2HData with SUCCESS alone
+    host.send_command(sqe(5), direction=Direction.C2H, data_len=400)
+    ctrl.receive_data(wire(host))
     ctrl.send_c2h_data(5, 0, b"abcd" * 100, last=True, success=True)
     [ev] = host.receive_data(wire(ctrl))
     assert ev.success and ev.last and bytes(ev.data) == b"abcd" * 100
@@ -235,7 +240,7 @@ def test_held_views_survive_later_receives():
     host, ctrl = pair(True, True)
     payloads = [bytes([n]) * 3000 for n in range(1, 6)]
     for p in payloads:
-        host.send_command(sqe(1, 0x01), p)
+        host.send_command(sqe(p[0], 0x01), p)
     raw = wire(host)
     held = []
     # odd cuts so that PDUs straddle calls on both the in-place and the buffered path
@@ -258,6 +263,8 @@ def test_data_digest_mismatch_is_not_fatal():
     assert good.digest_ok and bytes(good.sqe) == sqe(10)
     assert ctrl.state is State.READY and ctrl.data_to_send() == []
 
+    host.send_command(sqe(3), direction=Direction.C2H, data_len=64)
+    host.data_to_send()
     ctrl.send_c2h_data(3, 0, b"y" * 64, last=True, success=False)
     raw = bytearray(wire(ctrl))
     raw[-1] ^= 1  # the digest itself
@@ -403,6 +410,8 @@ def test_header_digest_rules():
 
 def test_response_header_digest_on_host():
     host, ctrl = pair(True, False)
+    host.send_command(sqe(7))
+    host.data_to_send()
     ctrl.send_response(cqe(7))
     good = wire(ctrl)
     [ev] = host.receive_data(good)
@@ -551,8 +560,11 @@ def test_icresp_advertises_and_enforces_maxh2cdata():
 def test_send_c2h_data_split():
     host, ctrl = pair(True, True)
     data = bytes(range(256)) * 40  # 10240
+    host.send_command(sqe(5), direction=Direction.C2H, data_len=100 + len(data))
+    host.data_to_send()
+    ctrl.send_c2h_data(5, 0, bytes(100), last=False, success=False)
     ctrl.send_c2h_data_split(5, data, 4096, offset=100, success=True)
-    evs = host.receive_data(wire(ctrl))
+    evs = host.receive_data(wire(ctrl))[1:]
     assert [(e.offset, len(e.data), e.last, e.success, e.digest_ok) for e in evs] == [
         (100, 4096, False, False, True), (4196, 4096, False, False, True), (8292, 2048, True, True, True)]
     assert b"".join(bytes(e.data) for e in evs) == data
@@ -607,10 +619,15 @@ def test_mutated_streams_never_raise(data, digests):
     check_never_raises(ctrl, bytes(raw), cuts)
 
     host, ctrl = pair(*digests)
+    host.send_command(sqe(1, 0x01), direction=Direction.H2C, data_len=100)
+    host.send_command(sqe(3), direction=Direction.C2H, data_len=300)
+    host.send_command(sqe(2), direction=Direction.C2H, data_len=50)
+    host.data_to_send()
     ctrl.send_r2t(1, 2, 0, 100)
-    ctrl.send_c2h_data(1, 0, bytes(300), last=True, success=False)
-    ctrl.send_response(cqe(1))
+    ctrl.send_c2h_data(3, 0, bytes(300), last=True, success=False)
+    ctrl.send_response(cqe(3))
     ctrl.send_c2h_data(2, 0, bytes(50), last=True, success=True)
+    ctrl.send_response(cqe(1))
     raw = bytearray(wire(ctrl))
     for _ in range(data.draw(st.integers(1, 4))):
         idx = data.draw(st.integers(0, len(raw) - 1))
@@ -630,3 +647,216 @@ def test_huge_lengths_never_buffer_beyond_one_header(flags, hlen, pdo, plen):
             for _ in range(10):
                 ctrl.receive_data(bytes(1000))
                 assert len(ctrl._buf) - ctrl._pos <= max_pdu(ctrl)
+
+
+# ------------------------------------------------------------------ host: commands in flight
+
+
+def host_with(*cmds, hdgst=False):
+    """A READY host with commands (cid, direction, data_len) sent; its output drained."""
+    host = ready_host(hdgst)
+    for cid, direction, length in cmds:
+        host.send_command(sqe(cid), direction=direction, data_len=length)
+    host.data_to_send()
+    return host
+
+
+_C2H_READ = (1, Direction.C2H, 8192)
+_H2C_WRITE = (2, Direction.H2C, 8192)
+
+# (name, commands in flight, PDU from the controller, FES, FEI, words of the reason)
+_BAD_HOST_PDUS = [
+    ("c2h_unknown_cid", [_C2H_READ], data_hdr(7, 0, 9, 0, 0, 512) + bytes(512), Fes.INVALID_HEADER_FIELD,
+     spec.OFF_CCCID, "C2HData for cid 9, which has no command in flight"),
+    ("c2h_for_a_write", [_H2C_WRITE], data_hdr(7, 0, 2, 0, 0, 512) + bytes(512), Fes.INVALID_HEADER_FIELD,
+     spec.OFF_CCCID, "a command that reads no data"),
+    ("c2h_wrong_offset", [_C2H_READ], data_hdr(7, 0, 1, 0, 512, 512) + bytes(512), Fes.DATA_OUT_OF_RANGE,
+     spec.OFF_DATAO, "C2HData for cid 1 at offset 512 length 512: expected offset 0 within a 8192-byte buffer"),
+    ("c2h_beyond_the_read", [_C2H_READ], data_hdr(7, 0, 1, 0, 0, 8196) + bytes(8196), Fes.DATA_OUT_OF_RANGE,
+     spec.OFF_DATAL, "length 8196"),
+    ("r2t_unknown_cid", [_H2C_WRITE], data_hdr(9, 0, 7, 1, 0, 512, pdo=0, plen=24),
+     Fes.INVALID_HEADER_FIELD, spec.OFF_CCCID, "R2T for cid 7, which has no command in flight"),
+    ("r2t_for_a_read", [_C2H_READ], data_hdr(9, 0, 1, 1, 0, 512, pdo=0, plen=24),
+     Fes.INVALID_HEADER_FIELD, spec.OFF_CCCID, "no data to send by R2T"),
+    ("r2t_beyond_the_write", [_H2C_WRITE], data_hdr(9, 0, 2, 1, 4096, 8192, pdo=0, plen=24),
+     Fes.DATA_OUT_OF_RANGE, spec.OFF_R2TL, "asks offset 4096 length 8192; the command has 8192 bytes"),
+    ("rsp_unknown_cid", [_C2H_READ], hdr(5, 0, 24, 0, 24, cqe(4)), Fes.INVALID_HEADER_FIELD,
+     spec.OFF_RSP_CID, "CapsuleResp for cid 4, which has no command in flight"),
+]
+
+
+@pytest.mark.parametrize(("name", "cmds", "raw", "fes", "fei", "reason"), _BAD_HOST_PDUS,
+                         ids=[r[0] for r in _BAD_HOST_PDUS])
+def test_host_checks_data_pdus_against_its_commands(name, cmds, raw, fes, fei, reason):
+    _err, echoed = expect_error(host_with(*cmds), raw, fes, fei, reason)
+    assert echoed == raw[:24]   # the header in error goes back in the H2CTermReq
+
+
+def test_host_refuses_a_bad_c2h_from_its_header_alone():
+    host = host_with(_C2H_READ)
+    [err] = host.receive_data(data_hdr(7, 0, 1, 0, 4096, 4096))
+    assert (err.fes, err.fei) == (Fes.DATA_OUT_OF_RANGE, spec.OFF_DATAO)
+
+
+def test_host_r2t_may_not_ask_again_for_data_already_asked():
+    host = host_with(_H2C_WRITE)
+    [ev] = host.receive_data(data_hdr(9, 0, 2, 1, 0, 4096, pdo=0, plen=24))
+    assert ev == R2TReceived(2, 1, 0, 4096)
+    expect_error(host, data_hdr(9, 0, 2, 2, 0, 4096, pdo=0, plen=24), Fes.DATA_OUT_OF_RANGE, spec.OFF_R2TO,
+                 "4096 already asked for")
+
+
+@pytest.mark.parametrize("hd", [False, True])
+def test_host_follows_reads_and_retires_answered_commands(hd):
+    host, ctrl = pair(hd)
+    host.send_command(sqe(1), direction=Direction.C2H, data_len=6000)
+    host.send_command(sqe(2), direction=Direction.C2H, data_len=100)
+    host.send_command(sqe(3))
+    host.data_to_send()
+    ctrl.send_c2h_data_split(1, bytes(6000), 4096, success=False)
+    ctrl.send_response(cqe(1))
+    ctrl.send_c2h_data(2, 0, bytes(100), last=True, success=True)
+    ctrl.send_response(cqe(3))
+    raw = wire(ctrl)
+    kinds = []
+    for i in range(len(raw)):    # byte at a time: each header moves its command on once
+        kinds += [type(e).__name__ for e in host.receive_data(raw[i:i + 1])]
+    assert kinds == ["C2HDataReceived", "C2HDataReceived", "ResponseReceived", "C2HDataReceived",
+                     "ResponseReceived"]
+    # all three are done: a second answer to any of them is fatal (SUCCESS stood for cid 2's CapsuleResp)
+    ctrl.send_response(cqe(2))
+    expect_error(host, wire(ctrl), Fes.INVALID_HEADER_FIELD, spec.OFF_RSP_CID, "cid 2")
+    # the cid may be used again once answered
+    host2 = host_with(_C2H_READ)
+    host2.receive_data(hdr(5, 0, 24, 0, 24, cqe(1)))
+    host2.send_command(sqe(1), direction=Direction.H2C, data_len=512)
+    assert host2.state is State.READY
+
+
+def test_send_command_data_arguments():
+    host = ready_host()
+    with pytest.raises(ValueError, match=r"Direction\.H2C or Direction\.C2H"):
+        host.send_command(sqe(1), direction=Direction.C2H)
+    with pytest.raises(ValueError, match="data_len 512"):
+        host.send_command(sqe(1), data_len=512)
+    with pytest.raises(ValueError, match="in-capsule"):
+        host.send_command(sqe(1), b"x" * 16, direction=Direction.H2C, data_len=16)
+    host.send_command(sqe(1))
+    with pytest.raises(ValueError, match="cid 1 is still in flight"):
+        host.send_command(sqe(1))
+
+
+# -------------------------------------------------------------------------------- hand-off
+
+
+def moved(conn: TcpConnection) -> TcpConnection:
+    """``conn`` exported, sent through JSON (as to a worker process) and resumed."""
+    import json
+
+    state = conn.export_state()
+    again = HandoffState.from_dict(json.loads(json.dumps(state.to_dict())))
+    assert again == state
+    return TcpConnection.resume(again)
+
+
+@pytest.mark.parametrize(("hdgst", "ddgst"), DIGESTS)
+def test_handoff_mid_pdu_carries_the_bytes_and_the_digests(hdgst, ddgst):
+    host, ctrl = pair(hdgst, ddgst, max_incapsule=4096)
+    host.send_command(sqe(1, 0x01), bytes(range(200)))
+    host.send_command(sqe(2))
+    raw = wire(host)
+    first = 72 + (4 if hdgst else 0) + 200 + (4 if ddgst else 0)
+    [ev] = ctrl.receive_data(raw[:first + 30])          # the second capsule is half here
+    state = ctrl.export_state()
+    assert state.unconsumed == raw[first:first + 30] and (state.hdgst, state.ddgst) == (hdgst, ddgst)
+    assert (state.role, state.max_incapsule, state.maxh2cdata) == (Role.CONTROLLER, 4096, ctrl.maxh2cdata)
+    new = moved(ctrl)
+    assert new.state is State.READY and (new.hdgst, new.ddgst) == (hdgst, ddgst)
+    [ev] = new.receive_data(raw[first + 30:])
+    assert isinstance(ev, CommandReceived) and bytes(ev.sqe) == sqe(2)
+    # what it sends carries the negotiated digests: the host parses and checks it
+    host.send_command(sqe(3), direction=Direction.C2H, data_len=64)
+    host.data_to_send()
+    new.send_c2h_data(3, 0, b"q" * 64, last=True, success=False)
+    for cid in (1, 2, 3):
+        new.send_response(cqe(cid))
+    evs = host.receive_data(wire(new))
+    assert [type(e) for e in evs] == [C2HDataReceived] + [ResponseReceived] * 3 and evs[0].digest_ok
+    # its limits came along: in-capsule data above 4096 bytes is refused
+    host.send_command(sqe(4, 0x01), bytes(4097))
+    expect_error(new, b"".join(bytes(b) for b in host.data_to_send())[:8], Fes.DATA_LIMIT_EXCEEDED, 0)
+    # the old connection is untouched: a hand-off that is given up goes on there
+    [ev] = ctrl.receive_data(raw[first + 30:])
+    assert bytes(ev.sqe) == sqe(2)
+
+
+def test_handoff_carries_outstanding_r2ts():
+    host, ctrl = pair()
+    ctrl.send_r2t(5, 9, 0, 8192)
+    ctrl.data_to_send()
+    new = moved(ctrl)
+    host.send_h2c_data(5, 9, 0, bytes(4096), last=False)
+    [ev] = new.receive_data(wire(host))
+    assert (ev.cccid, ev.ttag, ev.offset) == (5, 9, 0)
+    host.send_h2c_data(5, 9, 0, bytes(4096), last=True)     # the R2T moved on: offset 0 again is bad
+    expect_error(new, wire(host), Fes.DATA_OUT_OF_RANGE, spec.OFF_DATAO)
+
+
+def test_handoff_of_a_host_carries_its_commands():
+    host, ctrl = pair(True, True)
+    host.send_command(sqe(1), direction=Direction.C2H, data_len=8192)
+    host.data_to_send()
+    ctrl.send_c2h_data(1, 0, bytes(4096), last=False, success=False)
+    ctrl.send_c2h_data(1, 4096, bytes(4096), last=True, success=True)
+    raw = wire(ctrl)
+    [ev] = host.receive_data(raw[:4096 + 32 + 10])
+    state = host.export_state()
+    assert state.role is Role.HOST and state.commands == ((1, Direction.C2H, 4096, 8192),)
+    new = moved(host)
+    [ev] = new.receive_data(raw[4096 + 32 + 10:])
+    assert (ev.offset, ev.success, ev.digest_ok) == (4096, True, True)
+    assert new.export_state().commands == ()
+
+
+def test_handoff_refused_where_it_is_not_safe():
+    fresh = TcpConnection(Role.CONTROLLER)
+    with pytest.raises(HandoffRefused, match="await-ic, not ready"):
+        fresh.export_state()
+    fresh.receive_data(ICREQ)
+    with pytest.raises(HandoffRefused, match="ic-pending"):
+        fresh.export_state()
+    closed = ready_ctrl()
+    closed.send_term_req(Fes.PDU_SEQUENCE_ERROR)
+    with pytest.raises(HandoffRefused, match="closed"):
+        closed.export_state()
+    # output not taken yet
+    host, ctrl = pair()
+    ctrl.send_response(cqe(1))
+    with pytest.raises(HandoffRefused, match="data_to_send"):
+        ctrl.export_state()
+    ctrl.data_to_send()
+    # an H2CData whose header was checked (its R2T moved on) but whose data is not all in
+    ctrl.send_r2t(5, 9, 0, 8192)
+    ctrl.data_to_send()
+    host.send_h2c_data(5, 9, 0, bytes(8192), last=True)
+    raw = wire(host)
+    assert ctrl.receive_data(raw[:100]) == []
+    with pytest.raises(HandoffRefused, match="H2C_DATA PDU is half received"):
+        ctrl.export_state()
+    assert [type(e) for e in ctrl.receive_data(raw[100:])] == [H2CDataReceived]
+    ctrl.export_state()   # at the PDU boundary again
+    # a payload being placed directly
+    ctrl.send_r2t(6, 10, 0, 64 * 1024)
+    ctrl.data_to_send()
+    ctrl.place = lambda cccid, ttag, datao, datal: memoryview(bytearray(datal))
+    host.send_h2c_data(6, 10, 0, bytes(64 * 1024), last=True)
+    ctrl.receive_data(wire(host)[:1000])
+    assert ctrl.direct_buffer() is not None
+    with pytest.raises(HandoffRefused, match="placed directly"):
+        ctrl.export_state()
+
+
+def test_resume_refuses_another_protocol_version():
+    state = ready_ctrl().export_state()
+    with pytest.raises(ValueError, match="pfv 1"):
+        TcpConnection.resume(HandoffState.from_dict({**state.to_dict(), "pfv": 1}))

@@ -22,9 +22,9 @@ import initiator
 from initiator import commands as c
 from initiator.queue import HostQueue, TransportError
 from nvmeof import defaults
+from nvmeof.cli.daemon import Daemon, DaemonOptions
 from nvmeof.status import NvmeError, Status
 from nvmeof.uri import TransportAddress
-from target.daemon import Daemon, DaemonOptions
 from target.workers import PooledTarget, WorkerPool
 from tests.ports import free_ports
 
@@ -127,8 +127,12 @@ async def test_queues_spread_over_workers_and_share_the_ram_disk(served: Served)
         placement = served.pool.placement()
         assert sorted(qid for (_cntlid, qid) in placement) == [1, 2, 3, 4]
         assert set(placement.values()) == set(pids), f"queues not spread over both workers: {placement}"
-        # Independently of the pool's bookkeeping: which process really holds each queue's socket.
+        # Independently of the pool's bookkeeping: which process really holds each queue's socket. The
+        # host sees its Connect answered before the worker has taken the descriptor off the control
+        # channel (in flight it is in no process's fd table), so wait for it to land, then compare.
         for q in ctrl.io_queues:
+            await eventually(lambda q=q: socket_owner(served.io, host_port(q), pids) is not None,
+                             what=f"qid {q.qid}'s socket to reach a worker")
             owner = socket_owner(served.io, host_port(q), pids)
             assert owner == placement[(ctrl.cntlid, q.qid)], f"qid {q.qid}: socket in {owner}"
         # Data written through one queue reads back through every other (the RAM disk is shared).
@@ -266,6 +270,49 @@ async def test_admin_queue_loss_tears_down_worker_queues(served: Served) -> None
         assert await read(ctrl.io_queues[1], 1, 0, 8) == block(3)
 
 
+async def test_handoff_carries_a_half_received_capsule_and_the_digests(served: Served) -> None:
+    """The host's next capsule is half in when its Connect completes: the worker goes on from the main
+    process's TcpConnection.export_state() (those bytes, both digests), with no IC exchange replayed."""
+    from raw_pdu import RawPeer, admin_host, capsule_cmd, connect_pdu, sqe
+
+    from nvmeof.spec.nvme import Command
+
+    states = []
+    hand_off = served.pool.hand_off
+
+    def spy(conn, fd, state):  # type: ignore[no-untyped-def]
+        states.append(state)
+        return hand_off(conn, fd, state)
+
+    served.pool.hand_off = spy  # type: ignore[method-assign]
+    admin, cntlid = await admin_host(served.io, subnqn=NQN)
+    peer = await RawPeer.open(served.io)
+    try:
+        await peer.handshake(hdgst=True, ddgst=True)
+        data = block(9, 4096)
+        write_pdu = capsule_cmd(sqe(Command(WRITE, nsid=1, cdw10=64, cdw12=7), cid=2, data_len=4096, incapsule=True),
+                                data, hdgst=True, ddgst=True)
+        half = len(write_pdu) // 2
+        await peer.send(connect_pdu(1, NQN, qid=1, cntlid=cntlid, hdgst=True, ddgst=True) + write_pdu[:half])
+        assert await peer.wait_for(lambda o: o.done(1), 10)
+        assert peer.out.cqe(1) is not None and peer.out.cqe(1).status_code == 0
+        await eventually(lambda: (cntlid, 1) in served.pool.placement(), what="the hand-off")
+        [state] = states
+        assert state.unconsumed == write_pdu[:half] and (state.hdgst, state.ddgst) == (True, True)
+        await peer.send(write_pdu[half:])
+        assert (await peer.command(b"", 2)).status_code == 0
+        read_pdu = capsule_cmd(sqe(Command(READ, nsid=1, cdw10=64, cdw12=7), cid=3, data_len=4096),
+                               hdgst=True, ddgst=True)
+        assert (await peer.command(read_pdu, 3)).status_code == 0
+        assert peer.out.read_data(3) == data and not peer.out.errors
+        owner = socket_owner(served.io, peer.writer.get_extra_info("sockname")[1], served.pool.pids())
+        assert owner == served.pool.placement()[(cntlid, 1)]
+    finally:
+        await peer.close()
+        assert admin.transport is not None
+        admin.transport.close()
+
+
 async def test_io_keeps_the_controller_alive(served: Served) -> None:
     async with served.connect(nr_io_queues=2, kato=60_000) as ctrl:
         main_ctrl = served.daemon.target.controllers[ctrl.cntlid]
@@ -390,18 +437,18 @@ def test_worker_log_lines_have_the_main_process_layout() -> None:
 async def test_a_worker_serves_the_checked_file_not_whatever_its_path_names_now(tmp_path: Path) -> None:
     """Issue 10 item 1: a worker reopened the namespace's path, so a file swapped for another (a link
     to /etc/shadow, say) after the main process checked it was served. It now gets the descriptor."""
+    from target.backends import attach_backend
     from target.backends.file import FileBackend
-    from target.worker import Worker
 
     path = tmp_path / "disk.img"
     path.write_bytes(b"A" * 4096)
     checked = FileBackend(path)
+    description, fds = checked.describe_for_worker()   # what the main process sends the worker
     path.unlink()
     path.write_bytes(b"B" * 4096)  # swapped after the check
-    fd = os.dup(checked.fileno())
+    fd = os.dup(fds[0])             # the worker's copy, as SCM_RIGHTS gives it
     checked.close()
-    msg = {"kind": "file", "size": 4096, "backend_read_only": False, "path": str(path)}
-    backend = Worker._open_backend(msg, [fd])
+    backend = attach_backend(description, [fd])
     try:
         assert bytes(await backend.read(0, 4)) == b"AAAA"
     finally:

@@ -47,6 +47,15 @@ class AdminOpcode(enum.IntEnum):
     SANITIZE = 0x84
 
 
+class Direction(enum.IntEnum):
+    """Which way a command's data moves; the values are those of an opcode's bits 1:0 (NVMe Base 2.0
+    §3.3.1 "data transfer" 01b/10b). One enum for both transports and both roles."""
+
+    NONE = 0
+    H2C = 1   # host to controller: the command carries data (Write, Connect, Set Features ...)
+    C2H = 2   # controller to host: the command returns data (Read, Identify, Get Log Page ...)
+
+
 class IoOpcode(enum.IntEnum):
     FLUSH = 0x00
     WRITE = 0x01
@@ -62,6 +71,11 @@ class IoOpcode(enum.IntEnum):
     RESV_RELEASE = 0x15
     COPY = 0x19
     FABRICS = 0x7F
+
+
+# I/O commands that address an LBA range starting at SLBA (CDW10-11): an Error Information log entry
+# for one of them reports that LBA (NVMe Base 2.0 §5.16.1.2); for other commands the field is 0.
+LBA_OPCODES = frozenset({IoOpcode.WRITE, IoOpcode.READ, IoOpcode.COMPARE, IoOpcode.WRITE_ZEROES})
 
 
 class FabricsType(enum.IntEnum):

@@ -7,12 +7,40 @@ write outside the namespace.
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from target.backends.file import BackingPolicy
 
 
 class BackendError(Exception):
     """A backend operation failed; the message names the object and what to do about it."""
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """A namespace's backend settings as the configuration gives them (``Backend.open`` reads them)."""
+
+    path: str | os.PathLike[str] | None = None
+    size: int | None = None
+    read_only: bool = False
+    create: bool = False
+
+
+def close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def one_fd(fds: list[int], what: str) -> int:
+    """The one descriptor a worker description arrives with; any other count is refused (closing them)."""
+    if len(fds) == 1:
+        return fds[0]
+    close_fds(fds)
+    raise BackendError(f"{what} arrived with {len(fds)} descriptors instead of one")
 
 
 class Backend(ABC):
@@ -71,6 +99,41 @@ class Backend(ABC):
 
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind, "size": self._size, "read_only": self._read_only}
+
+    # opening, and serving from worker processes (`serve --workers`) --------------------------------
+    # A subclass registered in target/backends/__init__.py (BACKENDS) overrides what does not fit it.
+
+    @classmethod
+    def open(cls, spec: BackendSpec, policy: BackingPolicy | None = None) -> Backend:
+        """Open one from a namespace's settings (``open_backend``). This default is for a backend
+        made from a size alone (ram, null): it takes no path and no ``create``."""
+        if spec.path is not None:
+            raise BackendError(f"a {cls.kind} backend takes no path (got {os.fspath(spec.path)!r}); give a size")
+        if spec.create:
+            raise BackendError(f"'create' applies to file backends only, not {cls.kind}")
+        if spec.size is None:
+            raise BackendError(f"a {cls.kind} backend needs a size in bytes")
+        return cls(spec.size, read_only=spec.read_only)  # type: ignore[call-arg]
+
+    def for_workers(self) -> Backend:
+        """The backend to serve once worker processes serve it too: itself, or a copy they can
+        share (a private RAM disk moves into a memfd); the caller closes the one it replaces."""
+        return self
+
+    def describe_for_worker(self) -> tuple[dict[str, Any], list[int]]:
+        """What ``attach`` in a worker process needs: plain values (sent as JSON, ``kind`` among them)
+        and descriptors (sent with SCM_RIGHTS; they stay ours, the worker gets copies)."""
+        raise BackendError(f"a {self.kind} backend cannot be served by worker processes")
+
+    @classmethod
+    def attach(cls, description: dict[str, Any], fds: list[int]) -> Backend:
+        """Worker side: serve the backend ``description`` and ``fds`` describe (owning ``fds``)."""
+        close_fds(fds)
+        raise BackendError(f"a {cls.kind} backend cannot be served by worker processes")
+
+    def follow_resize(self, size: int) -> None:
+        """Worker side: present ``size`` bytes after the main process resized the backend."""
+        raise BackendError(f"a {self.kind} backend cannot follow a resize in a worker process")
 
     # shared checks -----------------------------------------------------------------------------
 

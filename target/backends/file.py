@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from nvmeof import defaults
-from target.backends.base import Backend, BackendError
+from target.backends.base import Backend, BackendError, BackendSpec, one_fd
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -330,6 +330,29 @@ class FileBackend(Backend):
         except BaseException:
             self._discard_failed_open()
             raise
+
+    @classmethod
+    def open(cls, spec: BackendSpec, policy: BackingPolicy | None = None) -> FileBackend:
+        if spec.path is None or os.fspath(spec.path) == "":
+            raise BackendError("a file backend needs a path (a regular file or a block device)")
+        return cls(spec.path, size=spec.size, create=spec.create, read_only=spec.read_only, policy=policy)
+
+    def describe_for_worker(self) -> tuple[dict[str, Any], list[int]]:
+        # The checked descriptor, not the path: a file swapped since must not be reopened.
+        return self.describe(), [self._fd]
+
+    @classmethod
+    def attach(cls, description: dict[str, Any], fds: list[int]) -> FileBackend:
+        fd = one_fd(fds, f"file namespace {description.get('path')}")
+        try:
+            return cls.from_fd(fd, description["path"], description["size"], read_only=bool(description["read_only"]))
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def follow_resize(self, size: int) -> None:
+        # The main process already changed the file; here only the presented size follows.
+        self._size = self._positive_size(size, "new size")
 
     @classmethod
     def from_fd(cls, fd: int, path: str, size: int, read_only: bool = False) -> FileBackend:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from target.backends.base import Backend
+from typing import Any
+
+from target.backends.base import Backend, close_fds
 
 # One shared zero buffer serves every read up to this size without allocating.
 ZERO_BUFFER_SIZE = 4 << 20
@@ -50,3 +52,14 @@ class NullBackend(Backend):
 
     def close(self) -> None:
         return None
+
+    def describe_for_worker(self) -> tuple[dict[str, Any], list[int]]:
+        return self.describe(), []   # a worker makes its own: there is nothing to share
+
+    @classmethod
+    def attach(cls, description: dict[str, Any], fds: list[int]) -> NullBackend:
+        close_fds(fds)
+        return cls(description["size"], read_only=bool(description["read_only"]))
+
+    def follow_resize(self, size: int) -> None:
+        self._size = self._positive_size(size, "new size")

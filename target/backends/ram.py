@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import mmap
 from abc import abstractmethod
+from typing import Any
 
 from target.backends.base import Backend, BackendError
 
@@ -125,6 +126,19 @@ class RamBackend(MappedRam):
 
     def _free_pages(self, offset: int, length: int) -> None:
         self._map.madvise(mmap.MADV_DONTNEED, offset, length)
+
+    def for_workers(self) -> Backend:
+        """A shared copy in a memfd: a private mapping is invisible to worker processes."""
+        from target.backends.shared_ram import SharedRamBackend  # it builds on this module
+
+        return SharedRamBackend.from_ram(self)
+
+    @classmethod
+    def attach(cls, description: dict[str, Any], fds: list[int]) -> Backend:
+        """A worker serves a RAM disk from the main process's memfd (what ``for_workers`` made)."""
+        from target.backends.shared_ram import SharedRamBackend
+
+        return SharedRamBackend.attach(description, fds)
 
     async def resize(self, new_size: int) -> None:
         self._check_open()

@@ -1,8 +1,8 @@
 """RAM disk in a memfd, mapped MAP_SHARED by the main process and every worker process.
 
 `nvmeof serve --workers N` serves I/O queues from worker processes, which must see the same RAM
-disk. The main process turns each RAM namespace into one of these (``from_ram``, which copies the
-data once) and passes the memfd to each worker over its control socket (``attach``).
+disk. The main process turns each RAM namespace into one of these (``RamBackend.for_workers``, which
+copies the data once) and passes the memfd to each worker over its control socket (``attach``).
 
 Two differences from the private RamBackend follow from the pages belonging to a file:
 * zeroing whole pages punches a hole in the memfd (MADV_DONTNEED on a shared mapping would only
@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import mmap
 import os
+from typing import Any
 
-from target.backends.base import BackendError
+from target.backends.base import BackendError, one_fd
 from target.backends.file import FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, fallocate
 from target.backends.ram import MappedRam, RamBackend
 
@@ -75,10 +76,14 @@ class SharedRamBackend(MappedRam):
         ram._copy_data_to(shared._view, ram.size)
         return shared
 
+    def describe_for_worker(self) -> tuple[dict[str, Any], list[int]]:
+        return self.describe(), [self._fd]   # kind "ram": RamBackend.attach hands it back to us
+
     @classmethod
-    def attach(cls, fd: int, size: int, *, read_only: bool = False) -> SharedRamBackend:
+    def attach(cls, description: dict[str, Any], fds: list[int]) -> SharedRamBackend:
         """A worker's mapping of the owner's memfd (takes ownership of this copy of the descriptor)."""
-        return cls(fd, size, read_only=read_only, owner=False)
+        fd = one_fd(fds, "a RAM namespace")
+        return cls(fd, description["size"], read_only=bool(description["read_only"]), owner=False)
 
     @property
     def fd(self) -> int:
@@ -104,7 +109,7 @@ class SharedRamBackend(MappedRam):
             _punch(self._fd, new_size, length - new_size)
         self._set_map(_map(self._fd, new_size), new_size)
 
-    def remap(self, size: int) -> None:
+    def follow_resize(self, size: int) -> None:
         """Worker side: present ``size`` bytes after the owner resized the RAM disk."""
         self._check_open()
         if size != self._size:

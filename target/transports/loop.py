@@ -2,20 +2,30 @@
 
 Each end is an ``asyncio.Transport``; ``write`` hands a copy of the bytes to the peer protocol on the
 next loop iteration (``loop.call_soon``), so ordering, pause/resume and close behave like a socket's.
-The target end uses the same protocol class as the TCP listener.
+The target end is the TCP listener's protocol with its own ops (`LOOP_OPS`: trtype "loop", no
+TRTYPE in error log entries): just another transport to the core.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import itertools
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from target.transports.tcp import TargetConnection
+from target.transports.tcp import TCP_OPS, TargetConnection
 
 _ports = itertools.count(49152)
+
+LOOP_OPS = dataclasses.replace(TCP_OPS, trtype="loop", nvme_trtype=0)
+
+
+class LoopConnection(TargetConnection):
+    """The target end of an in-memory connection: NVMe/TCP PDUs, reported as trtype "loop"."""
+
+    ops = LOOP_OPS
 
 
 class LoopTransport(asyncio.Transport):
@@ -156,7 +166,7 @@ async def create_loop_connection(target: Any, protocol_factory: Callable[[], asy
     """The in-memory twin of ``loop.create_connection`` to ``target`` (a target.core.Target)."""
     loop = asyncio.get_running_loop()
     host_end, target_end = transport_pair(loop)
-    target_protocol = TargetConnection(target, None, transport_name="loop")
+    target_protocol = LoopConnection(target, None)
     target_end.set_protocol(target_protocol)
     target_protocol.connection_made(target_end)
     protocol = protocol_factory()

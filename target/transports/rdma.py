@@ -3,12 +3,13 @@
 Modelled on Linux nvmet rdma.c: a CONNECT_REQUEST's private data sizes the queue or is rejected
 with an NVMe/RDMA status (nvmeof.rdma.accept_connect_request); the QP is ours, driven through the
 CM (INIT/RTR/RTS), its receives posted before the accept. Each received capsule becomes a Request
-run as a task, with nvmeof.rdma.RdmaControllerQueue deciding the data movement: keyed SGLs are
+run through the command lifecycle (target/lifecycle.py) as a Task, this connection its TransportQueue
+(``RDMA_OPS``), with nvmeof.rdma.RdmaControllerQueue deciding the data movement: keyed SGLs are
 served by RDMA READ into the queue's registered buffer pool (host writes and the admin Connect data)
 and by RDMA WRITE chained before the response SEND (host reads); SEND_WITH_INV when the descriptor
 asks for it. A broken capsule, a failed work completion (an SGL beyond the host's registration, an
 overrun receive) or a CM disconnect tears only that queue down (and its controller, for an admin
-queue). CM and completion events are read in the event loop from their fds (rdma_verbs.py).
+queue). CM and completion events are read in the event loop from their fds (nvmeof/verbs.py).
 
 Without pyverbs this module still imports; starting a listener raises RdmaUnavailable saying how to
 install Debian's python3-pyverbs.
@@ -20,16 +21,19 @@ import asyncio
 import errno
 import ipaddress
 import logging
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 from nvmeof import defaults
 from nvmeof import rdma as core
-from nvmeof.spec.fabrics import CONNECT_IATTR_SQE, FABRICS_OPCODE
-from nvmeof.spec.nvme import FabricsType
+from nvmeof import verbs as rv
+from nvmeof.spec.fabrics import CONNECT_IATTR_SQE, FABRICS_OPCODE, TrType
+from nvmeof.spec.nvme import SGL_ID_KEYED, SGL_ID_KEYED_INVALIDATE, Command, Direction, FabricsType
 from nvmeof.spec.rdma import RejectStatus, pack_cm_reject
 from nvmeof.status import NvmeError, Status
-from target.request import Direction, Request, TargetQueue
-from target.transports import rdma_verbs as rv
+from target.lifecycle import start_command
+from target.request import Request, TargetQueue
+from target.transport_ops import TransportOps
 
 if TYPE_CHECKING:
     import types
@@ -42,8 +46,29 @@ log = logging.getLogger(__name__)
 _IPO_SQE_QID = 42   # Connect SQE byte offset of QID, for Connect Invalid Parameter
 
 
+# nvmet_rdma_ops: keyed SGLs (0x40/0x4F). check_sgl allows the TCP in-capsule sizes; the queue's own
+# receive buffers (nvmeof.rdma.RdmaControllerQueue) then bound what an admin queue can take (nothing).
+RDMA_OPS = TransportOps(trtype="rdma", name="NVMe/RDMA", nvme_trtype=TrType.RDMA,
+                        sgl_types=frozenset({SGL_ID_KEYED, SGL_ID_KEYED_INVALIDATE}),
+                        admin_incapsule=defaults.ADMIN_INCAPSULE_SIZE, io_incapsule=defaults.IO_INCAPSULE_SIZE)
+
+
+class RdmaRequest(Request):
+    """A Request with the pool range its host data was read into (given back by release)."""
+
+    __slots__ = ("held",)
+
+    def __init__(self, queue: TargetQueue, cmd: Command) -> None:
+        super().__init__(queue, cmd)
+        self.held: tuple[int, int] | None = None
+
+
 class RdmaTargetConnection:
-    """The controller end of one NVMe/RDMA queue (one CM id, one RC QP)."""
+    """The controller end of one NVMe/RDMA queue (one CM id, one RC QP): the TransportQueue the
+    command lifecycle (target/lifecycle.py) drives. Commands run as Tasks (``eager`` off, as before)."""
+
+    ops = RDMA_OPS
+    eager = False
 
     def __init__(self, listener: RdmaListener, cmid: Any, handle: int, params: core.QueueParams,
                  read_depth: int) -> None:
@@ -54,10 +79,11 @@ class RdmaTargetConnection:
         self.handle = handle
         self.params = params
         self.read_depth = read_depth
-        incapsule = 0 if params.is_admin else defaults.IO_INCAPSULE_SIZE
+        # The admin queue's receives hold an SQE only (the Linux host never sends admin data inline).
+        incapsule = 0 if params.is_admin else self.ops.io_incapsule
         self.rq = core.RdmaControllerQueue(params, incapsule_size=incapsule)
         local, peer = rv.cmid_addresses(cmid)
-        self.queue = TargetQueue(peer=peer, transport="rdma", listener=listener.listener,
+        self.queue = TargetQueue(ops=self.ops, peer=peer, listener=listener.listener,
                                  local_addr=rv.host_of(local), close=self._close_by_target)
         self.established = False
         self.closed = False
@@ -147,63 +173,65 @@ class RdmaTargetConnection:
             self.close(f"bad command capsule: {err}")
             return
         self._post_recv(slot)
-        req = Request(self.queue, cmd)
-        task = asyncio.get_running_loop().create_task(self._run(req))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task = start_command(self.target, self, RdmaRequest(self.queue, cmd))
+        if task is not None:
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     # --- commands -------------------------------------------------------------------------------
 
-    async def _run(self, req: Request) -> None:
-        target = self.target
-        cid = req.cmd.cid
+    # --- TransportQueue: what the command lifecycle asks of this queue --------------------------
+
+    def fetch_data(self, req: RdmaRequest) -> Awaitable[None] | None:
+        """Check the descriptor (nvmeof.rdma plan); host data comes in-capsule or by RDMA READ into the
+        queue's registered pool (nvmet_rdma_map_sgl_keyed + nvmet_rdma_rdma_read)."""
+        plan = self.rq.plan(req.cmd.cid, req.direction, req.data_len)
+        cmd = req.cmd
+        if cmd.opcode == FABRICS_OPCODE and cmd.fctype == FabricsType.CONNECT and cmd.cdw10 >> 16 != self.params.qid:
+            raise NvmeError(Status.CONNECT_INVALID_PARAM,
+                            f"Connect for qid {cmd.cdw10 >> 16} on the RDMA queue the CM set up as qid "
+                            f"{self.params.qid}", result=(CONNECT_IATTR_SQE << 16) | _IPO_SQE_QID)
+        if req.direction != Direction.H2C:
+            return None
+        if plan.data is not None:
+            req.data = plan.data
+            return None
+        return self._fetch_keyed(req, plan.reads)
+
+    async def _fetch_keyed(self, req: RdmaRequest, reads: list[core.RdmaRead]) -> None:
+        pool = self.pool
+        assert pool is not None
+        held = (await pool.acquire(req.data_len), req.data_len)
+        try:
+            await self._read(reads, held[0])
+        except BaseException:
+            if not self.closed:
+                pool.release(*held)
+            raise
+        req.held = held
+        req.data = pool.view(*held)
+
+    def release(self, req: RdmaRequest) -> None:
+        if req.held is not None and not self.closed and self.pool is not None:
+            self.pool.release(*req.held)
+        req.held = None
+
+    async def queue_response(self, req: Request, cqe: bytes, data: bytes | bytearray | memoryview | None) -> None:
+        """Reply data by RDMA WRITE from the pool, chained before the response SEND (nvmet_rdma_queue_response)."""
         pool = self.pool
         assert pool is not None
         held: tuple[int, int] | None = None
-        reply_len = 0
         try:
-            try:
-                target.parse(req)
-                plan = self.rq.plan(cid, req.direction, req.data_len)
-                cmd = req.cmd
-                if cmd.opcode == FABRICS_OPCODE and cmd.fctype == FabricsType.CONNECT \
-                        and cmd.cdw10 >> 16 != self.params.qid:
-                    raise NvmeError(Status.CONNECT_INVALID_PARAM,
-                                    f"Connect for qid {cmd.cdw10 >> 16} on the RDMA queue the CM set up as qid "
-                                    f"{self.params.qid}", result=(CONNECT_IATTR_SQE << 16) | _IPO_SQE_QID)
-                if req.direction == Direction.H2C:
-                    if plan.data is not None:
-                        req.data = plan.data
-                    else:
-                        held = (await pool.acquire(req.data_len), req.data_len)
-                        await self._read(plan.reads, held[0])
-                        req.data = pool.view(*held)
-                assert req.execute is not None
-                await req.execute(req)
-                if req.direction == Direction.C2H and req.reply is not None:
-                    reply = req.reply_payload()
-                    if held is None:
-                        held = (await pool.acquire(len(reply)), len(reply))
-                    pool.view(held[0], len(reply))[:] = reply
-                    reply_len = len(reply)
-                cqe = target.complete(req)
-            except NvmeError as err:
-                reply_len = 0
-                cqe = target.fail(req, err)
-            except (asyncio.CancelledError, ConnectionError):
-                raise
-            except Exception as exc:
-                log.exception("command %r failed unexpectedly", req)
-                reply_len = 0
-                cqe = target.fail(req, NvmeError(Status.INTERNAL, f"internal error: {exc}"))
-            if self.closed:
-                return
-            actions = self.rq.complete(cid, cqe, reply_len)
-            await self._respond(actions, held if reply_len else None)
-            if reply_len:
-                held = None   # freed when the SEND completes (the WRITE before it has then completed)
-        except (asyncio.CancelledError, ConnectionError):
-            return
+            if data is not None:
+                held = (await pool.acquire(len(data)), len(data))
+                if self.closed:
+                    return
+                pool.view(*held)[:] = data
+            actions = self.rq.complete(req.cmd.cid, cqe, len(data) if data is not None else 0)
+            await self._respond(actions, held)
+            held = None   # freed when the SEND completes (the WRITE before it has then completed)
+        except ConnectionError:
+            return   # torn down while waiting for the pool
         finally:
             if held is not None and not self.closed:
                 pool.release(*held)
@@ -311,10 +339,9 @@ class RdmaListener:
         self.listener = listener
         self.connections: dict[int, RdmaTargetConnection] = {}
         self.pv: types.SimpleNamespace = None  # type: ignore[assignment]
-        self.channel: Any = None
+        self.cm: rv.CmEventChannel | None = None
         self.listen_id: Any = None
         self._bare_id: Any = None
-        self._fd = -1
         self._handle = 0
 
     @property
@@ -330,11 +357,10 @@ class RdmaListener:
         if not self.listener.trsvcid:
             raise ValueError("NVMe/RDMA listeners need an explicit port (4420 is the NVMe/RDMA port)")
         ce = pv.ce
-        self.channel = pv.CMEventChannel()
+        self.cm = rv.CmEventChannel(pv, f"NVMe/RDMA listener {self.listener.id}")
         try:
-            self._fd = rv.cm_channel_fd(self.channel)
-            self.listen_id = pv.CMID(creator=self.channel, port_space=ce.RDMA_PS_TCP)
-            self._handle = rv.cmid_handle(self.listen_id, self.channel)
+            self.listen_id = pv.CMID(creator=self.cm.channel, port_space=ce.RDMA_PS_TCP)
+            self._handle = rv.cmid_handle(self.listen_id, self.cm.channel)
             ai = pv.AddrInfo(src=addr, src_service=str(self.listener.trsvcid), port_space=ce.RDMA_PS_TCP,
                              flags=ce.RAI_PASSIVE)
             try:
@@ -351,39 +377,25 @@ class RdmaListener:
             self._close_ids()
             raise
         self._bare_id = pv.CMID()   # a listen_id without verbs objects: see _on_request
-        asyncio.get_running_loop().add_reader(self._fd, self._on_cm_readable)
+        self.cm.start(self._dispatch)
         log.info("NVMe/RDMA listening on %s:%d%s", addr, self.listener.trsvcid,
                  " (discovery)" if self.listener.discovery else "")
 
     async def stop(self) -> None:
-        if self._fd >= 0:
-            asyncio.get_running_loop().remove_reader(self._fd)
-            self._fd = -1
+        if self.cm is not None:
+            self.cm.stop()
         for conn in list(self.connections.values()):
             conn.close("listener stopped")
         self.connections.clear()
         self._close_ids()
 
     def _close_ids(self) -> None:
-        rv.close_quietly(self.listen_id, self.channel)
-        self.listen_id = self.channel = None
+        rv.close_quietly(self.listen_id)
+        if self.cm is not None:
+            self.cm.close()
+        self.listen_id = self.cm = None
 
     # --- CM events ------------------------------------------------------------------------------
-
-    def _on_cm_readable(self) -> None:
-        pv = self.pv
-        while self.channel is not None:
-            try:
-                ev = pv.CMEvent(self.channel)
-            except pv.PyverbsError:
-                return   # drained (EAGAIN)
-            try:
-                self._dispatch(ev)
-            except Exception:
-                log.exception("NVMe/RDMA listener %s: handling CM event %s failed", self.listener.id,
-                              ev.event_str())
-            finally:
-                ev.close()   # acks it unless already acked
 
     def _dispatch(self, ev: Any) -> None:
         ce = self.pv.ce

@@ -1,15 +1,16 @@
 """NVMe/TCP on asyncio: one `TargetConnection` protocol per queue around nvmeof.tcp.TcpConnection.
 
-Modelled on Linux nvmet tcp.c: ICReq -> ICResp; each command capsule becomes a Request run as its own
-task (a queue's commands may complete out of order); host data arrives in-capsule or, for larger
-writes, after one R2T for the whole length (the host's MAXR2T is 0), its H2CData PDUs checked against
-that R2T before a buffer is allocated. R2Ts are paced by a per-connection byte budget (``h2c_budget``):
-a write whose R2T would exceed it waits, first come first served, for earlier ones to finish, while
-commands without host data go on; on top of it, all connections of a process share one global budget
-(``H2CBudget``), granted round-robin between the connections that wait for it. Large H2CData payloads
-are received straight into the write's buffer (the sans-IO ``place`` hook). Reads go out as C2HData
-(SUCCESS only when SQ flow control is off and nothing else must be said) plus a CapsuleResp. Losing
-the admin queue tears the controller down.
+Modelled on Linux nvmet tcp.c: ICReq -> ICResp; each command capsule becomes a Request run through the
+command lifecycle (target/lifecycle.py: inline, a Task only once it waits; a queue's commands may
+complete out of order), for which this connection is the TransportQueue (``TCP_OPS``). Host data
+arrives in-capsule or, for larger writes, after one R2T for the whole length (the host's MAXR2T is 0),
+its H2CData PDUs checked against that R2T before a buffer is allocated. R2Ts are paced by a
+per-connection byte budget (``h2c_budget``): a write whose R2T would exceed it waits, first come first
+served, for earlier ones to finish, while commands without host data go on; on top of it, all
+connections of a process share one global budget (``H2CBudget``), granted round-robin between the
+connections that wait for it. Large H2CData payloads are received straight into the write's buffer
+(the sans-IO ``place`` hook). Reads go out as C2HData (SUCCESS only when SQ flow control is off and
+nothing else must be said) plus a CapsuleResp. Losing the admin queue tears the controller down.
 
 Port limits (``TcpLimits``, per Target in ``TcpPort``): a connection must send ICReq within
 ``ic_timeout`` and its Fabrics Connect within ``connect_timeout`` after our ICResp, or it is closed
@@ -32,12 +33,13 @@ import socket
 import time
 import weakref
 from collections import deque
-from collections.abc import Coroutine, Generator
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from nvmeof import defaults
-from nvmeof.spec.nvme import SGL_ID_INCAPSULE, Command
+from nvmeof.spec.fabrics import TrType
+from nvmeof.spec.nvme import SGL_ID_INCAPSULE, SGL_ID_TRANSPORT, Command, Direction
 from nvmeof.status import NvmeError, Status
 from nvmeof.tcp import (
     CommandReceived,
@@ -48,7 +50,9 @@ from nvmeof.tcp import (
     TcpConnection,
     TermReqReceived,
 )
-from target.request import Direction, Request, TargetQueue
+from target.lifecycle import start_command
+from target.request import Request, TargetQueue
+from target.transport_ops import TransportOps
 
 if TYPE_CHECKING:
     from target.core import Target
@@ -78,44 +82,18 @@ class _PendingH2C:
         self.digest_ok = True
 
 
-class _Continue:
-    """Awaitable that finishes a coroutine which was started by hand and suspended at ``first``.
-
-    The target runs each command's coroutine eagerly inside ``data_received``; most (RAM-disk I/O,
-    admin commands) finish without suspending and never cost a Task. One that does suspend yields
-    the future it waits on; a Task running this relays that future and every later one, and
-    forwards whatever the Task sends or throws (cancellation), as if the Task had run it from the start.
-    """
-
-    __slots__ = ("coro", "first")
-
-    def __init__(self, coro: Coroutine[Any, Any, None], first: Any) -> None:
-        self.coro = coro
-        self.first = first
-
-    def __await__(self) -> Generator[Any, None, None]:
-        coro = self.coro
-        value = self.first
-        while True:
-            try:
-                yield value
-            except GeneratorExit:
-                coro.close()
-                raise
-            except BaseException as exc:   # relayed to the coroutine, which decides
-                try:
-                    value = coro.throw(exc)
-                except StopIteration:
-                    return
-            else:
-                try:
-                    value = coro.send(None)
-                except StopIteration:
-                    return
+# nvmet_tcp_ops: transport SGLs (0x5A) for data beyond the capsule; 8 KiB in-capsule (NVME_TCP_ADMIN_CCSZ).
+TCP_OPS = TransportOps(trtype="tcp", name="NVMe/TCP", nvme_trtype=TrType.TCP, sgl_types=frozenset({SGL_ID_TRANSPORT}),
+                       admin_incapsule=defaults.ADMIN_INCAPSULE_SIZE, io_incapsule=defaults.IO_INCAPSULE_SIZE)
 
 
-async def _finish(coro: Coroutine[Any, Any, None], first: Any) -> None:
-    await _Continue(coro, first)
+class TcpRequest(Request):
+    """A Request with what its CapsuleCmd brought: in-capsule data and whether its data digest held."""
+
+    __slots__ = ("digest_ok", "incapsule")
+
+    incapsule: bytes | None
+    digest_ok: bool
 
 
 def _queue_gone() -> None:
@@ -367,8 +345,10 @@ class TcpPort:
 
 
 class TargetConnection(asyncio.BufferedProtocol):
-    """The controller end of one NVMe/TCP queue (also used over the in-memory loop transport)."""
+    """The controller end of one NVMe/TCP queue (also used over the in-memory loop transport): the
+    TransportQueue the command lifecycle (target/lifecycle.py) drives."""
 
+    ops = TCP_OPS
     # Run each command's coroutine inline first and make a Task only if it suspends; False makes a
     # Task per command (the general path the fast path is tested against).
     eager = True
@@ -379,15 +359,15 @@ class TargetConnection(asyncio.BufferedProtocol):
     # one transfer slows the queue down but never stops it.
     h2c_budget = defaults.TCP_H2C_BUDGET
 
-    def __init__(self, target: Target, listener: Listener | None = None, *, transport_name: str = "tcp",
-                 on_lost: Any = None) -> None:
+    def __init__(self, target: Target, listener: Listener | None = None, *, on_lost: Any = None) -> None:
         self.target = target
         self.listener = listener
+        ops = self.ops
         self.conn = TcpConnection(Role.CONTROLLER, maxh2cdata=defaults.MAXH2CDATA,
-                                  max_incapsule=max(defaults.ADMIN_INCAPSULE_SIZE, defaults.IO_INCAPSULE_SIZE))
+                                  max_incapsule=max(ops.admin_incapsule, ops.io_incapsule))
         # Large H2CData payloads go straight into the write's buffer (see _place).
         self.conn.place = self._place
-        self.queue = TargetQueue(transport=transport_name, listener=listener, close=self.close)
+        self.queue = TargetQueue(ops=ops, listener=listener, close=self.close)
         self.transport: asyncio.Transport | None = None
         # Small while the connection is idle; grows while reads fill it (see buffer_updated).
         self._recv = memoryview(bytearray(RECV_BUFFER_MIN))
@@ -647,18 +627,13 @@ class TargetConnection(asyncio.BufferedProtocol):
     # --- commands -------------------------------------------------------------------------------
 
     def _on_command(self, event: CommandReceived) -> None:
-        req = Request(self.queue, Command.from_bytes(event.sqe))
+        req = TcpRequest(self.queue, Command.from_bytes(event.sqe))
         # The event's views die at the next receive_data: keep a copy of in-capsule data.
-        data = bytes(event.data) if event.data is not None else None
-        coro = self._run(req, data, event.digest_ok)
-        if self.eager:
-            try:
-                first = coro.send(None)
-            except StopIteration:
-                return   # completed without waiting: no Task
-            task = asyncio.get_running_loop().create_task(_finish(coro, first))
-        else:
-            task = asyncio.get_running_loop().create_task(coro)
+        req.incapsule = bytes(event.data) if event.data is not None else None
+        req.digest_ok = event.digest_ok
+        task = start_command(self.target, self, req)
+        if task is None:
+            return   # completed without waiting: no Task
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
         if len(self._tasks) >= MAX_INFLIGHT:
@@ -669,49 +644,44 @@ class TargetConnection(asyncio.BufferedProtocol):
         if self._read_paused:
             self._update_reading()
 
-    async def _run(self, req: Request, data: bytes | None, digest_ok: bool) -> None:
-        target = self.target
-        reserved = 0
+    # --- TransportQueue: what the command lifecycle asks of this queue --------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def fetch_data(self, req: TcpRequest) -> Awaitable[None] | None:
+        """In-capsule data is checked and taken; a larger write gets its R2T (nvmet_tcp_map_data)."""
+        data = req.incapsule
+        if req.direction == Direction.H2C:
+            if req.cmd.sgl_id == SGL_ID_INCAPSULE or data is not None:
+                req.data = self._incapsule_data(req, data, req.digest_ok)
+                return None
+            return self._fetch_r2t(req)
+        if data is not None:
+            raise NvmeError(Status.INVALID_FIELD, f"{len(data)} bytes of in-capsule data for a command that takes none")
+        return None
+
+    async def _fetch_r2t(self, req: Request) -> None:
+        await self._reserve_h2c(req.data_len)
         try:
-            target.parse(req)
-            if req.direction == Direction.H2C:
-                if req.cmd.sgl_id == SGL_ID_INCAPSULE or data is not None:
-                    req.data = self._incapsule_data(req, data, digest_ok)
-                else:
-                    await self._reserve_h2c(req.data_len)
-                    reserved = req.data_len
-                    req.data = await self._r2t_data(req)
-            elif data is not None:
-                raise NvmeError(Status.INVALID_FIELD,
-                                f"{len(data)} bytes of in-capsule data for a command that takes none")
-            assert req.execute is not None
-            await req.execute(req)
-        except NvmeError as err:
-            self._send_cqe(target.fail(req, err))
-            return
-        except asyncio.CancelledError:
+            req.data = await self._r2t_data(req)
+        except BaseException:
+            self._release_h2c(req.data_len)
             raise
-        except Exception as exc:
-            log.exception("command %r failed unexpectedly", req)
-            self._send_cqe(target.fail(req, NvmeError(Status.INTERNAL, f"internal error: {exc}")))
-            return
-        finally:
-            if reserved:
-                self._release_h2c(reserved)   # the write is done with its buffer
-        if self._closed:
-            return
-        if req.direction == Direction.C2H and req.reply is not None:
-            reply = req.reply
-            if len(reply) != req.data_len:
-                reply = bytes(reply[:req.data_len]).ljust(req.data_len, b"\x00")
-            queue = req.queue
-            if queue.sqflow_disabled and not req.dw0 and not req.dw1:
+
+    def release(self, req: Request) -> None:
+        self._release_h2c(req.data_len)   # the write is done with its buffer
+
+    def queue_response(self, req: Request, cqe: bytes, data: bytes | bytearray | memoryview | None) -> None:
+        if data is not None:
+            if req.queue.sqflow_disabled and not req.dw0 and not req.dw1:
                 # The SUCCESS flag stands in for the CapsuleResp (nvmet/SPDK do this only without SQ flow control)
-                self.conn.send_c2h_data(req.cmd.cid, 0, reply, last=True, success=True)
+                self.conn.send_c2h_data(req.cmd.cid, 0, data, last=True, success=True)
                 self._flush()
                 return
-            self.conn.send_c2h_data(req.cmd.cid, 0, reply, last=True, success=False)
-        self._send_cqe(target.complete(req))
+            self.conn.send_c2h_data(req.cmd.cid, 0, data, last=True, success=False)
+        self._send_cqe(cqe)
 
     def _send_cqe(self, cqe: bytes) -> None:
         if self._closed:

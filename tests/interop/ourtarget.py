@@ -31,7 +31,7 @@ START_TIMEOUT = 30.0
 STOP_TIMEOUT = 20.0
 
 _REPO = Path(__file__).resolve().parents[2]
-# A line as logging.basicConfig formats it in nvmeof/cli.py: "<date> <time> LEVEL logger: message".
+# A line as logging.basicConfig formats it in nvmeof/cli/__init__.py: "<date> <time> LEVEL logger: message".
 _LOG_LEVEL_RE = re.compile(r"^\S+ \S+ (DEBUG|INFO|WARNING|ERROR|CRITICAL) ", re.MULTILINE)
 
 

@@ -37,7 +37,7 @@ from pyverbs.wr import SGE, RecvWR, SendWR
 
 from nvmeof import rdma
 from nvmeof.spec import rdma as spec
-from nvmeof.spec.nvme import Command, IoOpcode, pack_cqe
+from nvmeof.spec.nvme import Command, Direction, IoOpcode, pack_cqe
 
 ADDR = "10.0.2.15"
 PORT = "4420"
@@ -197,7 +197,7 @@ def controller() -> None:
         capsule = recv.read(wc.byte_len, 0)
         cmd = queue.receive_capsule(capsule)
         v.post_recv(recv, 1)
-        direction = rdma.DataDirection.H2C if cmd.opcode == IoOpcode.WRITE else rdma.DataDirection.C2H
+        direction = Direction.H2C if cmd.opcode == IoOpcode.WRITE else Direction.C2H
         plan = queue.plan(cmd.cid, direction, SIZE)
         for a in plan.reads:
             v.post(e.IBV_WR_RDMA_READ, data, a.length, 10, a.local_offset, (a.addr, a.rkey))

@@ -19,7 +19,8 @@ import pytest
 from tests.interop import rootfs, vm
 from tests.interop.test_rdma_guest import RXE_SETUP, debian_rootfs  # noqa: F401  (fixture)
 
-pytestmark = [pytest.mark.vm, pytest.mark.rdma, pytest.mark.slow]
+# As in test_vm_kernel_attach: the guest's own 900 s deadline is the bound, not pytest-timeout's 300 s default.
+pytestmark = [pytest.mark.vm, pytest.mark.rdma, pytest.mark.slow, pytest.mark.timeout(960)]
 
 NQN = "nqn.2026-11.io.nvmeof-toolkit:rdma-ours"
 KNQN = "nqn.2026-11.io.nvmeof-toolkit:rdma-kernel"

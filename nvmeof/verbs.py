@@ -1,4 +1,6 @@
-"""pyverbs plumbing shared by the NVMe/RDMA target listener and the host queues (initiator/rdma.py).
+"""pyverbs plumbing shared by the NVMe/RDMA target listener (target/transports/rdma.py) and the host
+queues (initiator/rdma.py): the one module of the protocol core that touches verbs and the event loop.
+pyverbs itself is imported only by :func:`load_pyverbs`, so the core imports without it.
 
 What pyverbs 44 (Debian bookworm's python3-pyverbs, rdma-core 44) lacks, and how this module fills it
 in (facts proven in the guest; docs/RDMA-NOTES.md):
@@ -178,6 +180,62 @@ def close_quietly(*objs: Any) -> None:
 
 def host_of(address: str) -> str:
     return address.rsplit(":", 1)[0].strip("[]") if address else ""
+
+
+# --------------------------------------------------------------------------- CM events
+
+
+class CmEventChannel:
+    """An RDMA CM event channel read in the event loop; every event goes to ``on_event`` and is then acked.
+
+    Both roles drain their channel the same way, as SPDK's nvmf_process_cm_event does: read events from
+    the non-blocking fd until it is empty (pyverbs raises on EAGAIN), hand each to the role, and ack it
+    afterwards unless the handler acked it first (it must before destroying the event's CM id, as
+    rdma_destroy_id waits for its events to be acked).
+    """
+
+    def __init__(self, pv: types.SimpleNamespace, name: str) -> None:
+        self.pv = pv
+        self.name = name
+        self.channel: Any = pv.CMEventChannel()
+        try:
+            self.fd = cm_channel_fd(self.channel)
+        except BaseException:
+            close_quietly(self.channel)
+            raise
+        self._reading = False
+
+    def start(self, on_event: Callable[[Any], None]) -> None:
+        """Deliver the events to ``on_event(event)`` from now on (an exception in it is logged)."""
+        self.on_event = on_event
+        asyncio.get_running_loop().add_reader(self.fd, self._readable)
+        self._reading = True
+
+    def stop(self) -> None:
+        """Deliver no more events (idempotent); the channel stays open for close()."""
+        if self._reading:
+            self._reading = False
+            asyncio.get_running_loop().remove_reader(self.fd)
+
+    def close(self) -> None:
+        """Stop reading and destroy the channel; close the CM ids created on it first."""
+        self.stop()
+        close_quietly(self.channel)
+        self.channel = None
+
+    def _readable(self) -> None:
+        pv = self.pv
+        while self._reading and self.channel is not None:
+            try:
+                ev = pv.CMEvent(self.channel)
+            except pv.PyverbsError:
+                return   # drained (EAGAIN)
+            try:
+                self.on_event(ev)
+            except Exception:
+                log.exception("%s: handling RDMA CM event %s failed", self.name, ev.event_str())
+            finally:
+                ev.close()   # acks it unless the handler already did
 
 
 # --------------------------------------------------------------------------- memory

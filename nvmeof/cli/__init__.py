@@ -23,15 +23,15 @@ def cli(log_level: str) -> None:
 
 
 def _register() -> None:
-    from nvmeof.commands import host, serve
+    from nvmeof.cli.commands import host, serve
 
     serve.register(cli)
     host.register(cli)
-    from nvmeof.commands import manage
+    from nvmeof.cli.commands import manage
 
     manage.register(cli)
     try:
-        from nvmeof.commands import bench
+        from nvmeof.cli.commands import bench
     except ImportError:  # benchmark command lands separately
         return
     bench.register(cli)

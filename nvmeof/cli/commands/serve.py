@@ -97,8 +97,8 @@ def _api(value: str):
 def serve(**kw) -> None:
     """Run the NVMe-oF target: by default one subsystem with a 1 GiB RAM disk, allowing any host,
     I/O on 127.0.0.1:4420, discovery on 127.0.0.1:8009 and the REST API on 127.0.0.1:8080."""
-    from target.daemon import DaemonError, DaemonOptions
-    from target.daemon import serve as run
+    from nvmeof.cli.daemon import DaemonError, DaemonOptions
+    from nvmeof.cli.daemon import serve as run
 
     # Each option group below turns its click values into DaemonOptions fields (one place per option).
     try:

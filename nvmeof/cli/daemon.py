@@ -1,5 +1,6 @@
 """The target process: restore or create the configuration, start listeners and the REST API, and
-shut everything down cleanly on SIGINT/SIGTERM.
+shut everything down cleanly on SIGINT/SIGTERM. It lives in the composition layer (nvmeof/cli/), the one
+place that may assemble the target, the REST API and the transports together (tests/test_layers.py).
 
 The REST API always requires a token. Unless one is given (--api-token, NVMEOF_API_TOKEN) a random
 one is generated at every start. Either way it is written to ``<state dir>/api-token`` (mode 0600,
@@ -231,10 +232,8 @@ class Daemon:
 
     async def start(self) -> None:
         opts = self.options
-        start_workers = getattr(self.target, "start_workers", None)
-        if start_workers is not None:
-            # Before the configuration is replayed, so every namespace reaches the workers as it appears.
-            await start_workers()
+        # Before the configuration is replayed, so every namespace reaches the workers as it appears.
+        await self.target.start_workers()
         if opts.api is not None:
             # Checked before the (possibly long) restore, so a bad state directory fails at once.
             self.state_dir = state_directory(opts.state_dir)

@@ -1,0 +1,146 @@
+"""What every benchmark script shares: start `nvmeof serve`, run `nvmeof bench`, read its JSON.
+
+benchmarks/run.py (the matrix against the raw TCP baseline) and benchmarks/workers.py (`--workers 0`
+against `--workers N`) both go through ``serving`` and ``run_bench``, so a row means the same
+`nvmeof bench` command line, and the same figures are read from its report, in each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    rw: str
+    bs: int
+    iodepth: int
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, proc: subprocess.Popen[bytes], what: str, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise SystemExit(f"{what} exited with status {proc.returncode} before listening on port {port}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise SystemExit(f"{what} did not listen on port {port} within {timeout:.0f} s")
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = str(ROOT) + (os.pathsep + e["PYTHONPATH"] if e.get("PYTHONPATH") else "")
+    return e
+
+
+def machine() -> dict[str, Any]:
+    model = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        import uvloop  # noqa: F401
+        loop = "uvloop"
+    except ImportError:
+        loop = "asyncio"
+    return {"cpus": os.cpu_count(), "cpu_model": model, "python": platform.python_version(),
+            "kernel": platform.release(), "event_loop": loop}
+
+
+def stop(proc: subprocess.Popen[Any]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run_json(cmd: list[str], what: str, timeout: float) -> Any:
+    """Run a benchmark client and return the JSON it prints; a failure stops the run with its stderr."""
+    out = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=timeout)
+    if out.returncode != 0:
+        raise SystemExit(f"{what} (status {out.returncode}):\n{out.stderr}")
+    return json.loads(out.stdout)
+
+
+@contextmanager
+def running(cmd: list[str], port: int, what: str) -> Iterator[subprocess.Popen[bytes]]:
+    """``cmd`` started (stdout dropped), yielded once it listens on ``port``, stopped on the way out."""
+    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.DEVNULL, cwd=ROOT)
+    try:
+        wait_port(port, proc, what)
+        yield proc
+    finally:
+        stop(proc)
+
+
+@contextmanager
+def serving(ramdisk_size: str, *, workers: int | None = None,
+            log_level: str | None = None) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """`nvmeof serve --api none` with a RAM disk on free loopback ports: yields the process and its
+    I/O port once it listens, and stops it (SIGINT, as Ctrl-C) on the way out."""
+    io_port, disc_port = free_port(), free_port()
+    cmd = [sys.executable, "-m", "nvmeof.cli", *(["--log-level", log_level] if log_level else []),
+           "serve", "--api", "none", "--listen", f"tcp://127.0.0.1:{io_port}",
+           "--discovery", f"tcp://127.0.0.1:{disc_port}", "--ramdisk-size", ramdisk_size]
+    what = "nvmeof serve"
+    if workers is not None:
+        cmd += ["--workers", str(workers)]
+        what += f" --workers {workers}"
+    with running(cmd, io_port, what) as proc:
+        yield proc, io_port
+
+
+def run_bench(row: Row, port: int, target_pid: int, *, runtime: float, ramp: float, numjobs: int,
+              nr_io_queues: int | None = None) -> dict[str, Any]:
+    """One row through `nvmeof bench --output-format json` (``--target-pid``: the target's CPU per
+    I/O, its worker processes included) and the figures of its first (grouped) job."""
+    cmd = [sys.executable, "-m", "nvmeof.cli", "bench", "-a", "127.0.0.1", "-s", str(port),
+           "--name", row.name, "--rw", row.rw, "--bs", str(row.bs), "--iodepth", str(row.iodepth),
+           "--runtime", str(runtime), "--time_based", "--ramp_time", str(ramp), "--numjobs", str(numjobs),
+           *(["--nr-io-queues", str(nr_io_queues)] if nr_io_queues is not None else []), "--group_reporting",
+           "--output-format", "json", "--eta", "never", "--target-pid", str(target_pid)]
+    report = run_json(cmd, f"nvmeof bench failed for {row.name}", runtime * 4 + 120)
+    return bench_figures(report, row)
+
+
+def bench_figures(report: dict[str, Any], row: Row) -> dict[str, Any]:
+    """The figures the benchmark scripts print and save, from an `nvmeof bench` JSON report."""
+    job = report["jobs"][0]
+    d = job["read"] if "read" in row.rw else job["write"]
+    return {
+        "iops": d["iops"], "bw_bytes": d["bw_bytes"], "mean_lat_ns": d["clat_ns"]["mean"],
+        "p99_ns": d["clat_ns"].get("percentile", {}).get("99.000000"), "total_ios": d["total_ios"],
+        "runtime_ms": d["runtime"], "target_cpu_us_per_io": report["cpu_us_per_io"]["target"],
+        "initiator_cpu_us_per_io": report["cpu_us_per_io"]["initiator"],
+    }

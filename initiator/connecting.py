@@ -1,0 +1,61 @@
+"""``initiator.connect``: the composition of HostController and ReconnectingController.
+
+It lives apart from both so neither imports the other's module in a cycle: reconnect.py builds on
+controller.py, and this module on both (tests/test_layers.py checks the initiator has no import cycle).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from initiator.controller import AsyncEvent, HostController
+from initiator.reconnect import ReconnectingController
+from nvmeof import defaults
+
+
+class _Connecting:
+    """What :func:`connect` returns: await it for the controller, or use it with ``async with``."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self._make = make
+        self._ctrl: Any = None
+
+    def __await__(self) -> Any:
+        return self._make().__await__()
+
+    async def __aenter__(self) -> Any:
+        self._ctrl = await self._make()
+        return self._ctrl
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._ctrl.disconnect()
+
+
+def connect(traddr: str, trsvcid: int | str = defaults.TCP_IO_PORT,
+            subnqn: str = defaults.DEFAULT_SUBSYSTEM_NQN, hostnqn: str | None = None,
+            hostid: str | uuid.UUID | bytes | None = None, transport: str = "tcp",
+            nr_io_queues: int = 1, queue_size: int = defaults.MAX_QUEUE_SIZE, hdr_digest: bool = False,
+            data_digest: bool = False, kato: int = defaults.DEFAULT_KATO_MS, timeout: float = 30.0, *,
+            target: Any = None, disable_sqflow: bool = False,
+            event_callback: Callable[[AsyncEvent], Any] | None = None, reconnect: bool = False,
+            max_reconnect_delay: float = 30.0, reconnect_attempts: int | None = None) -> _Connecting:
+    """Connect to an NVMe-oF controller: ``ctrl = await connect(...)`` or ``async with connect(...) as ctrl``.
+
+    With ``reconnect=True`` the result is a :class:`initiator.reconnect.ReconnectingController`.
+    """
+    kwargs: dict[str, Any] = dict(
+        hostnqn=hostnqn, hostid=hostid, transport=transport, nr_io_queues=nr_io_queues, queue_size=queue_size,
+        hdr_digest=hdr_digest, data_digest=data_digest, kato=kato, timeout=timeout, target=target,
+        disable_sqflow=disable_sqflow, event_callback=event_callback)
+    if reconnect:
+        async def make_reconnecting() -> Any:
+            rc = ReconnectingController(traddr, trsvcid, subnqn, max_delay=max_reconnect_delay,
+                                        attempts=reconnect_attempts, **kwargs)
+            return await rc.open()
+        return _Connecting(make_reconnecting)
+
+    async def make() -> HostController:
+        return await HostController(traddr, trsvcid, subnqn, **kwargs).open()
+    return _Connecting(make)

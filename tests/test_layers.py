@@ -1,0 +1,252 @@
+"""The layers point down: every import in nvmeof/, target/, initiator/ and api/ is read with `ast`.
+
+    composition  nvmeof/cli/ (the click CLI, the daemon assembly) and nvmeof/__main__.py: may import anything
+    api          core + target
+    target       core only          initiator    core only          (never each other)
+    core         nvmeof/ without the composition layer: standard and third-party libraries only
+
+Module-level and function-level imports count alike (a lazy import is still an arrow), and so does
+``importlib.import_module("...")`` / ``__import__("...")`` with a literal name. Inside the initiator,
+no two modules may import each other, directly or around a longer loop.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("nvmeof", "target", "initiator", "api")
+COMPOSITION = ("nvmeof.cli", "nvmeof.__main__")   # `python3 -m nvmeof` is the CLI's entry point
+ALLOWED = {
+    "core": {"core"},
+    "target": {"core", "target"},
+    "initiator": {"core", "initiator"},
+    "api": {"core", "target", "api"},
+    "composition": {"core", "target", "initiator", "api", "composition"},
+}
+
+
+@dataclass(frozen=True)
+class Arrow:
+    path: str
+    line: int
+    source: str       # layer of the importing file
+    module: str       # what it imports
+    target: str       # layer of that
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.source} -> {self.target} (imports {self.module})"
+
+
+def module_name(relpath: str) -> str:
+    """``nvmeof/cli/__init__.py`` -> ``nvmeof.cli``; ``target/core.py`` -> ``target.core``."""
+    parts = list(Path(relpath).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def layer_of(module: str) -> str | None:
+    """The layer a dotted module name belongs to; None for the standard and third-party libraries."""
+    if any(module == c or module.startswith(c + ".") for c in COMPOSITION):
+        return "composition"
+    top = module.split(".", 1)[0]
+    if top == "nvmeof":
+        return "core"
+    return top if top in PACKAGES else None
+
+
+def _resolve(relpath: str, level: int, module: str | None) -> str:
+    """The absolute name of ``from <level dots><module> import ...`` written in ``relpath``."""
+    if not level:
+        return module or ""
+    package = module_name(relpath).split(".")
+    if not relpath.endswith("__init__.py"):
+        package.pop()
+    base = package[:len(package) - (level - 1)] if level > 1 else package
+    return ".".join([*base, module] if module else base)
+
+
+def _import_call(node: ast.Call) -> str | None:
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+    if name not in ("import_module", "__import__") or not node.args:
+        return None
+    arg = node.args[0]
+    return arg.value if isinstance(arg, ast.Constant) and isinstance(arg.value, str) else None
+
+
+def imports_of(source: str, relpath: str) -> list[tuple[int, str]]:
+    """(line, dotted module) for every import in ``source``, at any depth; ``from a import b`` gives a.b."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source, relpath)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve(relpath, node.level, node.module)
+            found += [(node.lineno, base if alias.name == "*" else f"{base}.{alias.name}") for alias in node.names]
+        elif isinstance(node, ast.Call) and (name := _import_call(node)) is not None:
+            found.append((node.lineno, _resolve(relpath, 1, name[1:]) if name.startswith(".") else name))
+    return found
+
+
+def bad_arrows(source: str, relpath: str) -> list[Arrow]:
+    """The imports of ``source`` (as if it were the file ``relpath``) that point up or sideways."""
+    here = layer_of(module_name(relpath))
+    assert here is not None, f"{relpath} is in no layer"
+    bad = []
+    for line, module in imports_of(source, relpath):
+        there = layer_of(module)
+        if there is not None and there not in ALLOWED[here]:
+            bad.append(Arrow(relpath, line, here, module, there))
+    return bad
+
+
+def _sources(package: str) -> dict[str, str]:
+    files = sorted((ROOT / package).rglob("*.py"))
+    return {f.relative_to(ROOT).as_posix(): f.read_text() for f in files}
+
+
+def import_cycles(sources: dict[str, str]) -> list[list[str]]:
+    """Cycles among the modules of ``sources`` (relpath -> text), each as the modules around it."""
+    modules = {module_name(path): path for path in sources}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for mod, path in modules.items():
+        for _, name in imports_of(sources[path], path):
+            # `from initiator import discovery` names a module, `from initiator import connect` the package
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name and name != mod:
+                graph[mod].add(name)
+    return _strongly_connected(graph)
+
+
+def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's algorithm: the components of more than one module (or a module importing itself)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1 or node in graph[node]:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return cycles
+
+
+# --------------------------------------------------------------------------- the tree
+
+
+def test_layers_point_down() -> None:
+    bad = [arrow for package in PACKAGES for path, text in _sources(package).items()
+           for arrow in bad_arrows(text, path)]
+    assert not bad, "imports that point up or sideways:\n" + "\n".join(map(str, bad))
+
+
+def test_every_file_is_checked() -> None:
+    # a package renamed or emptied would make the test above pass vacuously
+    counts = {package: len(_sources(package)) for package in PACKAGES}
+    assert all(n >= 5 for n in counts.values()), counts
+    assert "nvmeof/cli/daemon.py" in _sources("nvmeof") and layer_of("nvmeof.cli.daemon") == "composition"
+
+
+def _module_level_imports(source: str) -> list[str]:
+    """Modules imported outside every function body (what importing the module itself pulls in)."""
+    found: list[str] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            return
+        if isinstance(node, ast.Import):
+            found.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.append(node.module)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(source))
+    return found
+
+
+def test_the_core_imports_pyverbs_only_when_rdma_is_used() -> None:
+    # nvmeof/verbs.py is shared by both roles; load_pyverbs() imports pyverbs, so the core (and a TCP-only
+    # target or host) imports without it
+    eager = [path for path, text in _sources("nvmeof").items()
+             if any(m.split(".")[0] == "pyverbs" for m in _module_level_imports(text))]
+    assert not eager, f"module-level pyverbs imports in {eager}"
+    assert _module_level_imports("import pyverbs.cq\ndef f():\n    import pyverbs.mr\n") == ["pyverbs.cq"]
+
+
+def test_no_import_cycles_in_initiator() -> None:
+    cycles = import_cycles(_sources("initiator"))
+    assert not cycles, "initiator modules importing each other: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+# --------------------------------------------------------------------------- the checker itself
+
+
+@pytest.mark.parametrize(("source", "path", "arrow"), [
+    ("from api.app import create_app", "nvmeof/tcp.py", "nvmeof/tcp.py:1: core -> api (imports api.app.create_app)"),
+    ("from target.core import Target", "initiator/x.py",
+     "initiator/x.py:1: initiator -> target (imports target.core.Target)"),
+    ("import initiator.queue", "target/core.py", "target/core.py:1: target -> initiator (imports initiator.queue)"),
+    ("from nvmeof import cli", "nvmeof/tcp.py", "nvmeof/tcp.py:1: core -> composition (imports nvmeof.cli)"),
+    ("import nvmeof.cli.daemon", "api/app.py", "api/app.py:1: api -> composition (imports nvmeof.cli.daemon)"),
+    ("from initiator import connect", "api/app.py", "api/app.py:1: api -> initiator (imports initiator.connect)"),
+    ("def f():\n    if True:\n        from target import core\n", "nvmeof/rdma.py",
+     "nvmeof/rdma.py:3: core -> target (imports target.core)"),
+    ("from ..cli import daemon", "nvmeof/spec/nvme.py",
+     "nvmeof/spec/nvme.py:1: core -> composition (imports nvmeof.cli.daemon)"),
+    ("import importlib\nm = importlib.import_module('api.app')", "target/x.py",
+     "target/x.py:2: target -> api (imports api.app)"),
+    ("__import__('initiator')", "target/backends/x.py",
+     "target/backends/x.py:1: target -> initiator (imports initiator)"),
+])
+def test_checker_catches_a_planted_upward_import(source: str, path: str, arrow: str) -> None:
+    assert [str(a) for a in bad_arrows(source, path)] == [arrow]
+
+
+@pytest.mark.parametrize(("source", "path"), [
+    ("from target.core import Target\nfrom nvmeof import defaults", "api/app.py"),
+    ("from api.app import create_app\nimport initiator\nfrom target.core import Target", "nvmeof/cli/daemon.py"),
+    ("from nvmeof.cli import main", "nvmeof/__main__.py"),
+    ("from . import verbs\nfrom .spec import nvme\nimport asyncio, construct", "nvmeof/rdma.py"),
+    ("from .common import parse_size", "nvmeof/cli/commands/serve.py"),
+    ("from initiator.queue import HostQueue", "initiator/rdma.py"),
+])
+def test_checker_allows_downward_imports(source: str, path: str) -> None:
+    assert bad_arrows(source, path) == []
+
+
+def test_cycle_checker_catches_a_planted_cycle() -> None:
+    sources = {
+        "initiator/__init__.py": "from initiator.a import x\n",
+        "initiator/a.py": "from initiator.b import y\n",
+        "initiator/b.py": "def f():\n    from initiator.c import z\n",       # lazy: still an arrow
+        "initiator/c.py": "from initiator import a\n",
+        "initiator/d.py": "from initiator import x\nfrom initiator.a import x\n",  # imports, is not imported
+    }
+    assert import_cycles(sources) == [["initiator.a", "initiator.b", "initiator.c"]]
