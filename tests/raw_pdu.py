@@ -94,6 +94,11 @@ def sqe(cmd: Command, *, cid: int, data_len: int = 0, incapsule: bool = False) -
     return cmd.to_bytes()
 
 
+def rw_capsule(opcode: int, cid: int, slba: int, size: int) -> bytes:
+    """A Read or Write capsule on nsid 1 moving ``size`` bytes through a transport SGL (R2T / C2HData)."""
+    return capsule_cmd(sqe(Command(opcode, nsid=1, cdw10=slba, cdw12=size // 512 - 1), cid=cid, data_len=size))
+
+
 def connect_sqe(cid: int, *, qid: int, sqsize: int = 31, kato: int = 0) -> bytes:
     cmd = Command(AdminOpcode.FABRICS, nsid=FabricsType.CONNECT, cdw10=qid << 16, cdw11=sqsize, cdw12=kato)
     return sqe(cmd, cid=cid, data_len=1024, incapsule=True)

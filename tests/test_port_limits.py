@@ -30,6 +30,7 @@ from raw_pdu import (
     connect_pdu,
     h2c_data,
     icreq,
+    rw_capsule,
     serve,
     sqe,
     wait_until,
@@ -65,13 +66,11 @@ def _messages(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
 
 
 def _write(cid: int, slba: int, size: int = SIZE) -> bytes:
-    return capsule_cmd(sqe(Command(IoOpcode.WRITE, nsid=1, cdw10=slba, cdw12=size // 512 - 1), cid=cid,
-                           data_len=size))
+    return rw_capsule(IoOpcode.WRITE, cid, slba, size)
 
 
 def _read(cid: int, slba: int, size: int = SIZE) -> bytes:
-    return capsule_cmd(sqe(Command(IoOpcode.READ, nsid=1, cdw10=slba, cdw12=size // 512 - 1), cid=cid,
-                           data_len=size))
+    return rw_capsule(IoOpcode.READ, cid, slba, size)
 
 
 def _conn_of(s, peer: RawPeer) -> TargetConnection:  # type: ignore[no-untyped-def]

@@ -20,6 +20,7 @@ from raw_pdu import (
     connect_pdu,
     h2c_data,
     io_host,
+    rw_capsule,
     serve,
     sqe,
     wait_until,
@@ -42,13 +43,11 @@ async def served():
 
 
 def _write(cid: int, slba: int, size: int = SIZE) -> bytes:
-    return capsule_cmd(sqe(Command(IoOpcode.WRITE, nsid=1, cdw10=slba, cdw12=size // 512 - 1), cid=cid,
-                           data_len=size))
+    return rw_capsule(IoOpcode.WRITE, cid, slba, size)
 
 
 def _read(cid: int, slba: int, size: int = SIZE) -> bytes:
-    return capsule_cmd(sqe(Command(IoOpcode.READ, nsid=1, cdw10=slba, cdw12=size // 512 - 1), cid=cid,
-                           data_len=size))
+    return rw_capsule(IoOpcode.READ, cid, slba, size)
 
 
 def _max_outstanding(out: TargetOutput, cids: set[int]) -> int:
