@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 
 from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from api.schemas import ErrorOut
@@ -21,6 +23,13 @@ ERRORS: dict[int | str, dict] = {
 
 
 def install(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's default answer echoes each bad value ("input"); a request may carry a DH-HMAC-CHAP
+        # secret (a typo'd field name, a wrong type next to it), which must never come back or be logged.
+        detail = [{k: v for k, v in error.items() if k not in ("input", "ctx", "url")} for error in exc.errors()]
+        return JSONResponse(status_code=422, content={"detail": jsonable_encoder(detail)})
+
     @app.exception_handler(ServiceError)
     async def service_error(request: Request, exc: ServiceError) -> JSONResponse:
         status = exc.status if 400 <= exc.status <= 599 else 500

@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from api import schemas
+from target import hostauth
+from target.backends import OPTION_KEYS
 
 
 def namespace(ns: Any) -> schemas.NamespaceOut:
@@ -22,6 +24,7 @@ def namespace(ns: Any) -> schemas.NamespaceOut:
         eui64=bytes(ns.eui64).hex(),
         read_only=ns.read_only or ns.backend.read_only,
         enabled=ns.enabled,
+        **{key: ns.spec[key] for key in OPTION_KEYS if key in ns.spec},
     )
 
 
@@ -35,7 +38,25 @@ def subsystem(sub: Any) -> schemas.SubsystemOut:
         max_namespaces=sub.max_namespaces,
         subtype=sub.subtype,
         namespaces=[namespace(ns) for _, ns in sorted(sub.namespaces.items())],
+        dhchap_hash=hostauth.hash_names(sub.dhchap_hash),
+        dhchap_dhgroup=hostauth.dhgroup_names(sub.dhchap_dhgroup),
     )
+
+
+def host(hostnqn: str, entry: Any) -> schemas.HostOut:
+    """One allowed host; its secrets only as whether they are set (the API never returns a secret)."""
+    return schemas.HostOut(
+        hostnqn=hostnqn,
+        dhchap_key=entry is not None and entry.dhchap_key is not None,
+        dhchap_ctrl_key=entry is not None and entry.dhchap_ctrl_key is not None,
+        dhchap_hash=hostauth.hash_names(entry.dhchap_hash) if entry is not None else None,
+        dhchap_dhgroup=hostauth.dhgroup_names(entry.dhchap_dhgroup) if entry is not None else None,
+    )
+
+
+def hosts(sub: Any) -> schemas.HostsOut:
+    return schemas.HostsOut(allow_any_host=sub.allow_any_host, hosts=sorted(sub.hosts),
+                            entries=[host(h, sub.host_auth.get(h)) for h in sorted(sub.hosts)])
 
 
 def stats(ns: Any) -> schemas.NamespaceStatsOut:

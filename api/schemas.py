@@ -47,6 +47,11 @@ class _Request(BaseModel):
 
 # -- subsystems -------------------------------------------------------------------------------------
 
+_DHCHAP_HASH = ("DH-HMAC-CHAP hashes allowed, in order of preference: sha256, sha384, sha512 (or hmac(sha256) ... "
+                "as configfs spells them); null or absent: all")
+_DHCHAP_DHGROUP = ("DH-HMAC-CHAP DH groups allowed, in order of preference: null, ffdhe2048 ... ffdhe8192; "
+                   "null or absent: all")
+
 
 class SubsystemCreate(_Request):
     model_config = _example({"nqn": "nqn.2024-01.com.example:disk1", "allow_any_host": True})
@@ -59,6 +64,8 @@ class SubsystemCreate(_Request):
     )
     hosts: list[str] = Field(default_factory=list, description="Host NQNs allowed to connect")
     max_namespaces: int = Field(defaults.MAX_NAMESPACES, ge=1, le=NSID_MAX)
+    dhchap_hash: list[str] | None = Field(None, description=_DHCHAP_HASH)
+    dhchap_dhgroup: list[str] | None = Field(None, description=_DHCHAP_DHGROUP)
 
 
 class NamespaceStatsOut(BaseModel):
@@ -83,6 +90,12 @@ class NamespaceOut(BaseModel):
     eui64: str = Field(description="16 hexadecimal digits")
     read_only: bool
     enabled: bool
+    pool: str | None = Field(None, description="RBD pool (backend 'rbd')")
+    image: str | None = Field(None, description="RBD image (backend 'rbd')")
+    rbd_namespace: str | None = Field(None, description="RADOS namespace of the image, if any")
+    ceph_conf: str | None = Field(None, description="Ceph configuration file, if not the daemon's default")
+    ceph_id: str | None = Field(None, description="Ceph client id (cephx user without 'client.')")
+    ceph_keyring: str | None = Field(None, description="Ceph keyring path (its contents are never shown)")
 
 
 class SubsystemOut(BaseModel):
@@ -94,6 +107,8 @@ class SubsystemOut(BaseModel):
     max_namespaces: int
     subtype: str
     namespaces: list[NamespaceOut]
+    dhchap_hash: list[str] | None = Field(None, description="Allowed hashes for hosts that name none (null: all)")
+    dhchap_dhgroup: list[str] | None = Field(None, description="Allowed DH groups for hosts that name none (null: all)")
 
 
 # -- namespaces -------------------------------------------------------------------------------------
@@ -113,8 +128,16 @@ class NamespaceCreate(_Request):
     eui64: str | None = Field(None, pattern=HEX_EUI64)
     read_only: bool = False
     enabled: bool = True
-    create: bool = Field(False, description="Create the file with the given size if it is missing, or grow a "
-                                            "shorter one to it; without it an existing file is never changed")
+    create: bool = Field(False, description="Create the file (or RBD image) with the given size if it is missing, "
+                                            "or grow a shorter one to it; without it an existing one is never changed")
+    pool: str | None = Field(None, min_length=1, max_length=255, description="RBD pool (backend 'rbd', required)")
+    image: str | None = Field(None, min_length=1, max_length=255, description="RBD image (backend 'rbd', required)")
+    rbd_namespace: str | None = Field(None, min_length=1, max_length=255, description="RADOS namespace of the image")
+    ceph_conf: str | None = Field(None, min_length=1, max_length=4096,
+                                  description="Ceph configuration file; one the daemon allows (--ceph-conf)")
+    ceph_id: str | None = Field(None, min_length=1, max_length=255, description="Ceph client id (default admin)")
+    ceph_keyring: str | None = Field(None, min_length=1, max_length=4096,
+                                     description="Ceph keyring; one the daemon allows (--ceph-keyring)")
 
 
 class NamespaceResize(_Request):
@@ -128,17 +151,55 @@ class NamespaceResize(_Request):
 # -- hosts ------------------------------------------------------------------------------------------
 
 
+_DHCHAP_KEY = ("The host's DH-HMAC-CHAP secret (DHHC-1:NN:base64: as `nvme gen-dhchap-key` writes it); with it the "
+               "host must authenticate every queue. Never shown again: answers say only whether it is set")
+_DHCHAP_CTRL_KEY = "The controller's secret for bidirectional authentication (needs dhchap_key); never shown again"
+
+
 class HostAdd(_Request):
     model_config = _example(
         {"hostnqn": "nqn.2014-08.org.nvmexpress:uuid:0f2d2f36-8a4e-4a3b-9a52-3b1f1f2f7c11"}
     )
 
     hostnqn: str
+    dhchap_key: str | None = Field(None, description=_DHCHAP_KEY)
+    dhchap_ctrl_key: str | None = Field(None, description=_DHCHAP_CTRL_KEY)
+    dhchap_hash: list[str] | None = Field(None, description=_DHCHAP_HASH + "; default: the subsystem's")
+    dhchap_dhgroup: list[str] | None = Field(None, description=_DHCHAP_DHGROUP + "; default: the subsystem's")
+
+
+class HostAuthSet(_Request):
+    """Set, rotate or remove a host's DH-HMAC-CHAP settings: a field given replaces the current value,
+    null removes it, an absent field stays as it is."""
+
+    model_config = _example({"dhchap_key": "DHHC-1:00:<base64 of key and CRC-32>:"})
+
+    dhchap_key: str | None = Field(None, description=_DHCHAP_KEY)
+    dhchap_ctrl_key: str | None = Field(None, description=_DHCHAP_CTRL_KEY)
+    dhchap_hash: list[str] | None = Field(None, description=_DHCHAP_HASH + "; null: the subsystem's")
+    dhchap_dhgroup: list[str] | None = Field(None, description=_DHCHAP_DHGROUP + "; null: the subsystem's")
+
+
+class SubsystemDhchapSet(_Request):
+    model_config = _example({"dhchap_hash": ["sha512", "sha384"], "dhchap_dhgroup": ["ffdhe4096", "ffdhe3072"]})
+
+    dhchap_hash: list[str] | None = Field(None, description=_DHCHAP_HASH)
+    dhchap_dhgroup: list[str] | None = Field(None, description=_DHCHAP_DHGROUP)
+
+
+class HostOut(BaseModel):
+    hostnqn: str
+    dhchap_key: bool = Field(description="A host secret is set: the host must authenticate (the secret is never shown)")
+    dhchap_ctrl_key: bool = Field(description="A controller secret is set: bidirectional authentication is possible")
+    dhchap_hash: list[str] | None = Field(None, description="The host's allowed hashes (null: the subsystem's)")
+    dhchap_dhgroup: list[str] | None = Field(None, description="The host's allowed DH groups (null: the subsystem's)")
 
 
 class HostsOut(BaseModel):
     allow_any_host: bool = Field(description="When true the host list is not enforced")
     hosts: list[str]
+    entries: list[HostOut] = Field(default_factory=list, description="Each allowed host with its DH-HMAC-CHAP "
+                                   "settings (secrets as presence flags)")
 
 
 # -- listeners and referrals ------------------------------------------------------------------------

@@ -122,13 +122,14 @@ def serving(ramdisk_size: str, *, workers: int | None = None,
 
 
 def run_bench(row: Row, port: int, target_pid: int, *, runtime: float, ramp: float, numjobs: int,
-              nr_io_queues: int | None = None) -> dict[str, Any]:
+              nr_io_queues: int | None = None, nsid: int = 1, nqn: str | None = None) -> dict[str, Any]:
     """One row through `nvmeof bench --output-format json` (``--target-pid``: the target's CPU per
     I/O, its worker processes included) and the figures of its first (grouped) job."""
     cmd = [sys.executable, "-m", "nvmeof.cli", "bench", "-a", "127.0.0.1", "-s", str(port),
            "--name", row.name, "--rw", row.rw, "--bs", str(row.bs), "--iodepth", str(row.iodepth),
            "--runtime", str(runtime), "--time_based", "--ramp_time", str(ramp), "--numjobs", str(numjobs),
            *(["--nr-io-queues", str(nr_io_queues)] if nr_io_queues is not None else []), "--group_reporting",
+           "--nsid", str(nsid), *(["--nqn", nqn] if nqn else []),
            "--output-format", "json", "--eta", "never", "--target-pid", str(target_pid)]
     report = run_json(cmd, f"nvmeof bench failed for {row.name}", runtime * 4 + 120)
     return bench_figures(report, row)

@@ -10,10 +10,12 @@ from initiator.discovery import DiscoveryEntry, DiscoveryLogChanging, connect_al
 from initiator.nvm import NamespaceGeometry
 from initiator.queue import CommandTimeout, HostQueue, TransportError
 from initiator.reconnect import ReconnectingController
+from nvmeof.auth import AuthFailure, generate_secret
 from nvmeof.status import NvmeError, Status
 
 __all__ = [
     "AsyncEvent",
+    "AuthFailure",
     "CommandTimeout",
     "DiscoveryEntry",
     "DiscoveryLogChanging",
@@ -28,5 +30,6 @@ __all__ = [
     "connect_all",
     "default_hostnqn",
     "discover",
+    "generate_secret",
     "read_discovery_log",
 ]

@@ -7,11 +7,14 @@ include/linux/nvme.h ``struct nvme_rw_command``, ``nvme_get_log_page_command``, 
 
 from __future__ import annotations
 
+from nvmeof.spec.auth import SECP_DHCHAP, SPSP0_DHCHAP, SPSP1_DHCHAP  # as nvme_auth_submit sets them
 from nvmeof.spec.fabrics import (
     CATTR_DISABLE_SQFLOW,
     CONNECT_DATA_SIZE,
     NVMF_NQN_SIZE,
     PROPERTY_SIZE_8,
+    AuthReceiveCommand,
+    AuthSendCommand,
     ConnectCommand,
     ConnectData,
     PropertyGetCommand,
@@ -77,6 +80,24 @@ def connect_data(hostid: bytes, cntlid: int, subnqn: str, hostnqn: str) -> bytes
     data = ConnectData.build({"hostid": hostid, "cntlid": cntlid, "subsysnqn": subnqn, "hostnqn": hostnqn})
     assert len(data) == CONNECT_DATA_SIZE
     return data
+
+
+def auth_send(tl: int) -> Command:
+    """Authentication Send of ``tl`` bytes of DH-HMAC-CHAP message (data out)."""
+    raw = AuthSendCommand.build({
+        "rsvd1": 0, "cid": 0, "fctype": FabricsType.AUTH_SEND, "rsvd2": bytes(19), "dptr": bytes(16),
+        "rsvd3": 0, "spsp0": SPSP0_DHCHAP, "spsp1": SPSP1_DHCHAP, "secp": SECP_DHCHAP, "tl": tl, "rsvd4": bytes(16),
+    })
+    return Command.from_bytes(raw)
+
+
+def auth_receive(al: int) -> Command:
+    """Authentication Receive into a buffer of ``al`` bytes (data in)."""
+    raw = AuthReceiveCommand.build({
+        "rsvd1": 0, "cid": 0, "fctype": FabricsType.AUTH_RECEIVE, "rsvd2": bytes(19), "dptr": bytes(16),
+        "rsvd3": 0, "spsp0": SPSP0_DHCHAP, "spsp1": SPSP1_DHCHAP, "secp": SECP_DHCHAP, "al": al, "rsvd4": bytes(16),
+    })
+    return Command.from_bytes(raw)
 
 
 def property_get(offset: int, size: int) -> Command:

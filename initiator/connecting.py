@@ -10,9 +10,11 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from initiator.auth import parse_secret
 from initiator.controller import AsyncEvent, HostController
 from initiator.reconnect import ReconnectingController
 from nvmeof import defaults
+from nvmeof.auth import DhchapSecret
 
 
 class _Connecting:
@@ -40,15 +42,23 @@ def connect(traddr: str, trsvcid: int | str = defaults.TCP_IO_PORT,
             data_digest: bool = False, kato: int = defaults.DEFAULT_KATO_MS, timeout: float = 30.0, *,
             target: Any = None, disable_sqflow: bool = False,
             event_callback: Callable[[AsyncEvent], Any] | None = None, reconnect: bool = False,
-            max_reconnect_delay: float = 30.0, reconnect_attempts: int | None = None) -> _Connecting:
+            max_reconnect_delay: float = 30.0, reconnect_attempts: int | None = None,
+            dhchap_secret: str | DhchapSecret | None = None,
+            dhchap_ctrl_secret: str | DhchapSecret | None = None) -> _Connecting:
     """Connect to an NVMe-oF controller: ``ctrl = await connect(...)`` or ``async with connect(...) as ctrl``.
 
     With ``reconnect=True`` the result is a :class:`initiator.reconnect.ReconnectingController`.
+    ``dhchap_secret`` (and for bidirectional authentication ``dhchap_ctrl_secret``) are DHHC-1 strings as
+    ``nvme gen-dhchap-key`` writes them; every queue authenticates when the target asks for it.
     """
+    # parsed once: a bad secret is refused here, and a kept DhchapSecret never shows its key
+    dhchap_secret = parse_secret("dhchap_secret (--dhchap-secret)", dhchap_secret)
+    dhchap_ctrl_secret = parse_secret("dhchap_ctrl_secret (--dhchap-ctrl-secret)", dhchap_ctrl_secret)
     kwargs: dict[str, Any] = dict(
         hostnqn=hostnqn, hostid=hostid, transport=transport, nr_io_queues=nr_io_queues, queue_size=queue_size,
         hdr_digest=hdr_digest, data_digest=data_digest, kato=kato, timeout=timeout, target=target,
-        disable_sqflow=disable_sqflow, event_callback=event_callback)
+        disable_sqflow=disable_sqflow, event_callback=event_callback, dhchap_secret=dhchap_secret,
+        dhchap_ctrl_secret=dhchap_ctrl_secret)
     if reconnect:
         async def make_reconnecting() -> Any:
             rc = ReconnectingController(traddr, trsvcid, subnqn, max_delay=max_reconnect_delay,

@@ -21,9 +21,11 @@ from typing import Any
 from construct import Container
 
 from initiator import commands as c
+from initiator.auth import authenticate_queue, parse_secret
 from initiator.nvm import Buffer, NamespaceGeometry, NvmIo, check_nsid
 from initiator.queue import DEFAULT_TIMEOUT, HostQueue, TransportError, open_queue
 from nvmeof import defaults
+from nvmeof.auth import AuthFailure, DhchapSecret
 from nvmeof.spec.fabrics import CONNECT_ADMIN_CNTLID, CONNECT_IATTR_DATA, Property
 from nvmeof.spec.identify import (
     CNTRLTYPE_DISCOVERY,
@@ -124,6 +126,16 @@ _CONNECT_SQE_FIELDS = {40: "recfmt", 42: "qid", 44: "sqsize", 46: "cattr", 48: "
 _CONNECT_DATA_FIELDS = {0: "hostid", 16: "cntlid", 256: "subsysnqn", 512: "hostnqn"}
 
 
+def _parse_secrets(host: str | DhchapSecret | None,
+                   ctrl: str | DhchapSecret | None) -> tuple[DhchapSecret | None, DhchapSecret | None]:
+    host_secret = parse_secret("dhchap_secret (--dhchap-secret)", host)
+    ctrl_secret = parse_secret("dhchap_ctrl_secret (--dhchap-ctrl-secret)", ctrl)
+    if ctrl_secret is not None and host_secret is None:
+        # nvme_auth_negotiate: the controller is only authenticated within a host authentication
+        raise ValueError("dhchap_ctrl_secret (--dhchap-ctrl-secret) needs dhchap_secret (--dhchap-secret) too")
+    return host_secret, ctrl_secret
+
+
 class HostController(NvmIo):
     """The public async API of one connected controller; see :func:`initiator.connect`."""
 
@@ -134,7 +146,9 @@ class HostController(NvmIo):
                  hdr_digest: bool = False, data_digest: bool = False, kato: int = defaults.DEFAULT_KATO_MS,
                  timeout: float = 30.0, target: Any = None, disable_sqflow: bool = False,
                  event_callback: Callable[[AsyncEvent], Any] | None = None,
-                 event_queue: asyncio.Queue[AsyncEvent | None] | None = None) -> None:
+                 event_queue: asyncio.Queue[AsyncEvent | None] | None = None,
+                 dhchap_secret: str | DhchapSecret | None = None,
+                 dhchap_ctrl_secret: str | DhchapSecret | None = None) -> None:
         if transport not in ("tcp", "loop", "rdma"):
             raise ValueError(f"transport {transport!r} is not supported by the Python host (tcp, rdma or loop)")
         if transport == "loop" and not callable(getattr(target, "connect_loop", None)):
@@ -154,6 +168,10 @@ class HostController(NvmIo):
         self.hostnqn = hostnqn or default_nqn
         c.check_nqn("subsystem NQN", subnqn)
         c.check_nqn("host NQN", self.hostnqn)
+        # DH-HMAC-CHAP secrets (nvme-cli --dhchap-secret / --dhchap-ctrl-secret); never logged or shown
+        self._host_secret, self._ctrl_secret = _parse_secrets(dhchap_secret, dhchap_ctrl_secret)
+        self._auth_tid = 0           # nvme_ctrl.transaction: one transaction id per authentication
+        self._authenticated = False
         self.transport = transport
         self.nr_io_queues = nr_io_queues
         self.queue_size = queue_size
@@ -233,10 +251,61 @@ class HostController(NvmIo):
             cqe = await queue.submit(cmd, data_out=data)
         except NvmeError as err:
             raise self._connect_error(err, queue.qid) from None
-        if cqe.dw0 & (c.CONNECT_AUTHREQ_ATR | c.CONNECT_AUTHREQ_ASCR):
-            raise NvmeError(Status.AUTH_REQUIRED, f"{queue.name}: the target requires DH-HMAC-CHAP "
-                            "authentication, which this host does not implement")
-        return cqe.dw0 & 0xFFFF
+        cntlid = cqe.dw0 & 0xFFFF
+        if cqe.dw0 & c.CONNECT_AUTHREQ_ASCR:
+            # nvmf_connect_admin_queue: secure channel concatenation (TLS after DH-HMAC-CHAP) is not implemented
+            raise NvmeError(Status.AUTH_REQUIRED, f"{queue.name}: the target requires secure channel "
+                            "concatenation (AUTHREQ.ASCR), which this host does not implement")
+        if cqe.dw0 & c.CONNECT_AUTHREQ_ATR:
+            if self._host_secret is None:
+                raise NvmeError(Status.AUTH_REQUIRED, f"{queue.name}: the target requires DH-HMAC-CHAP "
+                                "authentication (AUTHREQ.ATR); give the host secret: dhchap_secret= "
+                                "(--dhchap-secret DHHC-1:...)")
+            await self._authenticate(queue)
+        elif self._ctrl_secret is not None:
+            # The kernel host skips authentication when the controller does not ask for it; a host given a
+            # controller secret wants the controller to prove itself, so it authenticates anyway (the spec
+            # lets the host start a transaction after Connect).
+            await self._authenticate(queue)
+        return cntlid
+
+    async def _authenticate(self, queue: HostQueue) -> None:
+        assert self._host_secret is not None
+        t_id, self._auth_tid = self._auth_tid, (self._auth_tid + 1) & 0xFFFF
+        await authenticate_queue(queue, hostnqn=self.hostnqn, subnqn=self.subnqn, host_secret=self._host_secret,
+                                 ctrl_secret=self._ctrl_secret, t_id=t_id, name=queue.name)
+        if queue.qid == 0:
+            self._authenticated = True
+
+    @property
+    def authenticated(self) -> bool:
+        """True once the admin queue passed DH-HMAC-CHAP (the target asked for it, or a controller secret was
+        given); False for a controller that never required authentication."""
+        return self._authenticated
+
+    async def reauthenticate(self, *, dhchap_secret: str | DhchapSecret | None = None,
+                             dhchap_ctrl_secret: str | DhchapSecret | None = None) -> None:
+        """Run DH-HMAC-CHAP again on every queue, admin queue first (the kernel's nvme_ctrl_auth_work, as a
+        write of sysfs dhchap_secret / dhchap_ctrl_secret triggers it). New secrets, if given, replace the
+        old ones first. A failure closes the controller (the target tears it down) and raises AuthFailure
+        or NvmeError naming the queue and the reason."""
+        host = self._host_secret if dhchap_secret is None else dhchap_secret
+        ctrl = self._ctrl_secret if dhchap_ctrl_secret is None else dhchap_ctrl_secret
+        host_secret, ctrl_secret = _parse_secrets(host, ctrl)
+        if host_secret is None:
+            raise ValueError("reauthenticate needs a host secret (dhchap_secret=)")
+        if self.admin is None or self._closed:
+            raise RuntimeError(f"{self._queue_name(0)}: not connected")
+        self._host_secret, self._ctrl_secret = host_secret, ctrl_secret
+        try:
+            await self._authenticate(self.admin)
+            results = await asyncio.gather(*(self._authenticate(q) for q in self.io_queues), return_exceptions=True)
+            for r in results:
+                if isinstance(r, BaseException):
+                    raise r
+        except (AuthFailure, NvmeError, TransportError, TimeoutError):
+            await self.close()
+            raise
 
     def _connect_error(self, err: NvmeError, qid: int) -> NvmeError:
         what = f"Connect (qid {qid}) to {self.traddr}:{self.trsvcid}"

@@ -101,11 +101,15 @@ async def read_discovery_log(ctrl: HostController, *,
 async def discover(traddr: str, trsvcid: int | str = defaults.TCP_DISCOVERY_PORT, transport: str = "tcp",
                    hostnqn: str | None = None, hostid: Any = None, *, subnqn: str = defaults.DISCOVERY_NQN,
                    hdr_digest: bool = False, data_digest: bool = False, timeout: float = 30.0,
-                   target: Any = None) -> list[DiscoveryEntry]:
-    """Connect to a discovery controller (kato 0, no I/O queues), read its log, disconnect."""
+                   target: Any = None, dhchap_secret: Any = None,
+                   dhchap_ctrl_secret: Any = None) -> list[DiscoveryEntry]:
+    """Connect to a discovery controller (kato 0, no I/O queues), read its log, disconnect.
+
+    ``dhchap_secret`` / ``dhchap_ctrl_secret``: DH-HMAC-CHAP for a discovery controller that requires it."""
     ctrl = HostController(traddr, trsvcid, subnqn, hostnqn=hostnqn, hostid=hostid, transport=transport,
                           nr_io_queues=0, kato=0, hdr_digest=hdr_digest, data_digest=data_digest,
-                          timeout=timeout, target=target)
+                          timeout=timeout, target=target, dhchap_secret=dhchap_secret,
+                          dhchap_ctrl_secret=dhchap_ctrl_secret)
     await ctrl.open()
     try:
         _, entries = await read_discovery_log(ctrl)
@@ -122,7 +126,9 @@ async def connect_all(traddr: str, trsvcid: int | str = defaults.TCP_DISCOVERY_P
     Entries of another transport are skipped (logged). If any connect fails, the controllers already
     connected are disconnected and the error is raised.
     """
-    entries = await discover(traddr, trsvcid, transport, hostnqn, hostid, timeout=timeout, target=target)
+    # the host secret also answers a discovery controller that requires authentication (nvme connect-all)
+    entries = await discover(traddr, trsvcid, transport, hostnqn, hostid, timeout=timeout, target=target,
+                             dhchap_secret=connect_kwargs.get("dhchap_secret"))
     wanted = TrType.TCP if transport == "tcp" else None
     ctrls: list[HostController] = []
     seen: set[tuple[str, str, str]] = set()

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from initiator.controller import default_host_identity
 from nvmeof import defaults
+from nvmeof.auth import DhchapSecret
 
 FABRICS_DEV = "/dev/nvme-fabrics"
 SYS_NVME = Path("/sys/class/nvme")
@@ -47,8 +48,11 @@ def build_options(*, subnqn: str, transport: str, traddr: str, trsvcid: int, hos
                   nr_io_queues: int | None = None, queue_size: int | None = None, kato: int | None = None,
                   ctrl_loss_tmo: int | None = None, reconnect_delay: int | None = None,
                   hdr_digest: bool = False, data_digest: bool = False, disable_sqflow: bool = False,
-                  host_traddr: str | None = None) -> str:
-    """The option string nvme-cli writes (libnvme ``build_options``); values are validated first."""
+                  host_traddr: str | None = None, dhchap_secret: str | None = None,
+                  dhchap_ctrl_secret: str | None = None) -> str:
+    """The option string nvme-cli writes (libnvme ``build_options``); values are validated first.
+
+    It carries the DH-HMAC-CHAP secrets: never log it or put it in an exception."""
     for name, value in (("subnqn", subnqn), ("traddr", traddr), ("hostnqn", hostnqn)):
         if not value or "," in value or "\n" in value:
             raise KernelAttachError(f"invalid {name} {value!r}: it must be non-empty without commas")
@@ -60,6 +64,17 @@ def build_options(*, subnqn: str, transport: str, traddr: str, trsvcid: int, hos
     if host_traddr:
         opts.append(f"host_traddr={host_traddr}")
     opts += [f"hostnqn={hostnqn}", f"hostid={hostid}"]
+    # libnvme build_options: dhchap_secret / dhchap_ctrl_secret right after the host identity, checked here
+    # (DHHC-1 form, length, CRC) so a typo fails with a reason instead of the kernel's bare EINVAL
+    for key, secret in (("dhchap_secret", dhchap_secret), ("dhchap_ctrl_secret", dhchap_ctrl_secret)):
+        if secret is not None:
+            try:
+                text = DhchapSecret.parse(secret).format()
+            except ValueError as e:
+                raise KernelAttachError(f"invalid {key} (--{key.replace('_', '-')}): {e}") from None
+            opts.append(f"{key}={text}")
+    if dhchap_ctrl_secret is not None and dhchap_secret is None:
+        raise KernelAttachError("dhchap_ctrl_secret (--dhchap-ctrl-secret) needs dhchap_secret (--dhchap-secret)")
     for key, value in (("nr_io_queues", nr_io_queues), ("queue_size", queue_size), ("keep_alive_tmo", kato),
                        ("ctrl_loss_tmo", ctrl_loss_tmo), ("reconnect_delay", reconnect_delay)):
         if value is not None:
@@ -82,6 +97,9 @@ def _explain_write_error(e: OSError, transport: str) -> str:
     if e.errno in (errno.EIO, errno.ENOTCONN, errno.ECONNRESET):
         return (f"the target refused or dropped the connection ({e.strerror}); see dmesg: typical causes are "
                 "a wrong subsystem NQN or a host NQN that the subsystem does not allow")
+    if e.errno in (errno.EKEYREJECTED, errno.ENOKEY, errno.EACCES):
+        return (f"DH-HMAC-CHAP authentication failed ({e.strerror}): check --dhchap-secret / --dhchap-ctrl-secret "
+                "against the keys the target has for this host; dmesg names the queue and the reason")
     if e.errno == errno.EALREADY:
         return "already connected to this subsystem through the same address (nvme list shows it)"
     return f"{e.strerror} (errno {e.errno}); see dmesg"
@@ -90,8 +108,8 @@ def _explain_write_error(e: OSError, transport: str) -> str:
 def connect(traddr: str, trsvcid: int = defaults.TCP_IO_PORT, *, subnqn: str, transport: str = "tcp",
             hostnqn: str | None = None, hostid: str | None = None, nr_io_queues: int | None = None,
             queue_size: int | None = None, kato: int | None = None, hdr_digest: bool = False,
-            data_digest: bool = False, ctrl_loss_tmo: int | None = None, wait_for_devices: float = 10.0
-            ) -> KernelController:
+            data_digest: bool = False, ctrl_loss_tmo: int | None = None, wait_for_devices: float = 10.0,
+            dhchap_secret: str | None = None, dhchap_ctrl_secret: str | None = None) -> KernelController:
     """Connect through the kernel host and return the controller with its block devices."""
     if not os.path.exists(FABRICS_DEV):
         raise KernelAttachError(
@@ -108,7 +126,8 @@ def connect(traddr: str, trsvcid: int = defaults.TCP_IO_PORT, *, subnqn: str, tr
     options = build_options(subnqn=subnqn, transport=transport, traddr=traddr, trsvcid=trsvcid,
                             hostnqn=hostnqn, hostid=hostid, nr_io_queues=nr_io_queues, queue_size=queue_size,
                             kato=kato, hdr_digest=hdr_digest, data_digest=data_digest,
-                            ctrl_loss_tmo=ctrl_loss_tmo)
+                            ctrl_loss_tmo=ctrl_loss_tmo, dhchap_secret=dhchap_secret,
+                            dhchap_ctrl_secret=dhchap_ctrl_secret)
     try:
         fd = os.open(FABRICS_DEV, os.O_RDWR)
     except PermissionError as e:

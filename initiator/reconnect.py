@@ -124,6 +124,14 @@ class ReconnectingController:
             return call
         return getattr(self.controller, name)
 
+    async def reauthenticate(self, *, dhchap_secret: Any = None, dhchap_ctrl_secret: Any = None) -> None:
+        """HostController.reauthenticate on the current controller; new secrets are kept for reconnects."""
+        await self._call("reauthenticate", dhchap_secret=dhchap_secret, dhchap_ctrl_secret=dhchap_ctrl_secret)
+        if dhchap_secret is not None:
+            self._kwargs["dhchap_secret"] = dhchap_secret
+        if dhchap_ctrl_secret is not None:
+            self._kwargs["dhchap_ctrl_secret"] = dhchap_ctrl_secret
+
     async def events(self) -> AsyncIterator[AsyncEvent]:
         """Events from whichever controller is current; ends when this object is closed."""
         while True:

@@ -71,3 +71,23 @@ def state_dir(*, uid: int | None = None, environ: dict[str, str] | None = None) 
     if env.get("XDG_DATA_HOME"):
         return os.path.join(env["XDG_DATA_HOME"], "nvmeof")
     return os.path.join(env.get("HOME") or os.path.expanduser("~"), STATE_DIR_USER)
+
+# Ceph RBD namespaces (target/backends/rbd.py)
+CEPH_CONF = "/etc/ceph/ceph.conf"     # what librados reads when the operator names no --ceph-conf
+CEPH_CLIENT_ID = "admin"              # the cephx user (client.admin), as the rbd CLI assumes
+RBD_OP_TIMEOUT = 10.0                 # seconds an OSD or monitor call may take before it fails with ETIMEDOUT;
+                                      # below the Linux host's 30 s I/O timeout, so the host sees an error it
+                                      # can retry instead of aborting and resetting the controller
+RBD_CONNECT_TIMEOUT = 10.0            # seconds to reach the cluster when a namespace is opened
+RBD_SIZE_POLL = 2.0                   # seconds between checks that the image was not resized behind our back
+RBD_IDENTITY_KEY = "nvmeof.identity"  # image metadata key holding the namespace's NGUID/UUID/EUI-64 (JSON)
+RBD_WAIT_MARGIN = 5.0                 # seconds past RBD_OP_TIMEOUT a command waits for librbd's answer before it
+                                      # is answered "storage unreachable" anyway (librbd's retries, lock handover)
+
+# In-band authentication, DH-HMAC-CHAP (target/auth.py)
+AUTH_TIMEOUT = 10.0                   # seconds a queue's transaction may stall between two steps before the
+                                      # controller is torn down (nvmet_auth_expired_work waits KATO, else 120 s,
+                                      # and only resets the step; a host that never finishes must not keep a
+                                      # queue and a controller ID)
+AUTH_MAX_TRANSFER = 64 * 1024         # largest Authentication Send TL / Receive AL accepted (the largest
+                                      # message, a Reply with an ffdhe8192 value and SHA-512, is under 1.2 KiB)

@@ -7,6 +7,7 @@ cd "$(dirname "$0")/.."
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     bash tests/interop/install_deps.sh
     bash tests/interop/install_rootfs_deps.sh
+    bash tests/install_ceph_deps.sh
 else
     echo "scripts/test.sh: not root or no apt-get: system packages for the VM suite are not installed;" \
          "VM tests will skip with the reason" >&2

@@ -4,14 +4,22 @@ Our format::
 
     {"version": 1,
      "backing_dirs": [...], "allow_block_devices": [...],   (optional: where file namespaces may live)
+     "ceph_confs": [...], "ceph_keyrings": [...],           (optional: Ceph files RBD namespaces may name)
      "subsystems": [{"nqn", "serial", "model", "allow_any_host", "hosts": [...], "max_namespaces",
+                     "dhchap_hash": [...], "dhchap_dhgroup": [...],   (optional; default all)
                      "namespaces": [{"nsid", "backend", "path" | "size", "block_size", "uuid",
-                                     "nguid", "eui64", "read_only", "enabled"}]}],
+                                     "nguid", "eui64", "read_only", "enabled",
+                                     "pool", "image", "rbd_namespace", "ceph_conf", "ceph_id", "ceph_keyring"
+                                     (rbd)}]}],
      "listeners": [{"trtype", "adrfam", "traddr", "trsvcid", "portid", "discovery"}],
      "referrals": [{"trtype", "adrfam", "traddr", "trsvcid", "subnqn", "portid"}]}
 
+A host is its NQN, or an object ``{"nqn", "dhchap_key", "dhchap_ctrl_key", "dhchap_hash",
+"dhchap_dhgroup"}`` when it authenticates (DH-HMAC-CHAP; target/hostauth.py).
+
 Saving is atomic (temp file in the same folder, fsync, rename, fsync the folder), so a crash
-leaves either the old or the new file. Loading checks structure and names every problem;
+leaves either the old or the new file. The file holds host secrets, so it is always written 0600.
+Loading checks structure and names every problem;
 TargetService checks meaning (valid NQNs, free NSIDs, readable files) when it replays the file.
 """
 
@@ -28,6 +36,7 @@ from typing import Any
 from nvmeof import defaults
 
 CONFIG_VERSION = 1
+CONFIG_FILE_MODE = 0o600
 
 _INT = "integer"
 _STR = "string"
@@ -35,10 +44,17 @@ _BOOL = "boolean"
 _LIST = "list"
 
 TOP_KEYS: dict[str, str] = {"version": _INT, "subsystems": _LIST, "listeners": _LIST, "referrals": _LIST,
-                            "backing_dirs": _LIST, "allow_block_devices": _LIST}
-# Where file namespaces may live, added to `nvmeof serve --backing-dir/--allow-block-device` when the
-# daemon starts from this file; an import through the API cannot add to them (TargetService).
-POLICY_KEYS = ("backing_dirs", "allow_block_devices")
+                            "backing_dirs": _LIST, "allow_block_devices": _LIST,
+                            "ceph_confs": _LIST, "ceph_keyrings": _LIST}
+# Where file namespaces may live and which Ceph client files RBD namespaces may name, added to the
+# `nvmeof serve` option (first) when the daemon starts from this file; an import through the API cannot
+# add to them (TargetService). Each key maps to that option and to BackingPolicy's argument.
+POLICY_KEYS: dict[str, tuple[str, str]] = {
+    "backing_dirs": ("--backing-dir", "backing_dirs"),
+    "allow_block_devices": ("--allow-block-device", "block_devices"),
+    "ceph_confs": ("--ceph-conf", "ceph_confs"),
+    "ceph_keyrings": ("--ceph-keyring", "ceph_keyrings"),
+}
 SUBSYSTEM_KEYS: dict[str, str] = {
     "nqn": _STR,
     "serial": _STR,
@@ -47,6 +63,16 @@ SUBSYSTEM_KEYS: dict[str, str] = {
     "hosts": _LIST,
     "max_namespaces": _INT,
     "namespaces": _LIST,
+    "dhchap_hash": _LIST,
+    "dhchap_dhgroup": _LIST,
+}
+# A host object in a subsystem's "hosts" list (the kernel's configfs names, hosts/<nqn>/dhchap_*)
+HOST_KEYS: dict[str, str] = {
+    "nqn": _STR,
+    "dhchap_key": _STR,
+    "dhchap_ctrl_key": _STR,
+    "dhchap_hash": _LIST,
+    "dhchap_dhgroup": _LIST,
 }
 NAMESPACE_KEYS: dict[str, str] = {
     "nsid": _INT,
@@ -59,6 +85,13 @@ NAMESPACE_KEYS: dict[str, str] = {
     "eui64": _STR,
     "read_only": _BOOL,
     "enabled": _BOOL,
+    # an RBD namespace's settings (target.backends.BACKEND_OPTIONS; the service checks which kind takes them)
+    "pool": _STR,
+    "image": _STR,
+    "rbd_namespace": _STR,
+    "ceph_conf": _STR,
+    "ceph_id": _STR,
+    "ceph_keyring": _STR,
 }
 LISTENER_KEYS: dict[str, str] = {
     "trtype": _STR,
@@ -121,8 +154,32 @@ def item_problems(kind: str, item: Any, where: str) -> list[str]:
             problems.append(f"{where}: missing required key {key!r}")
     if kind == "subsystem":
         for i, host in enumerate(item.get("hosts") or []):
-            if not isinstance(host, str):
-                problems.append(f"{where}.hosts[{i}]: expected a host NQN string, got {host!r}")
+            if isinstance(host, dict):
+                problems.extend(_host_problems(host, f"{where}.hosts[{i}]"))
+            elif not isinstance(host, str):
+                problems.append(f"{where}.hosts[{i}]: expected a host NQN string or object, got {host!r}")
+        for key in ("dhchap_hash", "dhchap_dhgroup"):
+            if any(not isinstance(name, str) for name in item.get(key) or []):
+                problems.append(f"{where}.{key}: expected a list of names")
+    return problems
+
+
+def _host_problems(host: dict[str, Any], where: str) -> list[str]:
+    problems = []
+    for key, value in host.items():
+        if key not in HOST_KEYS:
+            problems.append(f"{where}: unknown key {key!r} (a host takes {', '.join(HOST_KEYS)})")
+        elif isinstance(value, bool) and key in ("dhchap_key", "dhchap_ctrl_key"):
+            # never echo the value: it is a secret, or here the presence flag of an API export
+            problems.append(f"{where}.{key}: expected a DHHC-1 secret string, got a boolean (an API export shows "
+                            "only whether a secret is set; put the secret itself here)")
+        elif value is not None and not _type_ok(value, HOST_KEYS[key]):
+            shown = "a secret" if key in ("dhchap_key", "dhchap_ctrl_key") else repr(value)
+            problems.append(f"{where}.{key}: expected {HOST_KEYS[key]}, got {type(value).__name__} {shown}")
+        elif key in ("dhchap_hash", "dhchap_dhgroup") and any(not isinstance(v, str) for v in value or []):
+            problems.append(f"{where}.{key}: expected a list of names")
+    if not isinstance(host.get("nqn"), str):
+        problems.append(f"{where}: missing required key 'nqn' (the host NQN)")
     return problems
 
 
@@ -208,10 +265,9 @@ def save_config(path: str | os.PathLike[str], data: dict[str, Any]) -> None:
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     text = json.dumps(data, indent=2) + "\n"
-    try:
-        mode = stat.S_IMODE(os.stat(path).st_mode)
-    except OSError:
-        mode = 0o600
+    # Always 0600, whatever the file had: it carries the hosts' DH-HMAC-CHAP secrets (mkstemp creates
+    # the temporary file 0600 too, so the secrets are never readable by others, not even briefly).
+    mode = CONFIG_FILE_MODE
     tmp = None
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
@@ -364,7 +420,9 @@ def _nvmetcli_problems(data: dict[str, Any]) -> list[str]:
     shape.obj(data, "discovery", "nvmetcli config")
     for where, host in shape.objects(data, "hosts", ""):
         shape.fields(host, where, {"nqn": (_TEXT, "a host NQN string")})
-        shape.attrs(host, "dhchap", where)
+        shape.attrs(host, "dhchap", where, text=("key", "ctrl_key", "hash", "dhgroup"))
+        shape.fields(host, where, {f"dhchap_{name}": (_TEXT, "a string") for name in ("key", "ctrl_key", "hash",
+                                                                                        "dhgroup")})
     for where, sub in shape.objects(data, "subsystems", ""):
         shape.fields(sub, where, {"nqn": (_TEXT, "an NQN string")})
         shape.attrs(sub, "attr", where)
@@ -405,6 +463,7 @@ def import_nvmetcli(data: Any) -> Converted:
     if problems:
         raise ConfigError("malformed nvmetcli configuration:\n" + "\n".join(problems))
     warnings: list[str] = []
+    host_settings = _import_host_auth(data, warnings)
     subsystems: list[dict[str, Any]] = []
     all_nqns: list[str] = []
     for i, sub in enumerate(data.get("subsystems") or []):
@@ -416,7 +475,7 @@ def import_nvmetcli(data: Any) -> Converted:
         out: dict[str, Any] = {"nqn": sub["nqn"]}
         hosts = [h for h in sub.get("allowed_hosts") or [] if isinstance(h, str)]
         out["allow_any_host"] = _flag(attr.get("allow_any_host", "0" if hosts else "1"))
-        out["hosts"] = hosts
+        out["hosts"] = [dict(host_settings[h], nqn=h) if h in host_settings else h for h in hosts]
         # configfs pads the serial with spaces; nvmetcli strips them, a hand-made dump may not
         if str(attr.get("serial", "")).strip():
             out["serial"] = str(attr["serial"]).strip()
@@ -496,6 +555,72 @@ def import_nvmetcli(data: Any) -> Converted:
     )
 
 
+# nvmet configfs hosts/<nqn>/dhchap_{key,ctrl_key,hash,dhgroup}; nvmetcli dumps a configfs attribute
+# group by the file names' prefix, so its host object carries {"dhchap": {"key", "ctrl_key", "hash",
+# "dhgroup"}}. A hand-made dump may spell them as the files are named ("dhchap_key": ...): read both.
+NVMET_DHCHAP_ATTRS = ("key", "ctrl_key", "hash", "dhgroup")
+NVMET_DEFAULT_HASH = "hmac(sha256)"   # what configfs shows for a host nobody set a hash for
+NVMET_DEFAULT_DHGROUP = "null"
+
+
+def _import_host_auth(data: dict[str, Any], warnings: list[str]) -> dict[str, dict[str, Any]]:
+    """Host NQN -> our host settings, for hosts of the dump that have a DH-HMAC-CHAP key.
+
+    nvmet's dhchap_hash/dhchap_dhgroup name one hash and one group, the controller's preference
+    (nvmet_auth_negotiate falls back to what the host offers). The configfs defaults (hmac(sha256),
+    null) become our default, every hash and group; a host set to anything else is limited to it."""
+    from nvmeof.auth import parse_dhgroup, parse_hash
+
+    out: dict[str, dict[str, Any]] = {}
+    for i, host in enumerate(data.get("hosts") or []):
+        if not isinstance(host, dict) or not isinstance(host.get("nqn"), str):
+            continue
+        group = host.get("dhchap") or {}
+        attrs = {name: str(group.get(name) or host.get(f"dhchap_{name}") or "").strip() for name in NVMET_DHCHAP_ATTRS}
+        if not attrs["key"]:
+            if attrs["ctrl_key"]:
+                warnings.append(f"hosts[{i}] ({host['nqn']}): a controller key without a host key does nothing in "
+                                "nvmet; dropped")
+            continue
+        settings: dict[str, Any] = {"dhchap_key": attrs["key"]}
+        if attrs["ctrl_key"]:
+            settings["dhchap_ctrl_key"] = attrs["ctrl_key"]
+        for name, default, parse, key in (("hash", NVMET_DEFAULT_HASH, parse_hash, "dhchap_hash"),
+                                          ("dhgroup", NVMET_DEFAULT_DHGROUP, parse_dhgroup, "dhchap_dhgroup")):
+            value = attrs[name]
+            if not value or value == default:
+                continue
+            try:
+                parse(value)
+            except ValueError:
+                warnings.append(f"hosts[{i}] ({host['nqn']}): dhchap_{name} {value!r} is not known here; "
+                                "every one is allowed instead")
+                continue
+            settings[key] = [value]
+        out[host["nqn"]] = settings
+    return out
+
+
+def _export_host_auth(host: dict[str, Any], warnings: list[str]) -> dict[str, str]:
+    """Our host object as nvmet's dhchap attribute group (one hash, one group: the first of ours)."""
+    from nvmeof.auth import DHGROUP_IDS, HASH_IDS, parse_dhgroup, parse_hash
+
+    hash_names = {v: k for k, v in HASH_IDS.items()}
+    group_names = {v: k for k, v in DHGROUP_IDS.items()}
+    attrs = {"key": host.get("dhchap_key") or "", "ctrl_key": host.get("dhchap_ctrl_key") or "",
+             "hash": NVMET_DEFAULT_HASH, "dhgroup": NVMET_DEFAULT_DHGROUP}
+    hashes = host.get("dhchap_hash")
+    if hashes:
+        attrs["hash"] = f"hmac({hash_names[parse_hash(hashes[0])]})"
+    groups = host.get("dhchap_dhgroup")
+    if groups:
+        attrs["dhgroup"] = group_names[parse_dhgroup(groups[0])]
+    if (hashes and len(hashes) > 1) or (groups and len(groups) > 1):
+        warnings.append(f"host {host['nqn']}: nvmet takes one dhchap_hash and one dhchap_dhgroup (its preference, "
+                        f"it falls back to what the host offers); exported {attrs['hash']} and {attrs['dhgroup']}")
+    return attrs
+
+
 def _import_namespace(ns: Any, where: str, warnings: list[str]) -> dict[str, Any] | None:
     if not isinstance(ns, dict) or not isinstance(ns.get("nsid"), int):
         warnings.append(f"{where}: no 'nsid', skipped")
@@ -536,13 +661,28 @@ def export_nvmetcli(config: dict[str, Any]) -> Converted:
     config = validate_config(config)
     warnings: list[str] = []
     hosts: set[str] = set()
+    host_auth: dict[str, dict[str, str]] = {}
     subsystems = []
     nvm_nqns = []
     eui64_dropped = False
     for sub in config["subsystems"]:
         nqn = sub["nqn"]
-        allowed = sorted(sub.get("hosts") or [])
+        entries = sub.get("hosts") or []
+        allowed = sorted(h["nqn"] if isinstance(h, dict) else h for h in entries)
         hosts.update(allowed)
+        for host in entries:
+            if not isinstance(host, dict) or not host.get("dhchap_key"):
+                continue
+            attrs = _export_host_auth(host, warnings)
+            if host["nqn"] in host_auth and host_auth[host["nqn"]] != attrs:
+                # nvmet keeps hosts (and their keys) once, outside the subsystems
+                warnings.append(f"host {host['nqn']} has different DH-HMAC-CHAP settings on {nqn}; nvmet keeps one "
+                                "set per host, the first subsystem's is exported")
+                continue
+            host_auth[host["nqn"]] = attrs
+        if sub.get("dhchap_hash") or sub.get("dhchap_dhgroup"):
+            warnings.append(f"subsystem {nqn}: nvmet has no per-subsystem hashes or DH groups; hosts without their "
+                            "own keep the kernel's defaults")
         attr = {
             "allow_any_host": "1" if sub.get("allow_any_host", not allowed) else "0",
             "model": sub.get("model") or defaults.MODEL,
@@ -632,9 +772,23 @@ def export_nvmetcli(config: dict[str, Any]) -> Converted:
     if ref_entries and not ports:
         warnings.append("referrals need a port to live on in nvmetcli; with no listener they are left out")
     return Converted(
-        {"hosts": [{"nqn": h} for h in sorted(hosts)], "ports": ports, "subsystems": subsystems},
+        {"hosts": [dict({"nqn": h}, **({"dhchap": host_auth[h]} if h in host_auth else {})) for h in sorted(hosts)],
+         "ports": ports, "subsystems": subsystems},
         warnings,
     )
+
+
+def strip_nvmetcli_secrets(dump: dict[str, Any]) -> list[str]:
+    """Take the DH-HMAC-CHAP secrets out of an nvmetcli dump (in place, for the API); returns the host
+    NQNs that had one."""
+    withheld = []
+    for host in dump.get("hosts") or []:
+        group = host.get("dhchap")
+        if isinstance(group, dict) and (group.pop("key", None) or group.pop("ctrl_key", None)):
+            withheld.append(host["nqn"])
+        if isinstance(group, dict):
+            group.pop("ctrl_key", None)
+    return withheld
 
 
 def _adrfam(traddr: str) -> str:

@@ -289,6 +289,8 @@ class Controller:
         self.queues.clear()
         for queue in queues:
             queue.ctrl = None
+            if queue.auth is not None and queue.auth.timer is not None:
+                queue.auth.timer.cancel()   # target.auth's stall timer: nothing left to time out
             queue.close()
 
     def info(self) -> dict[str, object]:

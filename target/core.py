@@ -18,7 +18,7 @@ from nvmeof import defaults
 from nvmeof.spec.fabrics import FABRICS_OPCODE
 from nvmeof.spec.nvme import SGL_ID_INCAPSULE, SQE_FLAGS_PSDT_SGL, Direction, FabricsType
 from nvmeof.status import NvmeError, Status, describe
-from target import admin, discovery, fabrics, io
+from target import admin, auth, discovery, fabrics, io
 from target.controller import Controller, host_label
 from target.model import Listener, Referral, Subsystem
 from target.request import Request, TargetQueue
@@ -39,7 +39,8 @@ class Target:
 
     def __init__(self, *, clock: Callable[[], float] = time.monotonic,
                  keep_alive_interval: float = 1.0, discovery_serial: str = "discovery",
-                 transports: TransportRegistry | Mapping[str, TransportEntry] | None = None) -> None:
+                 transports: TransportRegistry | Mapping[str, TransportEntry] | None = None,
+                 auth_timeout: float = defaults.AUTH_TIMEOUT) -> None:
         self.subsystems: dict[str, Subsystem] = {}
         self.listeners: dict[str, Listener] = {}
         self.referrals: list[Referral] = []
@@ -49,6 +50,7 @@ class Target:
         self.genctr = 0
         self.clock = clock
         self.keep_alive_interval = keep_alive_interval
+        self.auth_timeout = auth_timeout   # seconds a DH-HMAC-CHAP transaction may stall (target/auth.py)
         self.started = time.time()
         self._next_cntlid = CNTLID_MIN
         # trtype -> listener factory: the standard ones, or what the daemon (or PooledTarget) injects
@@ -92,6 +94,7 @@ class Target:
 
     def queue_closed(self, queue: TargetQueue) -> None:
         """A transport lost a queue: an admin queue takes its controller with it (nvmet does too)."""
+        auth.cancel(queue)
         ctrl = queue.ctrl
         if ctrl is None:
             return
@@ -239,6 +242,8 @@ class Target:
                                 "the first command on a queue must be a Fabrics Connect")
         else:
             ctrl.keep_alive()
+            if queue.auth is not None and not queue.auth.authenticated:
+                auth.gate(queue, cmd.opcode, cmd.fctype)
             if cmd.opcode == FABRICS_OPCODE:
                 fabrics.parse(self, req)
             else:

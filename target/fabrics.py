@@ -30,6 +30,7 @@ from nvmeof.spec.fabrics import (
 from nvmeof.spec.fields import field_offset
 from nvmeof.spec.nvme import Direction, FabricsType
 from nvmeof.status import NvmeError, Status
+from target import auth
 from target.controller import host_label
 
 if TYPE_CHECKING:
@@ -150,7 +151,8 @@ def _execute_connect(target: Target, req: Request) -> None:
     queue.connected_at = time.time()
     queue.ctrl = ctrl
     ctrl.queues[qid] = queue
-    req.dw0 = ctrl.cntlid
+    # nvmet_connect_result: CNTLID, plus AUTHREQ.ATR when this host must authenticate the queue
+    req.dw0 = ctrl.cntlid | auth.start(target, queue, ctrl.subsystem, hostnqn)
 
 
 def _not_allowed(hostnqn: str, subnqn: str) -> str:
@@ -197,6 +199,10 @@ def parse(target: Target, req: Request) -> None:
         req.expect(Direction.NONE, 0, _property_set)
     elif fctype == FabricsType.DISCONNECT:
         req.expect(Direction.NONE, 0, _make_disconnect(target))
+    elif fctype == FabricsType.AUTH_SEND:
+        auth.parse_send(target, req)
+    elif fctype == FabricsType.AUTH_RECEIVE:
+        auth.parse_receive(target, req)
     elif fctype == FabricsType.CONNECT:
         raise NvmeError(Status.CONNECT_CTRL_BUSY, f"qid {qid} is already connected; Connect comes once per queue")
     else:

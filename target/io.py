@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from nvmeof import defaults
 from nvmeof.spec.nvme import DSM_AD, DSM_RANGE_SIZE, NSID_ALL, RW_FUA, WZ_DEAC, Direction, DsmRange, IoOpcode
 from nvmeof.status import NvmeError, Status
-from target.backends.base import BackendError
+from target.backends.base import BackendError, BackendUnavailable
 
 if TYPE_CHECKING:
     from target.model import Namespace
@@ -78,6 +78,15 @@ def _check_writable(ns: Namespace, subnqn: str) -> None:
 
 
 def _backend_failed(ns: Namespace, what: str, exc: Exception) -> NvmeError:
+    if isinstance(exc, BackendUnavailable):
+        # Not a fault of ours or the host's, and the host retries: Target.fail logs it as a warning
+        # naming host and queue, and nothing is logged as an error.
+        # Storage out of reach for now (Ceph unreachable, an OSD stopped): Namespace Not Ready with
+        # DNR clear. Linux's nvme_decide_disposition retries any status without DNR (up to
+        # nvme_max_retries) and fails over only on path errors (SCT 3), which this is not: every
+        # gateway in front of the same cluster would fail alike. SPDK's bdev_rbd also answers
+        # without DNR (an Internal Error).
+        return NvmeError(Status.NS_NOT_READY, f"{what} failed, storage unreachable: {exc}", dnr=False)
     log.error("namespace %d: %s failed in the %s backend: %s", ns.nsid, what, ns.backend.kind, exc)
     return NvmeError(Status.INTERNAL, f"{what} failed: {exc}")
 

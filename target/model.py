@@ -71,6 +71,29 @@ class Namespace:
 
 
 @dataclass(eq=False)
+class HostAuth:
+    """DH-HMAC-CHAP settings of one allowed host (nvmet configfs ``hosts/<nqn>/dhchap_*``).
+
+    The secrets are ``nvmeof.auth.DhchapSecret`` objects, whose repr never shows the key. A hash or
+    DH group list of None means "the subsystem's" (which defaults to all of them, like nvmet)."""
+
+    dhchap_key: Any = None           # the host's secret: the host proves it knows it
+    dhchap_ctrl_key: Any = None      # the controller's secret (bidirectional authentication)
+    dhchap_hash: tuple[int, ...] | None = None     # allowed hash ids (1 SHA-256, 2 SHA-384, 3 SHA-512)
+    dhchap_dhgroup: tuple[int, ...] | None = None  # allowed DH group ids (0 null, 1..5 ffdhe2048..8192)
+
+    def __repr__(self) -> str:
+        return (f"HostAuth(dhchap_key={self.dhchap_key is not None}, "
+                f"dhchap_ctrl_key={self.dhchap_ctrl_key is not None}, dhchap_hash={self.dhchap_hash}, "
+                f"dhchap_dhgroup={self.dhchap_dhgroup})")
+
+    @property
+    def empty(self) -> bool:
+        return (self.dhchap_key is None and self.dhchap_ctrl_key is None and self.dhchap_hash is None
+                and self.dhchap_dhgroup is None)
+
+
+@dataclass(eq=False)
 class Subsystem:
     nqn: str
     serial: str
@@ -80,12 +103,24 @@ class Subsystem:
     max_namespaces: int = defaults.MAX_NAMESPACES
     namespaces: dict[int, Namespace] = field(default_factory=dict)
     subtype: Literal["nvm", "discovery"] = "nvm"
+    # DH-HMAC-CHAP: per allowed host (keys only for hosts in ``hosts``, as nvmet looks the host up in
+    # the subsystem's allowed_hosts), and the subsystem's allowed hashes/DH groups (None: all).
+    host_auth: dict[str, HostAuth] = field(default_factory=dict)
+    dhchap_hash: tuple[int, ...] | None = None
+    dhchap_dhgroup: tuple[int, ...] | None = None
 
     def active_nsids(self) -> list[int]:
         return sorted(nsid for nsid, ns in self.namespaces.items() if ns.enabled)
 
     def host_allowed(self, hostnqn: str) -> bool:
         return self.allow_any_host or hostnqn in self.hosts
+
+    def auth_for(self, hostnqn: str) -> HostAuth | None:
+        """The host's DH-HMAC-CHAP entry when it must authenticate (it has a host key), else None."""
+        entry = self.host_auth.get(hostnqn)
+        if entry is None or entry.dhchap_key is None or hostnqn not in self.hosts:
+            return None
+        return entry
 
 
 def format_address(traddr: str, trsvcid: int | str) -> str:

@@ -14,6 +14,7 @@ from nvmeof.spec.nvme import Command, Direction, pack_cqe
 from nvmeof.status import encode_status
 
 if TYPE_CHECKING:
+    from target.auth import QueueAuth
     from target.controller import Controller
     from target.model import Listener, Namespace
     from target.transport_ops import TransportOps
@@ -22,8 +23,8 @@ if TYPE_CHECKING:
 class TargetQueue:
     """A submission/completion queue pair on the target, bound to a controller by Connect."""
 
-    __slots__ = ("close", "connected_at", "ctrl", "listener", "local_addr", "ops", "peer", "qid", "sqflow_disabled",
-                 "sqhd", "sqsize")
+    __slots__ = ("auth", "close", "connected_at", "ctrl", "listener", "local_addr", "ops", "peer", "qid",
+                 "sqflow_disabled", "sqhd", "sqsize")
 
     def __init__(self, *, ops: TransportOps, peer: str = "", listener: Listener | None = None,
                  local_addr: str = "", close: Callable[[], None] | None = None) -> None:
@@ -37,6 +38,7 @@ class TargetQueue:
         self.listener = listener
         self.local_addr = local_addr  # our IP address on this connection (fills wildcard listeners' entries)
         self.connected_at = 0.0   # wall-clock time of the Connect that bound this queue
+        self.auth: QueueAuth | None = None   # DH-HMAC-CHAP state when the host must authenticate (target/auth.py)
         self.close: Callable[[], None] = close or _no_close
 
     @property

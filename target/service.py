@@ -30,7 +30,8 @@ from typing import Any, Protocol
 
 from nvmeof import defaults
 from target import config as configmod
-from target.backends import BackendError, BackingPolicy, FileBackend, kinds, open_backend
+from target import hostauth
+from target.backends import BACKEND_OPTIONS, OPTION_KEYS, BackendError, BackingPolicy, kinds, open_backend
 from target.model import (
     ADRFAMS,
     BLOCK_SIZES,
@@ -203,6 +204,9 @@ class TargetService:
         config_path: str | os.PathLike[str] | None = None,
         backing_dirs: Iterable[str | os.PathLike[str]] | None = None,
         block_devices: Iterable[str | os.PathLike[str]] = (),
+        ceph_confs: Iterable[str | os.PathLike[str]] = (),
+        ceph_keyrings: Iterable[str | os.PathLike[str]] = (),
+        rbd_op_timeout: float = defaults.RBD_OP_TIMEOUT,
     ) -> None:
         """``backing_dirs`` (default: the state directory's disks/) and ``block_devices`` are the
         operator's (`nvmeof serve --backing-dir/--allow-block-device`): where file namespaces may
@@ -211,12 +215,13 @@ class TargetService:
         through the API can widen them. BackingError (a BackendError) if one of them is unusable."""
         self.target = target
         self.config_path = os.fspath(config_path) if config_path is not None else None
-        self.backing = BackingPolicy(backing_dirs, block_devices)
+        self.backing = BackingPolicy(backing_dirs, block_devices, ceph_confs, ceph_keyrings, rbd_op_timeout)
         self._flag_backing = self.backing
         # the configuration file's own policy keys, written back by snapshot() as they were read
         self._config_backing: dict[str, list[str]] = {}
         self._lock = asyncio.Lock()
         self._unrestored: list[Unrestored] = []
+        self._tasks: set[asyncio.Task[Any]] = set()
 
     # --- reads ---------------------------------------------------------------------------------
 
@@ -281,8 +286,12 @@ class TargetService:
     # --- what a replay could not restore -------------------------------------------------------
 
     def unrestored(self) -> list[dict[str, Any]]:
-        """Configuration items kept from a replay that failed, with the reason, oldest first."""
-        return [u.as_dict() for u in self._unrestored]
+        """Configuration items kept from a replay that failed, with the reason, oldest first; host
+        secrets show as presence flags (this goes to the API)."""
+        out = [u.as_dict() for u in self._unrestored]
+        for entry in out:
+            entry["item"] = hostauth.redact_item(entry["item"])
+        return out
 
     def _pending(self, kind: str) -> list[Unrestored]:
         return [u for u in self._unrestored if u.kind == kind]
@@ -351,10 +360,18 @@ class TargetService:
         allow_any_host: bool | None = None,
         hosts: Iterable[str] = (),
         max_namespaces: int = defaults.MAX_NAMESPACES,
+        *,
+        host_auth: dict[str, dict[str, Any]] | None = None,
+        dhchap_hash: Any = None,
+        dhchap_dhgroup: Any = None,
     ) -> Subsystem:
-        """Create a subsystem. ``allow_any_host`` defaults to True when no hosts are listed."""
+        """Create a subsystem. ``allow_any_host`` defaults to True when no hosts are listed.
+        ``host_auth``: DH-HMAC-CHAP settings per listed host (hostauth.FIELDS); ``dhchap_hash`` /
+        ``dhchap_dhgroup``: the subsystem's allowed hashes and DH groups (default all)."""
         async with self._lock:
-            return await self._add_subsystem(nqn, serial, model, allow_any_host, hosts, max_namespaces, persist=True)
+            return await self._add_subsystem(nqn, serial, model, allow_any_host, hosts, max_namespaces, persist=True,
+                                             host_auth=host_auth, dhchap_hash=dhchap_hash,
+                                             dhchap_dhgroup=dhchap_dhgroup)
 
     async def _add_subsystem(
         self,
@@ -366,6 +383,9 @@ class TargetService:
         max_namespaces: int,
         *,
         persist: bool,
+        host_auth: dict[str, dict[str, Any]] | None = None,
+        dhchap_hash: Any = None,
+        dhchap_dhgroup: Any = None,
     ) -> Subsystem:
         nqn = generate_nqn() if nqn is None else _nqn(nqn, "subsystem NQN")
         if nqn in self.target.subsystems:
@@ -386,6 +406,18 @@ class TargetService:
                 "with allow_any_host every host may connect and the list would mean nothing"
             )
         max_namespaces = _int(max_namespaces, "max_namespaces", 1, NSID_MAX)
+        auth = {}
+        for hostnqn, settings in (host_auth or {}).items():
+            if hostnqn not in host_set:
+                raise _bad(f"DH-HMAC-CHAP settings for host {hostnqn}, which is not in the subsystem's hosts")
+            entry = _host_auth(hostnqn, settings)
+            if not entry.empty:
+                auth[hostnqn] = entry
+        try:
+            hashes = hostauth.parse_hashes(dhchap_hash)
+            groups = hostauth.parse_dhgroups(dhchap_dhgroup)
+        except hostauth.AuthSettingError as exc:
+            raise _bad(f"subsystem {nqn}: {exc}") from None
         sub = Subsystem(
             nqn=nqn,
             serial=serial,
@@ -393,6 +425,9 @@ class TargetService:
             allow_any_host=allow_any_host,
             hosts=host_set,
             max_namespaces=max_namespaces,
+            host_auth=auth,
+            dhchap_hash=hashes,
+            dhchap_dhgroup=groups,
         )
         self.target.subsystems[nqn] = sub
 
@@ -459,7 +494,9 @@ class TargetService:
             self.target.discovery_changed()
             return disconnected
 
-    async def allow_host(self, subnqn: str, hostnqn: str) -> Subsystem:
+    async def allow_host(self, subnqn: str, hostnqn: str, **auth: Any) -> Subsystem:
+        """Add ``hostnqn`` to the allowed hosts, with its DH-HMAC-CHAP settings (``dhchap_key``,
+        ``dhchap_ctrl_key``, ``dhchap_hash``, ``dhchap_dhgroup``) if given."""
         async with self._lock:
             hostnqn = _nqn(hostnqn, "host NQN")
             sub = self.get_subsystem(subnqn)
@@ -471,10 +508,14 @@ class TargetService:
                 )
             if hostnqn in sub.hosts:
                 raise ServiceError(409, f"host {hostnqn} is already allowed on {subnqn}")
+            entry = _host_auth(hostnqn, {k: v for k, v in auth.items() if v is not None})
             sub.hosts.add(hostnqn)
+            if not entry.empty:
+                sub.host_auth[hostnqn] = entry
 
             async def undo() -> None:
                 sub.hosts.discard(hostnqn)
+                sub.host_auth.pop(hostnqn, None)
 
             await self._commit(True, undo)
             self.target.discovery_changed()
@@ -488,14 +529,75 @@ class TargetService:
             if hostnqn not in sub.hosts:
                 raise ServiceError(404, f"host {hostnqn} is not in the allowed hosts of {subnqn}")
             sub.hosts.discard(hostnqn)
+            auth = sub.host_auth.pop(hostnqn, None)
 
             async def undo() -> None:
                 sub.hosts.add(hostnqn)
+                if auth is not None:
+                    sub.host_auth[hostnqn] = auth
 
             await self._commit(True, undo)
             disconnected = await self._revoke(subnqn)
             self.target.discovery_changed()
             return disconnected
+
+    def get_host(self, subnqn: str, hostnqn: str) -> tuple[Subsystem, Any]:
+        """(subsystem, its HostAuth or None) for an allowed host; 404 when the host is not allowed."""
+        sub = self.get_subsystem(subnqn)
+        if hostnqn not in sub.hosts:
+            raise ServiceError(404, f"host {hostnqn} is not in the allowed hosts of {subnqn}; allow it first")
+        return sub, sub.host_auth.get(hostnqn)
+
+    async def set_host_auth(self, subnqn: str, hostnqn: str, settings: dict[str, Any]) -> Subsystem:
+        """Set, rotate or remove DH-HMAC-CHAP settings of an allowed host: each field given replaces the
+        current one (None removes it), the others stay. Connected controllers keep running; their next
+        (re-)authentication, and every new queue, uses the new settings (nvmet reads the host's key at
+        each authentication too)."""
+        async with self._lock:
+            sub, old = self.get_host(subnqn, hostnqn)
+            entry = _host_auth(hostnqn, settings, old)
+            if entry.empty:
+                sub.host_auth.pop(hostnqn, None)
+            else:
+                sub.host_auth[hostnqn] = entry
+
+            async def undo() -> None:
+                if old is None:
+                    sub.host_auth.pop(hostnqn, None)
+                else:
+                    sub.host_auth[hostnqn] = old
+
+            await self._commit(True, undo)
+            changed = ", ".join(sorted(settings)) or "nothing"
+            log.info("DH-HMAC-CHAP settings of host %s on %s changed (%s)", hostnqn, subnqn, changed)
+            return sub
+
+    async def clear_host_auth(self, subnqn: str, hostnqn: str) -> Subsystem:
+        """Remove every DH-HMAC-CHAP setting of the host: its new queues no longer authenticate."""
+        return await self.set_host_auth(subnqn, hostnqn, {field: None for field in hostauth.FIELDS})
+
+    async def set_subsystem_dhchap(self, subnqn: str, settings: dict[str, Any]) -> Subsystem:
+        """The subsystem's allowed hashes/DH groups (``dhchap_hash``, ``dhchap_dhgroup``; None: all),
+        used by hosts that name none of their own."""
+        async with self._lock:
+            sub = self.get_subsystem(subnqn)
+            unknown = sorted(set(settings) - set(hostauth.LIST_FIELDS))
+            if unknown:
+                raise _bad(f"unknown subsystem setting(s) {', '.join(unknown)}; use dhchap_hash, dhchap_dhgroup")
+            old = (sub.dhchap_hash, sub.dhchap_dhgroup)
+            try:
+                hashes = hostauth.parse_hashes(settings["dhchap_hash"]) if "dhchap_hash" in settings else old[0]
+                groups = (hostauth.parse_dhgroups(settings["dhchap_dhgroup"]) if "dhchap_dhgroup" in settings
+                          else old[1])
+            except hostauth.AuthSettingError as exc:
+                raise _bad(f"subsystem {subnqn}: {exc}") from None
+            sub.dhchap_hash, sub.dhchap_dhgroup = hashes, groups
+
+            async def undo() -> None:
+                sub.dhchap_hash, sub.dhchap_dhgroup = old
+
+            await self._commit(True, undo)
+            return sub
 
     async def _revoke(self, subnqn: str) -> int:
         """After the allow-list of ``subnqn`` shrank: the hosts it no longer admits lose their controllers,
@@ -548,7 +650,10 @@ class TargetService:
         read_only: bool = False,
         enabled: bool = True,
         create: bool = False,
+        options: dict[str, Any] | None = None,
     ) -> Namespace:
+        """``options``: the settings only ``backend`` takes (BACKEND_OPTIONS: an RBD namespace's
+        ``pool``, ``image``, ...)."""
         async with self._lock:
             return await self._add_namespace(
                 subnqn,
@@ -563,6 +668,7 @@ class TargetService:
                 read_only=read_only,
                 enabled=enabled,
                 create=create,
+                options=options,
                 persist=True,
             )
 
@@ -582,10 +688,12 @@ class TargetService:
         enabled: bool,
         create: bool,
         persist: bool,
+        options: dict[str, Any] | None = None,
     ) -> Namespace:
         sub = self.get_subsystem(subnqn)
         if backend not in kinds():
             raise _bad(f"backend {backend!r} is not one of {', '.join(kinds())}")
+        options = _backend_options(backend, options)
         if block_size not in BLOCK_SIZES:
             raise _bad(f"block size {block_size!r} is not supported; use 512 or 4096")
         read_only = _bool(read_only, "read_only")
@@ -619,11 +727,35 @@ class TargetService:
             for u in self._pending("namespace"):
                 if _resolved(u.item.get("path")) == path:
                     raise self._pending_conflict(f"a namespace on {path}", u)
+        elif backend in BACKEND_OPTIONS:
+            if path is not None:
+                raise _bad(f"a {backend} namespace takes no path; give {' and '.join(BACKEND_OPTIONS[backend][:2])}")
+            if create and size is None:
+                raise _bad(f"creating a {backend} namespace's storage needs a size")
+            try:
+                # Stored resolved, like file paths; an unlisted one is refused before librados reads it.
+                for key, check in (("ceph_conf", self.backing.ceph_conf), ("ceph_keyring", self.backing.ceph_keyring)):
+                    if key in options:
+                        options[key] = check(options[key])
+            except BackendError as exc:
+                raise _bad(str(exc)) from None
+            default_conf = self.backing.ceph_conf(None)
+            where = _storage_key(backend, options, default_conf)
+            for other_sub, other in self._all_namespaces():
+                if _storage_key(other.spec.get("backend", ""), other.spec, default_conf) == where:
+                    raise ServiceError(
+                        409,
+                        f"{_storage_name(backend, options)} already backs namespace {other.nsid} of {other_sub.nqn}; "
+                        "two namespaces on one image would corrupt each other",
+                    )
+            for u in self._pending("namespace"):
+                if _storage_key(u.item.get("backend", ""), u.item, default_conf) == where:
+                    raise self._pending_conflict(f"a namespace on {_storage_name(backend, options)}", u)
         else:
             if path is not None:
                 raise _bad(f"a {backend} namespace takes a size, not a path")
             if create:
-                raise _bad("create applies to file namespaces only")
+                raise _bad("create applies to file and rbd namespaces only")
             if size is None:
                 raise _bad(f"a {backend} namespace needs a size in bytes (a multiple of {block_size})")
         taken = sub.namespaces.keys() | self._pending_nsids(subnqn)
@@ -658,22 +790,42 @@ class TargetService:
 
         # Everything else is checked; opening the backend is the last step that can fail.
         try:
-            store = await asyncio.to_thread(
-                open_backend, backend, path=path, size=size, read_only=read_only, create=create, policy=self.backing
+            store, stored_ids = await asyncio.to_thread(
+                _open_store, backend, path=path, size=size, read_only=read_only, create=create,
+                policy=self.backing, options=options,
             )
         except BackendError as exc:
             raise _bad(str(exc)) from None
+        shown = path or _storage_name(backend, options)
         if store.size % block_size:
             self._discard_backend(store)
             raise _bad(
-                f"{path} is {store.size} bytes, not a multiple of the block size {block_size}; "
+                f"{shown} is {store.size} bytes, not a multiple of the block size {block_size}; "
                 f"give a size such as {store.size // block_size * block_size}"
             )
+        if stored_ids is not None:
+            try:
+                ns_uuid, ns_nguid, ns_eui64 = self._stored_identity(
+                    shown, stored_ids, (uuid, nguid, eui64), (ns_uuid, ns_nguid, ns_eui64)
+                )
+            except ServiceError:
+                self._discard_backend(store)
+                raise
+        elif store.holds_user_data and backend in BACKEND_OPTIONS:
+            # The first gateway to serve this storage gives it its identity; every later one (and
+            # every restart) reads it back, so hosts see one namespace behind all of them.
+            ids = {"uuid": str(ns_uuid), "nguid": ns_nguid.hex(), "eui64": ns_eui64.hex()}
+            try:
+                await asyncio.to_thread(store.store_identity, ids)
+            except BackendError as exc:
+                self._discard_backend(store)
+                raise _bad(f"{shown}: cannot store the namespace identity with it: {exc}") from None
         spec: dict[str, Any] = {"backend": backend}
         if path is not None:
             spec["path"] = path
         if size is not None:
             spec["size"] = size
+        spec.update(options)
         ns = Namespace(
             nsid=nsid,
             backend=store,
@@ -693,13 +845,62 @@ class TargetService:
 
         await self._commit(persist, undo)
         self.target.namespace_changed(subnqn, nsid)
+        store.watch_size(lambda new_size: self._storage_resized(subnqn, nsid, store, new_size))
         await self._settle()
         return ns
 
+    def _stored_identity(
+        self, shown: str, stored: dict[str, str], given: tuple[Any, Any, Any], made: tuple[Any, Any, Any]
+    ) -> tuple[uuidlib.UUID, bytes, bytes]:
+        """The identity kept with the storage wins over a fresh one; one the caller gave must agree
+        with it (a config entry does, since it was written from it)."""
+        try:
+            ids = (
+                _uuid(stored["uuid"]),
+                _hex_id(stored["nguid"], "nguid", 16),
+                _hex_id(stored["eui64"], "eui64", 8),
+            )
+        except (KeyError, TypeError, ServiceError) as exc:
+            raise _bad(f"{shown} carries an unreadable namespace identity ({exc}); remove its metadata key "
+                       f"{defaults.RBD_IDENTITY_KEY} to give it a new one") from None
+        names = ("uuid", "nguid", "eui64")
+        for name, asked, have, fresh in zip(names, given, ids, made, strict=True):
+            if asked is not None and fresh != have:
+                raise _bad(f"{shown} already carries {name} {_show(have)}, not {_show(fresh)}; omit {name} "
+                           "to serve it with the identity it has")
+            owner = self._id_owner(name, have)
+            if owner:
+                raise ServiceError(409, f"{shown} carries {name} {_show(have)}, already used by {owner}")
+        return ids
+
+    def _storage_resized(self, subnqn: str, nsid: int, store: Any, size: int) -> None:
+        """The storage under a namespace changed size behind our back (`rbd resize`): tell the hosts
+        (Namespace Attribute Changed) and keep the configuration's size in step."""
+        sub = self.target.subsystems.get(subnqn)
+        ns = sub.namespaces.get(nsid) if sub is not None else None
+        if ns is None or ns.backend is not store:
+            return
+        log.info("namespace %d of %s: its storage was resized to %d bytes outside this target", nsid, subnqn, size)
+        if "size" in ns.spec:
+            ns.spec["size"] = size
+        self.target.namespace_changed(subnqn, nsid)
+        self._background(self.save(), "saving the configuration after an outside resize")
+
+    def _background(self, work: Any, what: str) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+
+        def done(t: asyncio.Task[Any]) -> None:
+            self._tasks.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                log.error("%s failed: %s", what, t.exception())
+
+        task.add_done_callback(done)
+
     @staticmethod
     def _discard_backend(store: Any) -> None:
-        if isinstance(store, FileBackend):
-            store.close_unused()  # removes a file it created, cuts back one it grew
+        if store.holds_user_data:
+            store.close_unused()  # removes a file/image it created, cuts back one it grew
         else:
             store.close()
 
@@ -719,7 +920,7 @@ class TargetService:
             store = ns.backend
             old_length: int | None = None
             try:
-                if isinstance(store, FileBackend):
+                if store.holds_user_data:
                     old_length = await store.resize(size, allow_shrink=allow_shrink)
                 else:
                     await store.resize(size)
@@ -734,7 +935,7 @@ class TargetService:
                 else:
                     ns.spec["size"] = old_spec_size
                 try:
-                    if isinstance(store, FileBackend):
+                    if store.holds_user_data:
                         await store.revert_resize(old_size, old_length)
                     else:
                         await store.resize(old_size)
@@ -925,16 +1126,19 @@ class TargetService:
 
     # --- whole configuration -------------------------------------------------------------------
 
-    def snapshot(self) -> dict[str, Any]:
-        """The whole configuration in config-file form (version 1), unrestored items included."""
+    def snapshot(self, *, redact: bool = False) -> dict[str, Any]:
+        """The whole configuration in config-file form (version 1), unrestored items included.
+        ``redact`` (what the API returns): host secrets become presence flags (``"dhchap_key": true``)."""
         subsystems = []
         for sub in self.list_subsystems():
-            entry = _subsystem_entry(sub)
+            entry = _subsystem_entry(sub, redact=redact)
             waiting = [copy.deepcopy(u.item) for u in self._pending("namespace") if u.subnqn == sub.nqn]
             if waiting:
                 entry["namespaces"] = sorted(entry["namespaces"] + waiting, key=_nsid_order)
             subsystems.append(entry)
         subsystems += [copy.deepcopy(u.item) for u in self._pending("subsystem")]
+        if redact:
+            subsystems = [hostauth.redact_item(item) for item in subsystems]
         return {
             "version": configmod.CONFIG_VERSION,
             **copy.deepcopy(self._config_backing),
@@ -1003,7 +1207,7 @@ class TargetService:
         entries add to the command line's. An import comes through the API, whose admins must not
         choose where files may live: entries it would add are refused, each named."""
         given: dict[str, list[str]] = {}
-        for key, option in (("backing_dirs", "--backing-dir"), ("allow_block_devices", "--allow-block-device")):
+        for key, (option, _) in configmod.POLICY_KEYS.items():
             value = config.get(key)
             if value is None:
                 continue
@@ -1014,10 +1218,7 @@ class TargetService:
             if start_up:
                 given[key] = good
                 continue
-            if key == "backing_dirs":
-                extra = self.backing.widens(backing_dirs=good)
-            else:
-                extra = self.backing.widens(block_devices=good)
+            extra = self.backing.widens(**{configmod.POLICY_KEYS[key][1]: good})
             if extra:
                 errors.append(
                     f"{key}: an import cannot widen where namespace files may live ({', '.join(extra)} ignored); "
@@ -1031,10 +1232,7 @@ class TargetService:
             for entry in entries:
                 kept.setdefault(key, []).append(entry)  # kept in the file even if refused, like unrestored items
                 try:
-                    if key == "backing_dirs":
-                        policy = policy.widened(backing_dirs=[entry])
-                    else:
-                        policy = policy.widened(block_devices=[entry])
+                    policy = policy.widened(**{configmod.POLICY_KEYS[key][1]: [entry]})
                 except BackendError as exc:
                     errors.append(f"{key}: {exc}; ignored")
         self.backing, self._config_backing = policy, kept
@@ -1065,14 +1263,18 @@ class TargetService:
                 errors.extend(problems)
                 continue
             try:
+                hosts, host_auth = _split_hosts(_given(item, "hosts", ()))
                 await self._add_subsystem(
                     item["nqn"],
                     item.get("serial"),
                     _given(item, "model", defaults.MODEL),
                     item.get("allow_any_host"),
-                    _given(item, "hosts", ()),
+                    hosts,
                     _given(item, "max_namespaces", defaults.MAX_NAMESPACES),
                     persist=False,
+                    host_auth=host_auth,
+                    dhchap_hash=item.get("dhchap_hash"),
+                    dhchap_dhgroup=item.get("dhchap_dhgroup"),
                 )
             except ServiceError as exc:
                 errors.append(f"{where}: {exc.message}; skipped with its namespaces")
@@ -1086,6 +1288,7 @@ class TargetService:
                 errors.extend(problems)
                 continue
             args = {key: item.get(key) for key in ("nsid", "path", "size", "uuid", "nguid", "eui64")}
+            args["options"] = {key: item[key] for key in OPTION_KEYS if key in item}
             try:
                 await self._add_namespace(
                     nqn,
@@ -1220,6 +1423,48 @@ def _given(item: dict[str, Any], key: str, default: Any) -> Any:
     return default if value is None else value
 
 
+def _backend_options(backend: str, options: dict[str, Any] | None) -> dict[str, str]:
+    """``options`` checked against what ``backend`` takes: strings only, none it does not know."""
+    options = dict(options or {})
+    allowed = BACKEND_OPTIONS.get(backend, ())
+    unknown = [key for key in options if key not in allowed]
+    if unknown:
+        takes = f"it takes {', '.join(allowed)}" if allowed else "it takes none"
+        raise _bad(f"a {backend} namespace has no setting {', '.join(sorted(unknown))}; {takes}")
+    for key, value in options.items():
+        if not isinstance(value, str) or not value or "\0" in value:
+            raise _bad(f"{key} must be a non-empty string, got {value!r}")
+    missing = [key for key in allowed[:2] if key not in options]
+    if missing:
+        raise _bad(f"a {backend} namespace needs {' and '.join(missing)}")
+    return options
+
+
+def _storage_key(backend: str, options: Any, default_conf: str) -> tuple[Any, ...] | None:
+    """What names one piece of storage for a kind with options (the same RBD image twice is a conflict)."""
+    if backend != "rbd" or not isinstance(options, dict):
+        return None
+    conf = options.get("ceph_conf") or default_conf
+    return (conf, options.get("pool"), options.get("rbd_namespace") or "", options.get("image"))
+
+
+def _storage_name(backend: str, options: dict[str, Any]) -> str:
+    if backend == "rbd":
+        where = "/".join(p for p in (options.get("pool"), options.get("rbd_namespace"), options.get("image")) if p)
+        return f"RBD image {where}"
+    return f"{backend} storage"
+
+
+def _open_store(backend: str, **kw: Any) -> tuple[Any, dict[str, str] | None]:
+    """Open the backend and read the identity it keeps (both may block: run in a thread)."""
+    store = open_backend(backend, **kw)
+    try:
+        return store, store.stored_identity()
+    except BackendError:
+        TargetService._discard_backend(store)
+        raise
+
+
 def _resolved(path: Any) -> str | None:
     """``path`` resolved, or None when it is no usable path (a NUL byte, not a string)."""
     if not isinstance(path, str) or not path or "\0" in path:
@@ -1243,16 +1488,52 @@ def _listen_error(lid: str, exc: OSError) -> ServiceError:
     return ServiceError(500, f"cannot listen on {lid}: {reason}")
 
 
-def _subsystem_entry(sub: Subsystem) -> dict[str, Any]:
-    return {
+def _subsystem_entry(sub: Subsystem, *, redact: bool = False) -> dict[str, Any]:
+    # A host with DH-HMAC-CHAP settings is an object {"nqn", "dhchap_key", ...}; the others stay strings.
+    hosts: list[Any] = [
+        hostauth.config_entry(h, sub.host_auth[h], redact=redact) if h in sub.host_auth else h
+        for h in sorted(sub.hosts)
+    ]
+    entry: dict[str, Any] = {
         "nqn": sub.nqn,
         "serial": sub.serial,
         "model": sub.model,
         "allow_any_host": sub.allow_any_host,
-        "hosts": sorted(sub.hosts),
+        "hosts": hosts,
         "max_namespaces": sub.max_namespaces,
-        "namespaces": [_namespace_entry(sub.namespaces[nsid]) for nsid in sorted(sub.namespaces)],
     }
+    if sub.dhchap_hash is not None:
+        entry["dhchap_hash"] = hostauth.hash_names(sub.dhchap_hash)
+    if sub.dhchap_dhgroup is not None:
+        entry["dhchap_dhgroup"] = hostauth.dhgroup_names(sub.dhchap_dhgroup)
+    entry["namespaces"] = [_namespace_entry(sub.namespaces[nsid]) for nsid in sorted(sub.namespaces)]
+    return entry
+
+
+def _host_auth(hostnqn: str, settings: dict[str, Any], base: Any = None) -> Any:
+    """hostauth.build with its refusal as a 400 (the message names the field, never the secret)."""
+    if not isinstance(settings, dict):
+        raise _bad(f"DH-HMAC-CHAP settings of host {hostnqn} must be an object, got {type(settings).__name__}")
+    try:
+        return hostauth.build(hostnqn, settings, base)
+    except hostauth.AuthSettingError as exc:
+        raise _bad(str(exc)) from None
+
+
+def _split_hosts(hosts: Any) -> tuple[Any, dict[str, dict[str, Any]]]:
+    """A config ``hosts`` list (NQN strings, or objects {"nqn", "dhchap_key", ...}) as the NQNs and
+    the settings per NQN."""
+    if not isinstance(hosts, list | tuple):
+        return hosts, {}
+    nqns: list[Any] = []
+    settings: dict[str, dict[str, Any]] = {}
+    for host in hosts:
+        if isinstance(host, dict):
+            nqns.append(host.get("nqn"))
+            settings[host.get("nqn")] = {k: v for k, v in host.items() if k != "nqn"}
+        else:
+            nqns.append(host)
+    return nqns, settings
 
 
 def _namespace_entry(ns: Namespace) -> dict[str, Any]:
@@ -1261,6 +1542,7 @@ def _namespace_entry(ns: Namespace) -> dict[str, Any]:
         entry["path"] = ns.spec["path"]
     if "size" in ns.spec:
         entry["size"] = ns.spec["size"]
+    entry.update({key: ns.spec[key] for key in OPTION_KEYS if key in ns.spec})
     entry.update(
         {
             "block_size": ns.block_size,

@@ -481,6 +481,11 @@ class PoolConnection(TargetConnection):
         if queue.qid and not self._handoff and queue.ctrl is not None and not self._closed:
             # The Connect response is on its way; nothing more is read here.
             self._handoff = True
+            if queue.auth is not None:
+                # Its authentication and any re-authentication need the host's keys, which only this
+                # process holds (target/auth.py): the queue is served here.
+                self._give_up_handoff("its host authenticates with DH-HMAC-CHAP")
+                return
             self._handoff_deadline = time.monotonic() + HANDOFF_DRAIN_TIMEOUT
             self._set_paused(True)
             asyncio.get_running_loop().call_soon(self._try_handoff)

@@ -86,7 +86,8 @@ def test_subsystem_create_list_show_delete(client, config_path):
     assert r.status_code == 201, r.text
     body = r.json()
     assert body == {"nqn": NQN, "serial": "SN1", "model": "M1", "allow_any_host": True, "hosts": [],
-                    "max_namespaces": 8, "subtype": "nvm", "namespaces": []}
+                    "max_namespaces": 8, "subtype": "nvm", "namespaces": [], "dhchap_hash": None,
+                    "dhchap_dhgroup": None}
     assert [s["nqn"] for s in client.get(SUBS).json()] == [NQN]
     # The NQN's colon works both raw and percent-encoded in the path.
     assert client.get(f"{SUBS}/{NQN}").json()["serial"] == "SN1"
@@ -258,7 +259,10 @@ def test_hosts_allow_list_deny(client, service):
     client.post(SUBS, json={"nqn": NQN, "allow_any_host": False})
     hosts = f"{SUBS}/{NQN}/hosts"
     r = client.post(hosts, json={"hostnqn": HOSTNQN})
-    assert r.status_code == 201 and r.json() == {"allow_any_host": False, "hosts": [HOSTNQN]}
+    assert r.status_code == 201 and r.json() == {
+        "allow_any_host": False, "hosts": [HOSTNQN],
+        "entries": [{"hostnqn": HOSTNQN, "dhchap_key": False, "dhchap_ctrl_key": False, "dhchap_hash": None,
+                     "dhchap_dhgroup": None}]}
     assert client.get(hosts).json()["hosts"] == [HOSTNQN]
     assert service.get_subsystem(NQN).host_allowed(HOSTNQN)
     r = client.post(hosts, json={"hostnqn": HOSTNQN})

@@ -71,7 +71,7 @@ def registered():
 
 
 async def test_a_registered_backend_opens_and_round_trips_through_describe_attach(registered) -> None:
-    assert KINDS == ("file", "ram", "null")   # the shipped kinds are untouched
+    assert KINDS == ("file", "ram", "null", "rbd")   # the shipped kinds are untouched
     with pytest.raises(ValueError, match="already registered"):
         register_backend("lbastamp", LbaStampBackend)
     ours = open_backend("lbastamp", size=MiB)

@@ -184,7 +184,7 @@ def test_usage_errors_exit_2(run, args):
 def test_host_commands(run, server):
     run("subsystem", "add", NQN, "--no-allow-any-host")
     assert run("host", "allow", NQN, HOSTNQN).stdout.strip() == f"host {HOSTNQN} may connect to {NQN}"
-    assert run("host", "list", NQN).stdout.splitlines()[2] == HOSTNQN
+    assert run("host", "list", NQN).stdout.splitlines()[2].split() == [HOSTNQN, "no", "no", "default", "default"]
     assert server.service.get_subsystem(NQN).host_allowed(HOSTNQN)
     assert "already allowed" in run("host", "allow", NQN, HOSTNQN, code=1).stderr
     run("host", "deny", NQN, HOSTNQN)

@@ -56,7 +56,8 @@ def test_save_is_atomic_and_syncs_file_and_folder(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == ["config.json"]
     path.chmod(0o644)
     save_config(path, {"version": 1})
-    assert stat.S_IMODE(path.stat().st_mode) == 0o644  # an operator's chosen mode is kept
+    # always 0600 (issue 13): the file carries the hosts' DH-HMAC-CHAP secrets
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
 
 
 def test_failed_save_leaves_the_old_file_and_no_temp(tmp_path, monkeypatch):

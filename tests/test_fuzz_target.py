@@ -26,7 +26,7 @@ import tracemalloc
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 from raw_pdu import (
     C2H,
@@ -51,6 +51,7 @@ from raw_pdu import (
 )
 
 from nvmeof import defaults
+from nvmeof.auth import DhchapSecret, HostTransaction, generate_secret
 from nvmeof.crc32c import digest_bytes
 from nvmeof.spec import tcp as spec
 from nvmeof.spec.fabrics import Property
@@ -368,6 +369,78 @@ def _io_stream(cntlid: int, hd: bool, dd: bool, seed: int) -> Stream:
     return Stream(steps, expect)
 
 
+# DH-HMAC-CHAP (issue 13): an admin queue of a host that must authenticate, on its own subsystem
+AUTH_SUBNQN = "nqn.2026-01.com.example:fuzz-auth"
+AUTH_HOSTNQN = "nqn.2014-08.org.nvmexpress:uuid:0f0f0f0f-2222-3333-4444-555555555555"
+AUTH_KEY = generate_secret(hmac_id=1, nqn=AUTH_HOSTNQN)
+AUTH_CTRL_KEY = generate_secret(key_len=48)
+AUTH_CDW10 = (0xE9 << 24) | (0x01 << 16) | (0x01 << 8)   # SECP DH-HMAC-CHAP, SPSP1 1, SPSP0 1
+AUTH_AL = 4096
+
+
+def _auth_send_sqe(cid: int, length: int) -> bytes:
+    return sqe(Command(AdminOpcode.FABRICS, nsid=FabricsType.AUTH_SEND, cdw10=AUTH_CDW10, cdw11=length), cid=cid,
+               data_len=length, incapsule=True)
+
+
+def _auth_receive_sqe(cid: int) -> bytes:
+    return sqe(Command(AdminOpcode.FABRICS, nsid=FabricsType.AUTH_RECEIVE, cdw10=AUTH_CDW10, cdw11=AUTH_AL), cid=cid,
+               data_len=AUTH_AL)
+
+
+def _auth_stream(hd: bool, dd: bool, seed: int) -> Stream:
+    """Connect, Negotiate, Challenge, Reply, Success1 (and Success2 when bidirectional), then a command
+    the gate lets through only now. Each Send is built from what the controller answered (the host's
+    transaction reads the Challenge), so mutations reach every step of the protocol."""
+    bidirectional = bool(seed & 1)
+    txn = HostTransaction(hostnqn=AUTH_HOSTNQN, subnqn=AUTH_SUBNQN, qid=0, host_secret=DhchapSecret.parse(AUTH_KEY),
+                          ctrl_secret=DhchapSecret.parse(AUTH_CTRL_KEY) if bidirectional else None,
+                          hashes=((seed >> 1) % 3 + 1,), dhgroups=((0,), (1,))[(seed >> 3) & 1],
+                          seqnum=seed | 1, t_id=seed & 0xFFFF)
+    built: dict[int, bytes] = {}
+
+    def send(cid: int, after: int | None) -> Step:
+        def build(out) -> bytes:  # type: ignore[no-untyped-def]
+            if cid not in built:   # once: a duplicated step sends the same bytes again (a replay)
+                try:
+                    if after is not None:
+                        txn.receive(out.read_data(after))
+                    built[cid] = txn.next_send() or bytes(16)
+                except Exception:   # the controller's answer was mutated away: send what a lost host would
+                    built[cid] = bytes(16)
+            return capsule_cmd(_auth_send_sqe(cid, len(built[cid])), built[cid], hdgst=hd, ddgst=dd)
+        return Step(build, lambda out: out.done(cid))
+
+    def receive(cid: int) -> Step:
+        return Step(lambda out: capsule_cmd(_auth_receive_sqe(cid), hdgst=hd, ddgst=dd), lambda out: out.done(cid))
+
+    steps = [
+        Step(lambda out: icreq(hdgst=hd, ddgst=dd), lambda out: out.of_kind("icresp")),
+        Step(lambda out: connect_pdu(1, AUTH_SUBNQN, qid=0, hostnqn=AUTH_HOSTNQN, hdgst=hd, ddgst=dd),
+             lambda out: out.done(1)),
+        send(2, None),          # AUTH_Negotiate
+        receive(3),             # DH-HMAC-CHAP_Challenge
+        send(4, 3),             # DH-HMAC-CHAP_Reply
+        receive(5),             # DH-HMAC-CHAP_Success1
+    ]
+    last = [1, 2, 3, 4, 5]
+    if bidirectional:
+        steps.append(send(6, 5))   # DH-HMAC-CHAP_Success2
+        last.append(6)
+    steps.append(Step(lambda out: capsule_cmd(_prop_get_sqe(7, Property.CAP, size8=True), hdgst=hd, ddgst=dd),
+                      lambda out: out.done(7)))
+    last.append(7)
+
+    def expect(out) -> None:  # type: ignore[no-untyped-def]
+        for cid in last:
+            _cqe_ok(out, cid)
+        assert out.cqe(1).dw0 & (1 << 17), "Connect without AUTHREQ.ATR for a host with a key"
+        if not bidirectional:
+            txn.receive(out.read_data(5))
+        assert txn.authenticated, txn.state
+    return Stream(steps, expect)
+
+
 def _admin_stream(hd: bool, dd: bool) -> Stream:
     def cmd(cid: int, raw: bytes, data: bytes | None = None) -> Step:
         return Step(lambda out: capsule_cmd(raw, data, hdgst=hd, ddgst=dd), lambda out: out.done(cid))
@@ -434,7 +507,7 @@ class Case:
 
 CASE = st.builds(
     Case,
-    kind=st.sampled_from(["io", "admin"]),
+    kind=st.sampled_from(["io", "admin", "auth"]),
     hdgst=st.booleans(),
     ddgst=st.booleans(),
     # One example in eight is the valid stream, checked answer by answer.
@@ -547,11 +620,15 @@ class Fuzzer:
         self.examples = 0
         self.peaks: list[int] = []
         self.outcomes: collections.Counter[str] = collections.Counter()
+        self.kinds: collections.Counter[str] = collections.Counter()
         self.log = _ErrorLog()
         self.dirty = False
 
     async def start(self) -> None:
         self.served = await serve()
+        await self.served.service.add_subsystem(  # type: ignore[attr-defined]
+            AUTH_SUBNQN, allow_any_host=False, hosts=[AUTH_HOSTNQN],
+            host_auth={AUTH_HOSTNQN: {"dhchap_key": AUTH_KEY, "dhchap_ctrl_key": AUTH_CTRL_KEY}})
         self.admin, self.cntlid = await admin_host(self.served.port)
         self.baseline_tasks = len(asyncio.all_tasks())
 
@@ -584,8 +661,12 @@ class Fuzzer:
         self.log.records.clear()
         tracemalloc.reset_peak()
         mem_before = tracemalloc.get_traced_memory()[0]
-        stream = _io_stream(self.cntlid, case.hdgst, case.ddgst, case.seed) if case.kind == "io" \
-            else _admin_stream(case.hdgst, case.ddgst)
+        if case.kind == "io":
+            stream = _io_stream(self.cntlid, case.hdgst, case.ddgst, case.seed)
+        elif case.kind == "auth":
+            stream = _auth_stream(case.hdgst, case.ddgst, case.seed)
+        else:
+            stream = _admin_stream(case.hdgst, case.ddgst)
         stream = _apply(stream, case.mutations)
         patient = not case.mutations
         peer = await RawPeer.open(s.port)
@@ -609,11 +690,14 @@ class Fuzzer:
         outcome = (f"C2HTermReq FES {out.term.fields['fes']}" if out.term is not None
                    else "closed without TermReq" if closed_by_target else "answered, still open")
         self.outcomes[outcome + (" (valid stream)" if patient else "")] += 1
+        self.kinds[case.kind + (" valid" if patient else "")] += 1
         if closed_by_target and out.term is None:
             reasons = " | ".join(r.getMessage() for r in self.log.records)
             # Only the host may end a connection without a C2HTermReq: by H2CTermReq or Disconnect.
             assert "sending C2HTermReq" not in reasons, f"logged a C2HTermReq that never arrived: {reasons}"
-            assert any(w in reasons for w in ("terminated the connection", "disconnects qid")), \
+            # ... or DH-HMAC-CHAP refused it (target/auth.py tears the controller down, as nvmet does)
+            assert any(w in reasons for w in ("terminated the connection", "disconnects qid",
+                                              "authentication refused")), \
                 f"the target closed the connection without a C2HTermReq or a logged reason: {reasons}"
         if patient:
             stream.expect(out)  # type: ignore[operator]
@@ -653,10 +737,16 @@ def test_fuzz_live_target_over_tcp():
                   phases=[Phase.explicit, Phase.generate, Phase.shrink],
                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
         @given(case=CASE)
-        def example(case: Case) -> None:
+        # The auth stream whole, one- and two-way (seed bit 0), then with its Reply replayed (dup of
+        # step 4) and the Negotiate dropped: each must be served or refused cleanly.
+        @example(case=Case("auth", False, False, [], [], False, seed=8))
+        @example(case=Case("auth", True, True, [], [], False, seed=13))
+        @example(case=Case("auth", False, False, [("dup", 4)], [], False, seed=9))
+        @example(case=Case("auth", False, True, [("drop", 2)], [], True, seed=2))
+        def run_example(case: Case) -> None:
             loop.run_until_complete(asyncio.wait_for(fuzzer.run(case), EXAMPLE_TIMEOUT))
 
-        example()
+        run_example()
     finally:
         tracemalloc.stop()
         with contextlib.suppress(Exception):
@@ -666,8 +756,10 @@ def test_fuzz_live_target_over_tcp():
             lg.removeHandler(fuzzer.log)
             lg.setLevel(level)
     assert fuzzer.examples >= FUZZ_EXAMPLES
-    print(f"fuzz outcomes: {dict(fuzzer.outcomes)}; peak allocation {max(fuzzer.peaks)} bytes")
+    print(f"fuzz outcomes: {dict(fuzzer.outcomes)}; streams {dict(fuzzer.kinds)}; "
+          f"peak allocation {max(fuzzer.peaks)} bytes")
     # The fuzzer must have reached both sides: valid streams served and malformed ones refused.
     assert fuzzer.outcomes["answered, still open (valid stream)"] > 0, fuzzer.outcomes
+    assert fuzzer.kinds["auth valid"] >= 2 and fuzzer.kinds["auth"] > 0, fuzzer.kinds
     assert any(k.startswith("C2HTermReq") for k in fuzzer.outcomes), fuzzer.outcomes
     assert not fuzzer.loop_errors, fuzzer.loop_errors

@@ -261,7 +261,7 @@ def test_every_target_implements_the_whole_target_hooks_protocol():
         ({"backend": "ram", "size": "big"}, 400, "size must be an integer"),
         ({"backend": "ram"}, 400, "needs a size"),
         ({"backend": "ram", "size": MiB, "path": "/tmp/x"}, 400, "takes a size, not a path"),
-        ({"backend": "ram", "size": MiB, "create": True}, 400, "file namespaces only"),
+        ({"backend": "ram", "size": MiB, "create": True}, 400, "file and rbd namespaces only"),
         ({"backend": "file"}, 400, "needs a path"),
         ({"backend": "file", "path": "/nonexistent/d.img"}, 400, "/nonexistent/d.img is outside the backing dir"),
         ({"backend": "file", "path": "/tmp", "size": MiB}, 400, "/tmp is outside the backing directories"),

@@ -34,7 +34,9 @@ ConfigBody = Body(description="A configuration object", examples=[{"version": 1,
 
 @router.get("", response_model=dict[str, Any])
 async def export_config(service: Service) -> dict[str, Any]:
-    return service.snapshot()
+    """The running configuration; host secrets appear only as ``"dhchap_key": true`` (the API never returns
+    a secret: the daemon's config file holds them)."""
+    return service.snapshot(redact=True)
 
 
 @router.post("", response_model=schemas.ImportResult)
@@ -49,7 +51,13 @@ async def import_config(service: Service, body: dict[str, Any] = ConfigBody) -> 
 @router.get("/nvmetcli", response_model=schemas.NvmetcliExport)
 async def export_nvmetcli(service: Service) -> schemas.NvmetcliExport:
     converted = configmod.export_nvmetcli(service.snapshot())
-    return schemas.NvmetcliExport(nvmetcli=dict(converted), warnings=converted.warnings)
+    data = dict(converted)
+    warnings = list(converted.warnings)
+    withheld = configmod.strip_nvmetcli_secrets(data)
+    if withheld:
+        warnings.append(f"the DH-HMAC-CHAP secrets of {', '.join(withheld)} are not exported through the API; "
+                        "write them to configfs (hosts/<nqn>/dhchap_key, dhchap_ctrl_key) yourself")
+    return schemas.NvmetcliExport(nvmetcli=data, warnings=warnings)
 
 
 @router.post("/nvmetcli", response_model=schemas.ImportResult)

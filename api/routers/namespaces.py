@@ -7,6 +7,7 @@ from fastapi import APIRouter, Path, Response, status
 from api import render, schemas
 from api.deps import JsonRoute, Service
 from api.errors import ERRORS
+from target.backends import OPTION_KEYS
 
 router = APIRouter(prefix="/subsystems/{nqn}/namespaces", tags=["namespaces"], responses=ERRORS,
                    route_class=JsonRoute)
@@ -20,6 +21,7 @@ async def add_namespace(nqn: str, body: schemas.NamespaceCreate, service: Servic
         nqn, backend=body.backend, path=body.path, size=body.size, block_size=body.block_size,
         nsid=body.nsid, uuid=body.uuid, nguid=body.nguid, eui64=body.eui64, read_only=body.read_only,
         enabled=body.enabled, create=body.create,
+        options={key: getattr(body, key) for key in OPTION_KEYS if getattr(body, key) is not None},
     )
     return render.namespace(ns)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from initiator.bench.verify import DEFAULT_VERIFY_SEED, VERIFY_HEADER_SIZE, VERIFY_MODES
@@ -30,6 +30,9 @@ class ConnectSpec:
     nr_io_queues: int = 1
     queue_size: int = defaults.MAX_QUEUE_SIZE
     target: Any = None  # an in-process target.core.Target for transport="loop" (tests)
+    # DH-HMAC-CHAP secrets as nvmeof.auth.DhchapSecret (their repr hides the key)
+    dhchap_secret: Any = field(default=None, repr=False)
+    dhchap_ctrl_secret: Any = field(default=None, repr=False)
 
     def kwargs(self) -> dict[str, Any]:
         kw: dict[str, Any] = {
@@ -39,6 +42,9 @@ class ConnectSpec:
         }
         if self.target is not None:
             kw["target"] = self.target
+        if self.dhchap_secret is not None:
+            kw["dhchap_secret"] = self.dhchap_secret
+            kw["dhchap_ctrl_secret"] = self.dhchap_ctrl_secret
         return kw
 
 

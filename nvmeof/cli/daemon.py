@@ -47,6 +47,7 @@ class DaemonOptions:
     workers: int = 0   # processes serving TCP I/O queues; 0 serves everything in this process
     ic_timeout: float = defaults.TCP_ICREQ_TIMEOUT  # seconds a new NVMe/TCP connection has to send ICReq
     connect_timeout: float = defaults.TCP_CONNECT_TIMEOUT  # seconds from ICResp to the queue's Fabrics Connect
+    auth_timeout: float = defaults.AUTH_TIMEOUT  # seconds a DH-HMAC-CHAP transaction may stall (target/auth.py)
     max_connections: int = defaults.TCP_MAX_CONNECTIONS  # NVMe/TCP connections in all (kept below RLIMIT_NOFILE)
     max_connections_per_listener: int = defaults.TCP_MAX_CONNECTIONS_PER_LISTENER  # NVMe/TCP connections per listener
     h2c_budget: int = defaults.TCP_H2C_GLOBAL_BUDGET  # R2T'd write bytes of all connections (split across workers)
@@ -55,6 +56,10 @@ class DaemonOptions:
     state_dir: Path | None = None  # api-token and api-endpoint live here; defaults.state_dir() when None
     api_host_names: list[str] = field(default_factory=list)  # Host names the API answers to besides its address
     api_max_body: int = defaults.API_MAX_BODY  # bytes of one REST request body; larger gets 413
+    ceph_confs: list[Path] = field(default_factory=list)  # Ceph configuration files RBD namespaces may use
+    ceph_keyrings: list[Path] = field(default_factory=list)  # Ceph keyrings RBD namespaces may name
+    rbd_images: list[dict[str, str]] = field(default_factory=list)  # default subsystem's RBD namespaces
+    rbd_op_timeout: float = defaults.RBD_OP_TIMEOUT  # seconds an OSD/monitor call of an RBD namespace may take
 
 
 def state_directory(path: Path | str | None = None) -> Path:
@@ -213,12 +218,15 @@ class Daemon:
         else:
             self.target = Target()
         configure_tcp_port(self.target, options)
+        self.target.auth_timeout = options.auth_timeout
         from target.backends import BackendError
 
         backing = options.backing_dirs or [Path(options.state_dir or defaults.state_dir()) / defaults.BACKING_DIR]
         try:
             self.service = TargetService(self.target, config_path=options.config_path, backing_dirs=backing,
-                                         block_devices=options.block_devices)
+                                         block_devices=options.block_devices, ceph_confs=options.ceph_confs,
+                                         ceph_keyrings=options.ceph_keyrings,
+                                         rbd_op_timeout=options.rbd_op_timeout)
         except BackendError as e:  # a --backing-dir under /dev, say: the message names it
             raise DaemonError(str(e)) from e
         self.api_server: _EmbeddedServer | None = None
@@ -269,8 +277,17 @@ class Daemon:
     async def _create_default(self) -> None:
         opts = self.options
         await self.service.add_subsystem(opts.subsystem_nqn, allow_any_host=True)
-        await self.service.add_namespace(opts.subsystem_nqn, backend="ram", size=opts.ramdisk_size,
-                                         block_size=opts.block_size)
+        for image in opts.rbd_images:
+            from target.service import ServiceError
+
+            try:
+                await self.service.add_namespace(opts.subsystem_nqn, backend="rbd", block_size=opts.block_size,
+                                                 options=image)
+            except ServiceError as e:
+                raise DaemonError(f"--rbd-image {'/'.join(image.values())}: {e.message}") from e
+        if not opts.rbd_images:
+            await self.service.add_namespace(opts.subsystem_nqn, backend="ram", size=opts.ramdisk_size,
+                                             block_size=opts.block_size)
         if not opts.listen:
             opts.listen = [TransportAddress("tcp", defaults.LISTEN_ADDRESS, defaults.TCP_IO_PORT)]
         if not opts.discovery:

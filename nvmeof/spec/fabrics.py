@@ -184,3 +184,36 @@ DiscoveryLogEntry = Struct(
 # Compiled parsers for structures read per connection (Connect data) or per discovery entry.
 ConnectDataCompiled = ConnectData.compile()
 DiscoveryLogEntryCompiled = DiscoveryLogEntry.compile()
+
+# Authentication Send (fctype 0x05) / Receive (0x06): Linux ``struct nvmf_auth_send_command`` /
+# ``nvmf_auth_receive_command``. SECP/SPSP0/SPSP1 select the security protocol (DH-HMAC-CHAP: 0xE9, 1, 1,
+# nvmeof.spec.auth); ``tl`` is the transfer length of the Send payload, ``al`` the allocation length of Receive.
+AuthSendCommand = Struct(
+    "opcode" / Const(FABRICS_OPCODE, Int8ul),
+    "rsvd1" / Int8ul,
+    "cid" / Int16ul,
+    "fctype" / Int8ul,
+    "rsvd2" / Bytes(19),
+    "dptr" / Bytes(16),
+    "rsvd3" / Int8ul,
+    "spsp0" / Int8ul,
+    "spsp1" / Int8ul,
+    "secp" / Int8ul,
+    "tl" / Int32ul,
+    "rsvd4" / Bytes(16),
+)
+
+AuthReceiveCommand = Struct(
+    "opcode" / Const(FABRICS_OPCODE, Int8ul),
+    "rsvd1" / Int8ul,
+    "cid" / Int16ul,
+    "fctype" / Int8ul,
+    "rsvd2" / Bytes(19),
+    "dptr" / Bytes(16),
+    "rsvd3" / Int8ul,
+    "spsp0" / Int8ul,
+    "spsp1" / Int8ul,
+    "secp" / Int8ul,
+    "al" / Int32ul,
+    "rsvd4" / Bytes(16),
+)

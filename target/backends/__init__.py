@@ -23,12 +23,20 @@ BACKENDS: dict[str, type[Backend] | str] = {
     "file": FileBackend,
     "ram": RamBackend,
     "null": NullBackend,
+    "rbd": "target.backends.rbd:RbdBackend",   # needs Debian's python3-rbd/python3-rados
 }
 KINDS = tuple(BACKENDS)   # the kinds shipped here, for option lists; ``kinds()`` includes later registrations
+# Settings only one kind takes (BackendSpec.options), named as the configuration file, REST and the CLI
+# name them; known without importing the kind, so a config file is checked where Ceph is not installed.
+BACKEND_OPTIONS: dict[str, tuple[str, ...]] = {
+    "rbd": ("pool", "image", "rbd_namespace", "ceph_conf", "ceph_id", "ceph_keyring"),
+}
+OPTION_KEYS = tuple(dict.fromkeys(key for keys in BACKEND_OPTIONS.values() for key in keys))
 
 __all__ = [
-    "BACKENDS", "KINDS", "Backend", "BackendError", "BackendSpec", "BackingError", "BackingPolicy", "FileBackend",
-    "NullBackend", "RamBackend", "attach_backend", "backend_class", "kinds", "open_backend", "register_backend",
+    "BACKENDS", "BACKEND_OPTIONS", "KINDS", "OPTION_KEYS", "Backend", "BackendError", "BackendSpec", "BackingError",
+    "BackingPolicy", "FileBackend", "NullBackend", "RamBackend", "attach_backend", "backend_class", "kinds",
+    "open_backend", "register_backend",
 ]
 
 
@@ -64,10 +72,11 @@ def open_backend(
     read_only: bool = False,
     create: bool = False,
     policy: BackingPolicy | None = None,
+    options: dict[str, Any] | None = None,
 ) -> Backend:
     """Open a backend; BackendError says which argument was wrong or missing. A file backend's
     path is checked against ``policy`` when one is given (TargetService always gives its own)."""
-    return backend_class(kind).open(BackendSpec(path, size, read_only, create), policy)
+    return backend_class(kind).open(BackendSpec(path, size, read_only, create, dict(options or {})), policy)
 
 
 def attach_backend(description: dict[str, Any], fds: list[int]) -> Backend:

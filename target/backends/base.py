@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -20,6 +21,11 @@ class BackendError(Exception):
     """A backend operation failed; the message names the object and what to do about it."""
 
 
+class BackendUnavailable(BackendError):
+    """The storage could not be reached in time (a Ceph cluster down or an OSD stopped): the same
+    command may succeed later, so the host is told to retry (target/io.py answers without DNR)."""
+
+
 @dataclass(frozen=True)
 class BackendSpec:
     """A namespace's backend settings as the configuration gives them (``Backend.open`` reads them)."""
@@ -28,6 +34,9 @@ class BackendSpec:
     size: int | None = None
     read_only: bool = False
     create: bool = False
+    # Settings only one kind reads (an RBD namespace's pool and image, ...), checked by that kind's
+    # ``open``; the service stores them in the namespace's config entry as given.
+    options: Mapping[str, Any] = field(default_factory=dict)
 
 
 def close_fds(fds: list[int]) -> None:
@@ -130,6 +139,27 @@ class Backend(ABC):
         """Worker side: serve the backend ``description`` and ``fds`` describe (owning ``fds``)."""
         close_fds(fds)
         raise BackendError(f"a {cls.kind} backend cannot be served by worker processes")
+
+    # user data and identity (file and RBD namespaces) ---------------------------------------------
+
+    # True for a backend whose storage is the user's own (a file, an RBD image): the service opens it
+    # with ``create`` and resizes it with ``allow_shrink`` (resize/revert_resize/close_unused as
+    # FileBackend has them) instead of treating its size as ours to change.
+    holds_user_data: bool = False
+
+    def watch_size(self, callback: Callable[[int], None]) -> None:
+        """Call ``callback(new_size)`` on the event loop when the storage is resized by someone else
+        (an RBD image resized with `rbd resize`); most backends cannot be, and never call it."""
+        return None
+
+    def stored_identity(self) -> dict[str, str] | None:
+        """The namespace identity (``uuid``, ``nguid``, ``eui64`` as strings) kept with the storage
+        itself, so every gateway serving it and every restart shows the same one; may block."""
+        return None
+
+    def store_identity(self, ids: dict[str, str]) -> None:
+        """Keep ``ids`` with the storage (see ``stored_identity``); a no-op where it cannot; may block."""
+        return None
 
     def follow_resize(self, size: int) -> None:
         """Worker side: present ``size`` bytes after the main process resized the backend."""

@@ -181,12 +181,21 @@ class BackingPolicy:
         self,
         backing_dirs: Iterable[str | os.PathLike[str]] | None = None,
         block_devices: Iterable[str | os.PathLike[str]] = (),
+        ceph_confs: Iterable[str | os.PathLike[str]] = (),
+        ceph_keyrings: Iterable[str | os.PathLike[str]] = (),
+        rbd_op_timeout: float = defaults.RBD_OP_TIMEOUT,
     ) -> None:
         dirs = [self.default_dir()] if backing_dirs is None else list(backing_dirs)
         self.backing_dirs = tuple(dict.fromkeys(self._backing_dir(d) for d in dirs))
         self.block_devices = tuple(
             dict.fromkeys(_setting_path(d, "--allow-block-device") for d in block_devices)
         )
+        # Ceph client files an RBD namespace may name (librados reads them as the daemon's user, so
+        # a REST caller must not point it at any file it likes); the first conf is the default.
+        self.ceph_confs = tuple(dict.fromkeys(_setting_path(d, "--ceph-conf") for d in ceph_confs))
+        self.ceph_keyrings = tuple(dict.fromkeys(_setting_path(d, "--ceph-keyring") for d in ceph_keyrings))
+        # seconds an RBD namespace's OSD/monitor call may take (nvmeof serve --rbd-op-timeout)
+        self.rbd_op_timeout = rbd_op_timeout
 
     @staticmethod
     def default_dir() -> str:
@@ -207,18 +216,66 @@ class BackingPolicy:
         self,
         backing_dirs: Iterable[str | os.PathLike[str]] = (),
         block_devices: Iterable[str | os.PathLike[str]] = (),
+        ceph_confs: Iterable[str | os.PathLike[str]] = (),
+        ceph_keyrings: Iterable[str | os.PathLike[str]] = (),
     ) -> BackingPolicy:
         """A policy allowing these too (the configuration file's own keys, added to the flags)."""
-        return BackingPolicy([*self.backing_dirs, *backing_dirs], [*self.block_devices, *block_devices])
+        return BackingPolicy(
+            [*self.backing_dirs, *backing_dirs],
+            [*self.block_devices, *block_devices],
+            [*self.ceph_confs, *ceph_confs],
+            [*self.ceph_keyrings, *ceph_keyrings],
+            self.rbd_op_timeout,
+        )
+
+    def ceph_conf(self, value: str | None) -> str:
+        """The Ceph configuration file an RBD namespace uses: ``value`` if it is one the operator
+        allowed (--ceph-conf, config key ``ceph_confs``), the first allowed one when ``value`` is
+        None, and Ceph's own default /etc/ceph/ceph.conf when none is configured."""
+        if value is None:
+            return self.ceph_confs[0] if self.ceph_confs else defaults.CEPH_CONF
+        return self._ceph_file(value, self.ceph_confs or (defaults.CEPH_CONF,), "Ceph configuration file",
+                               "--ceph-conf PATH (config key ceph_confs)")
+
+    def ceph_keyring(self, value: str | None) -> str | None:
+        """The keyring an RBD namespace names, if the operator allowed it (--ceph-keyring, config key
+        ``ceph_keyrings``); None leaves it to the Ceph configuration file."""
+        if value is None:
+            return None
+        return self._ceph_file(
+            value, self.ceph_keyrings, "Ceph keyring", "--ceph-keyring PATH (config key ceph_keyrings)"
+        )
+
+    @staticmethod
+    def _ceph_file(value: Any, allowed: tuple[str, ...], what: str, option: str) -> str:
+        if not isinstance(value, str) or not value or "\0" in value or not os.path.isabs(value):
+            raise BackingError(f"{what} {value!r} must be an absolute path")
+        real = os.path.realpath(value)
+        if real not in allowed:
+            listed = ", ".join(allowed) or "none"
+            raise BackingError(f"{what} {value} is not one the daemon was started with (allowed: {listed}); "
+                               f"allow it with {option}")
+        return real
 
     def describe(self) -> str:
         return ", ".join(self.backing_dirs) or "none"
 
-    def widens(self, backing_dirs: Iterable[str] = (), block_devices: Iterable[str] = ()) -> list[str]:
+    def widens(
+        self,
+        backing_dirs: Iterable[str] = (),
+        block_devices: Iterable[str] = (),
+        ceph_confs: Iterable[str] = (),
+        ceph_keyrings: Iterable[str] = (),
+    ) -> list[str]:
         """The entries that would allow more than this policy does (a folder inside a backing
         directory does not)."""
         dirs = [d for d in backing_dirs if not any(_under(os.path.realpath(d), b) for b in self.backing_dirs)]
-        return dirs + [d for d in block_devices if os.path.realpath(d) not in self.block_devices]
+        return (
+            dirs
+            + [d for d in block_devices if os.path.realpath(d) not in self.block_devices]
+            + [c for c in ceph_confs if os.path.realpath(c) not in self.ceph_confs]
+            + [k for k in ceph_keyrings if os.path.realpath(k) not in self.ceph_keyrings]
+        )
 
     def allows(self, real: str) -> bool:
         """Whether a resolved path may back a namespace."""
@@ -281,6 +338,7 @@ class BackingPolicy:
 
 class FileBackend(Backend):
     kind = "file"
+    holds_user_data = True
 
     def __init__(
         self,

@@ -14,6 +14,7 @@ import click
 from nvmeof import __version__, defaults
 
 from .common import parse_size, run_async
+from .host import dhchap_options
 
 _TIME = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(us|ms|s|m|h)?\s*$", re.IGNORECASE)
 _TIME_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -260,6 +261,7 @@ def format_normal(report: Any) -> str:
               help="I/O queues per job connection.")
 @click.option("-Q", "--queue-size", "queue_size", type=click.IntRange(2, 65536), default=defaults.MAX_QUEUE_SIZE,
               help="I/O queue size.")
+@dhchap_options
 def bench(**opts: Any) -> None:
     """Measure a namespace the way fio does, through the Python initiator.
 
@@ -294,6 +296,7 @@ def bench(**opts: Any) -> None:
         transport=opts["transport"], traddr=opts["traddr"], trsvcid=opts["trsvcid"], subnqn=opts["nqn"],
         hostnqn=opts["hostnqn"], hdr_digest=opts["hdr_digest"], data_digest=opts["data_digest"],
         nr_io_queues=opts["nr_io_queues"], queue_size=opts["queue_size"],
+        dhchap_secret=opts["dhchap_secret"], dhchap_ctrl_secret=opts["dhchap_ctrl_secret"],
     )
     show = opts["eta"] == "always" or (opts["eta"] == "auto" and sys.stderr.isatty())
     progress = None

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import click
 
 from nvmeof import defaults
+from nvmeof.auth import AuthFailure
 from nvmeof.spec.nvme import FeatureId, LogPageId
 from nvmeof.status import NvmeError
 
@@ -25,8 +26,30 @@ EXIT_CONNECT = 3
 EXIT_KERNEL = 4
 
 
+def _secret_callback(ctx: click.Context, param: click.Parameter, value: str | None) -> object:
+    """Check a DHHC-1 secret while parsing the command line; the error never repeats the value."""
+    if value is None:
+        return None
+    from nvmeof.auth import DhchapSecret
+
+    try:
+        return DhchapSecret.parse(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def dhchap_options(f: Callable) -> Callable:
+    """nvme-cli's -S/--dhchap-secret and -C/--dhchap-ctrl-secret (DH-HMAC-CHAP, `nvme gen-dhchap-key`)."""
+    f = click.option("-C", "--dhchap-ctrl-secret", "dhchap_ctrl_secret", callback=_secret_callback,
+                     metavar="DHHC-1:NN:...:", help="Controller secret: authenticate the controller too "
+                     "(bidirectional).")(f)
+    return click.option("-S", "--dhchap-secret", "dhchap_secret", callback=_secret_callback,
+                        metavar="DHHC-1:NN:...:", help="Host secret for DH-HMAC-CHAP in-band authentication "
+                        "(`nvmeof gen-dhchap-key`).")(f)
+
+
 def connection_options(default_port: int, *, nqn_required: bool = True) -> Callable:
-    """The nvme-cli spellings: -t -a -s -n -q -I, plus digests and queue counts."""
+    """The nvme-cli spellings: -t -a -s -n -q -I -S -C, plus digests and queue counts."""
     def deco(f: Callable) -> Callable:
         opts = [
             click.option("-t", "--transport", type=click.Choice(["tcp", "rdma"]), default="tcp",
@@ -46,7 +69,7 @@ def connection_options(default_port: int, *, nqn_required: bool = True) -> Calla
         if nqn_required:
             opts.append(click.option("-n", "--nqn", required=True, help="Subsystem NQN."))
         names = ["transport", "traddr", "trsvcid", "hostnqn", "hostid", "hdr_digest", "data_digest", "timeout",
-                 "as_json"] + (["nqn"] if nqn_required else [])
+                 "as_json", "dhchap_secret", "dhchap_ctrl_secret"] + (["nqn"] if nqn_required else [])
 
         @functools.wraps(f)
         def collect(**kwargs):
@@ -55,7 +78,7 @@ def connection_options(default_port: int, *, nqn_required: bool = True) -> Calla
 
         for opt in reversed(opts):
             collect = opt(collect)
-        return collect
+        return dhchap_options(collect)
     return deco
 
 
@@ -65,6 +88,9 @@ def run_guarded(coro) -> object:
         return asyncio.run(coro)
     except NvmeError as e:
         click.echo(f"nvmeof: the target answered {e}", err=True)
+        sys.exit(EXIT_NVME_STATUS)
+    except AuthFailure as e:
+        click.echo(f"nvmeof: {e}", err=True)
         sys.exit(EXIT_NVME_STATUS)
     # TransportError is an OSError; the initiator's connect-time checks (CNTLID, ICDOFF, KAS, a
     # discovery log that keeps changing) raise RuntimeError.
@@ -80,7 +106,8 @@ async def _open(conn: dict, *, nr_io_queues: int = 1):
     return await initiator.connect(conn["traddr"], trsvcid=conn["trsvcid"], subnqn=conn["nqn"],
                                    hostnqn=conn["hostnqn"], hostid=conn["hostid"], transport=conn["transport"],
                                    hdr_digest=conn["hdr_digest"], data_digest=conn["data_digest"],
-                                   timeout=conn["timeout"], nr_io_queues=nr_io_queues)
+                                   timeout=conn["timeout"], nr_io_queues=nr_io_queues,
+                                   dhchap_secret=conn["dhchap_secret"], dhchap_ctrl_secret=conn["dhchap_ctrl_secret"])
 
 
 def _plain(value: object) -> object:
@@ -103,7 +130,9 @@ def discover(conn) -> None:
     transport, traddr, trsvcid = conn["transport"], conn["traddr"], conn["trsvcid"]
     entries = run_guarded(initiator.discover(traddr, trsvcid, transport=transport, hostnqn=conn["hostnqn"],
                                              hostid=conn["hostid"], hdr_digest=conn["hdr_digest"],
-                                             data_digest=conn["data_digest"], timeout=conn["timeout"]))
+                                             data_digest=conn["data_digest"], timeout=conn["timeout"],
+                                             dhchap_secret=conn["dhchap_secret"],
+                                             dhchap_ctrl_secret=conn["dhchap_ctrl_secret"]))
     # DiscoveryEntry is a slotted dataclass: it has no __dict__ for vars().
     rows = [_plain(dataclasses.asdict(e)) if dataclasses.is_dataclass(e) else _plain(dict(e)) for e in entries]
     if conn["as_json"]:
@@ -320,9 +349,10 @@ def _kernel_guard(func: Callable) -> Callable:
 @click.option("-G", "--data-digest", is_flag=True)
 @click.option("--list", "list_only", is_flag=True, help="List the kernel's fabrics controllers and exit.")
 @click.option("--json", "as_json", is_flag=True)
+@dhchap_options
 @_kernel_guard
 def connect(transport, traddr, trsvcid, nqn, hostnqn, hostid, nr_io_queues, queue_size, kato, hdr_digest,
-            data_digest, list_only, as_json) -> None:
+            data_digest, list_only, as_json, dhchap_secret, dhchap_ctrl_secret) -> None:
     """Attach a subsystem through the Linux kernel host (like `nvme connect`); prints the block devices."""
     from initiator import kernel
 
@@ -339,7 +369,9 @@ def connect(transport, traddr, trsvcid, nqn, hostnqn, hostid, nr_io_queues, queu
         raise click.UsageError("missing -n/--nqn: the subsystem NQN to connect to (see `nvmeof discover`)")
     ctrl = kernel.connect(traddr, trsvcid, subnqn=nqn, transport=transport, hostnqn=hostnqn, hostid=hostid,
                           nr_io_queues=nr_io_queues, queue_size=queue_size, kato=kato, hdr_digest=hdr_digest,
-                          data_digest=data_digest)
+                          data_digest=data_digest,
+                          dhchap_secret=dhchap_secret.format() if dhchap_secret else None,
+                          dhchap_ctrl_secret=dhchap_ctrl_secret.format() if dhchap_ctrl_secret else None)
     if as_json:
         echo_json(vars(ctrl))
     else:
@@ -368,6 +400,43 @@ def disconnect(nqn, device) -> None:
     click.echo(f"disconnected {len(names)} controller(s): {' '.join(names)}")
 
 
+@click.command("gen-dhchap-key")
+@click.option("-s", "--secret", help="Optional secret (in hexadecimal characters) to be used to initialize the "
+              "host key.")
+@click.option("-l", "--key-length", "key_length", type=int, default=None,
+              help="Length of the resulting key (32, 48, or 64 bytes).")
+@click.option("-n", "--nqn", help="Host NQN to use for key transformation (default: /etc/nvme/hostnqn).")
+@click.option("-m", "--hmac", "hmac_id", type=int, default=0, show_default=True,
+              help="HMAC function to use for key transformation (0 = none, 1 = SHA-256, 2 = SHA-384, 3 = SHA-512).")
+def gen_dhchap_key(secret, key_length, nqn, hmac_id) -> None:
+    """Generate a DH-HMAC-CHAP host key usable for NVMe In-Band Authentication (like `nvme gen-dhchap-key`)."""
+    from initiator.controller import HOSTNQN_FILE
+    from nvmeof.auth import generate_secret
+
+    raw = None
+    if secret is not None:
+        text = secret.strip()
+        try:
+            if len(text) % 2:
+                raise ValueError
+            raw = bytes.fromhex(text)
+        except ValueError:
+            raise click.BadParameter("not an even number of hexadecimal characters", param_hint="'--secret'") from None
+    if nqn is None and hmac_id:
+        # nvme-cli reads the host NQN file when --nqn is not given
+        try:
+            with open(HOSTNQN_FILE, encoding="utf-8") as f:
+                nqn = f.readline().strip() or None
+        except OSError:
+            nqn = None
+        if nqn is None:
+            raise click.UsageError(f"could not read the host NQN from {HOSTNQN_FILE}: give --nqn")
+    try:
+        click.echo(generate_secret(key_len=key_length, hmac_id=hmac_id, nqn=nqn, secret=raw))
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+
+
 def register(cli: click.Group) -> None:
-    for cmd in (discover, identify, read, write, get_log, get_feature, connect, disconnect):
+    for cmd in (discover, identify, read, write, get_log, get_feature, connect, disconnect, gen_dhchap_key):
         cli.add_command(cmd)

@@ -25,6 +25,7 @@ import click
 
 from nvmeof import defaults
 from nvmeof.uri import parse_address
+from target.backends import KINDS
 
 from .common import echo_json, format_size, parse_size, table
 
@@ -217,10 +218,19 @@ def subsystem() -> None:
 @click.option("--host", "hosts", multiple=True, metavar="HOSTNQN", help="Allowed host NQN (repeatable).")
 @click.option("--max-namespaces", type=click.IntRange(1, 0xFFFFFFFE), default=defaults.MAX_NAMESPACES,
               show_default=True)
-def subsystem_add(api: Api, as_json: bool, nqn, serial, model, allow_any_host, hosts, max_namespaces) -> None:
+@click.option("--dhchap-hash", "dhchap_hash", multiple=True, metavar="HASH[,HASH]",
+              help="DH-HMAC-CHAP hashes its hosts may use, in order of preference (default: all).")
+@click.option("--dhchap-dhgroup", "dhchap_dhgroup", multiple=True, metavar="GROUP[,GROUP]",
+              help="DH-HMAC-CHAP DH groups its hosts may use, in order of preference (default: all, null included).")
+def subsystem_add(api: Api, as_json: bool, nqn, serial, model, allow_any_host, hosts, max_namespaces,
+                  dhchap_hash, dhchap_dhgroup) -> None:
     """Create a subsystem; NQN is generated (UUID form) when omitted."""
     body = {"nqn": nqn, "serial": serial, "model": model, "allow_any_host": allow_any_host,
             "hosts": list(hosts), "max_namespaces": max_namespaces}
+    if _names(dhchap_hash):
+        body["dhchap_hash"] = _names(dhchap_hash)
+    if _names(dhchap_dhgroup):
+        body["dhchap_dhgroup"] = _names(dhchap_dhgroup)
     sub = api.call("POST", "/api/v1/subsystems", json_body=body)
     if as_json:
         echo_json(sub)
@@ -254,8 +264,37 @@ def subsystem_show(api: Api, as_json: bool, nqn: str) -> None:
     for key in ("nqn", "serial", "model", "max_namespaces"):
         click.echo(f"{key + ':':<16}{sub[key]}")
     click.echo(f"{'hosts:':<16}{_hosts_column(sub)}")
+    click.echo(f"{'dhchap hash:':<16}{','.join(sub.get('dhchap_hash') or []) or 'all'}")
+    click.echo(f"{'dhchap dhgroup:':<16}{','.join(sub.get('dhchap_dhgroup') or []) or 'all'}")
     click.echo()
     click.echo(_namespace_table(sub["namespaces"]))
+
+
+@api_command(subsystem, "set-dhchap")
+@click.argument("nqn")
+@click.option("--dhchap-hash", "dhchap_hash", multiple=True, metavar="HASH[,HASH]",
+              help="Allowed hashes in order of preference: sha256, sha384, sha512.")
+@click.option("--dhchap-dhgroup", "dhchap_dhgroup", multiple=True, metavar="GROUP[,GROUP]",
+              help="Allowed DH groups in order of preference: null, ffdhe2048 ... ffdhe8192.")
+@click.option("--all-hashes", is_flag=True, help="Allow every hash again.")
+@click.option("--all-dhgroups", is_flag=True, help="Allow every DH group again.")
+def subsystem_set_dhchap(api: Api, as_json: bool, nqn: str, dhchap_hash, dhchap_dhgroup, all_hashes: bool,
+                         all_dhgroups: bool) -> None:
+    """Set the DH-HMAC-CHAP hashes and DH groups of NQN, for its hosts that name none of their own."""
+    body: dict[str, Any] = {}
+    if _names(dhchap_hash) or all_hashes:
+        body["dhchap_hash"] = None if all_hashes else _names(dhchap_hash)
+    if _names(dhchap_dhgroup) or all_dhgroups:
+        body["dhchap_dhgroup"] = None if all_dhgroups else _names(dhchap_dhgroup)
+    if not body:
+        raise click.UsageError("nothing to change: give --dhchap-hash, --dhchap-dhgroup, --all-hashes or "
+                               "--all-dhgroups")
+    sub = api.call("PATCH", f"/api/v1/subsystems/{_nqn(nqn)}/dhchap", json_body=body)
+    if as_json:
+        echo_json(sub)
+    else:
+        click.echo(f"{nqn}: hashes {','.join(sub.get('dhchap_hash') or []) or 'all'}, "
+                   f"DH groups {','.join(sub.get('dhchap_dhgroup') or []) or 'all'}")
 
 
 @api_command(subsystem, "del")
@@ -306,8 +345,8 @@ def _ns_path(nqn: str, nsid: int | None = None, action: str = "") -> str:
 
 @api_command(ns, "add")
 @click.argument("nqn")
-@click.option("--backend", type=click.Choice(["file", "ram", "null"]),
-              help="Storage: 'file' when --path is given, else 'ram'.")
+@click.option("--backend", type=click.Choice(list(KINDS)),
+              help="Storage: 'file' when --path is given, 'rbd' with --pool/--image, else 'ram'.")
 @click.option("--path", help="Absolute path of a file under a backing directory of the daemon (nvmeof serve "
                              "--backing-dir), or of a block device it allows (file backend).")
 @click.option("--size", callback=_size, metavar="SIZE", help="Bytes, or with K/M/G/T (ram, null, --create).")
@@ -318,15 +357,23 @@ def _ns_path(nqn: str, nsid: int | None = None, action: str = "") -> str:
 @click.option("--eui64", help="16 hexadecimal digits; generated if omitted.")
 @click.option("--read-only", is_flag=True)
 @click.option("--disabled", is_flag=True, help="Add it detached; enable it later.")
-@click.option("--create", is_flag=True, help="Create the file with --size if it does not exist, or grow a shorter "
-                                             "one to it; without it the file is never changed.")
+@click.option("--create", is_flag=True, help="Create the file (or RBD image) with --size if it does not exist, "
+                                             "or grow a shorter one to it; without it the storage is never changed.")
+@click.option("--pool", help="RBD pool (rbd backend).")
+@click.option("--image", help="RBD image in --pool (rbd backend).")
+@click.option("--rbd-namespace", help="RADOS namespace of the image (rbd backend).")
+@click.option("--ceph-conf", help="Ceph configuration file, one the daemon allows (nvmeof serve --ceph-conf).")
+@click.option("--ceph-id", help="Ceph client id, e.g. 'admin' for client.admin (rbd backend).")
+@click.option("--ceph-keyring", help="Ceph keyring, one the daemon allows (nvmeof serve --ceph-keyring).")
 def ns_add(api: Api, as_json: bool, nqn, backend, path, size, block_size, nsid, ns_uuid, nguid, eui64,
-           read_only, disabled, create) -> None:
+           read_only, disabled, create, **rbd) -> None:
     """Add a namespace to subsystem NQN."""
+    if backend is None:
+        backend = "file" if path else "rbd" if rbd["pool"] or rbd["image"] else "ram"
     body = {
-        "backend": backend or ("file" if path else "ram"), "path": path, "size": size,
+        "backend": backend, "path": path, "size": size,
         "block_size": int(block_size), "nsid": nsid, "uuid": ns_uuid, "nguid": nguid, "eui64": eui64,
-        "read_only": read_only, "enabled": not disabled, "create": create,
+        "read_only": read_only, "enabled": not disabled, "create": create, **rbd,
     }
     created = api.call("POST", _ns_path(nqn), json_body={k: v for k, v in body.items() if v is not None})
     if as_json:
@@ -419,19 +466,101 @@ def ns_del(api: Api, as_json: bool, nqn: str, nsid: int) -> None:
 
 @click.group()
 def host() -> None:
-    """Allow or deny host NQNs on a subsystem."""
+    """Allow or deny host NQNs on a subsystem, and set their DH-HMAC-CHAP keys."""
+
+
+def _names(values: tuple[str, ...]) -> list[str] | None:
+    """--dhchap-hash/--dhchap-dhgroup: repeatable, each may be a comma-separated list."""
+    names = [part.strip() for value in values for part in value.split(",") if part.strip()]
+    return names or None
+
+
+def _dhchap_options(func: Callable) -> Callable:
+    for decorator in reversed((
+        click.option("--dhchap-key", metavar="DHHC-1:NN:...:",
+                     help="The host's DH-HMAC-CHAP secret (`nvme gen-dhchap-key` / `nvmeof gen-dhchap-key`); the "
+                          "host must then authenticate every queue. Never printed back."),
+        click.option("--dhchap-ctrl-key", metavar="DHHC-1:NN:...:",
+                     help="The controller's secret, for bidirectional authentication (needs --dhchap-key)."),
+        click.option("--dhchap-hash", "dhchap_hash", multiple=True, metavar="HASH[,HASH]",
+                     help="Allowed hashes in order of preference: sha256, sha384, sha512 (default: the subsystem's, "
+                          "all unless set)."),
+        click.option("--dhchap-dhgroup", "dhchap_dhgroup", multiple=True, metavar="GROUP[,GROUP]",
+                     help="Allowed DH groups in order of preference: null, ffdhe2048 ... ffdhe8192 (default: the "
+                          "subsystem's, all unless set)."),
+    )):
+        func = decorator(func)
+    return func
+
+
+def _auth_summary(entry: dict[str, Any]) -> tuple[str, str, str, str]:
+    return (_yes(entry.get("dhchap_key", False)), _yes(entry.get("dhchap_ctrl_key", False)),
+            ",".join(entry.get("dhchap_hash") or []) or "default",
+            ",".join(entry.get("dhchap_dhgroup") or []) or "default")
 
 
 @api_command(host, "allow")
 @click.argument("nqn")
 @click.argument("hostnqn")
-def host_allow(api: Api, as_json: bool, nqn: str, hostnqn: str) -> None:
-    """Let HOSTNQN connect to subsystem NQN (the subsystem must not allow any host)."""
-    result = api.call("POST", f"/api/v1/subsystems/{_nqn(nqn)}/hosts", json_body={"hostnqn": hostnqn})
+@_dhchap_options
+def host_allow(api: Api, as_json: bool, nqn: str, hostnqn: str, dhchap_key: str | None, dhchap_ctrl_key: str | None,
+               dhchap_hash: tuple[str, ...], dhchap_dhgroup: tuple[str, ...]) -> None:
+    """Let HOSTNQN connect to subsystem NQN (the subsystem must not allow any host); with --dhchap-key it
+    must authenticate (DH-HMAC-CHAP)."""
+    body: dict[str, Any] = {"hostnqn": hostnqn}
+    for key, value in (("dhchap_key", dhchap_key), ("dhchap_ctrl_key", dhchap_ctrl_key),
+                       ("dhchap_hash", _names(dhchap_hash)), ("dhchap_dhgroup", _names(dhchap_dhgroup))):
+        if value is not None:
+            body[key] = value
+    result = api.call("POST", f"/api/v1/subsystems/{_nqn(nqn)}/hosts", json_body=body)
     if as_json:
         echo_json(result)
     else:
-        click.echo(f"host {hostnqn} may connect to {nqn}")
+        how = " after DH-HMAC-CHAP authentication" if dhchap_key else ""
+        click.echo(f"host {hostnqn} may connect to {nqn}{how}")
+
+
+@api_command(host, "set-key")
+@click.argument("nqn")
+@click.argument("hostnqn")
+@_dhchap_options
+@click.option("--no-dhchap-ctrl-key", is_flag=True, help="Remove the controller key (back to unidirectional).")
+def host_set_key(api: Api, as_json: bool, nqn: str, hostnqn: str, dhchap_key: str | None,
+                 dhchap_ctrl_key: str | None, dhchap_hash: tuple[str, ...], dhchap_dhgroup: tuple[str, ...],
+                 no_dhchap_ctrl_key: bool) -> None:
+    """Set or rotate the DH-HMAC-CHAP keys (and lists) of allowed host HOSTNQN on NQN; options not given stay
+    as they are. Connected controllers keep running; the next authentication uses the new keys."""
+    body: dict[str, Any] = {}
+    for key, value in (("dhchap_key", dhchap_key), ("dhchap_ctrl_key", dhchap_ctrl_key),
+                       ("dhchap_hash", _names(dhchap_hash)), ("dhchap_dhgroup", _names(dhchap_dhgroup))):
+        if value is not None:
+            body[key] = value
+    if no_dhchap_ctrl_key:
+        if dhchap_ctrl_key:
+            raise click.UsageError("give --dhchap-ctrl-key or --no-dhchap-ctrl-key, not both")
+        body["dhchap_ctrl_key"] = None
+    if not body:
+        raise click.UsageError("nothing to change: give --dhchap-key, --dhchap-ctrl-key, --no-dhchap-ctrl-key, "
+                               "--dhchap-hash or --dhchap-dhgroup")
+    result = api.call("PATCH", f"/api/v1/subsystems/{_nqn(nqn)}/hosts/{_nqn(hostnqn)}", json_body=body)
+    if as_json:
+        echo_json(result)
+    else:
+        click.echo(f"DH-HMAC-CHAP settings of host {hostnqn} on {nqn} updated ({', '.join(sorted(body))}); "
+                   "connected controllers keep running, new authentications use them")
+
+
+@api_command(host, "remove-key")
+@click.argument("nqn")
+@click.argument("hostnqn")
+def host_remove_key(api: Api, as_json: bool, nqn: str, hostnqn: str) -> None:
+    """Remove every DH-HMAC-CHAP setting of HOSTNQN on NQN: it stays allowed, its new queues no longer
+    authenticate."""
+    result = api.call("DELETE", f"/api/v1/subsystems/{_nqn(nqn)}/hosts/{_nqn(hostnqn)}/dhchap")
+    if as_json:
+        echo_json(result)
+    else:
+        click.echo(f"host {hostnqn} on {nqn} no longer authenticates")
 
 
 @api_command(host, "deny")
@@ -457,7 +586,9 @@ def host_list(api: Api, as_json: bool, nqn: str) -> None:
     elif result["allow_any_host"]:
         click.echo(f"{nqn} allows any host")
     else:
-        click.echo(table(("HOSTNQN",), [(h,) for h in result["hosts"]]))
+        entries = {e["hostnqn"]: e for e in result.get("entries") or []}
+        rows = [(h, *_auth_summary(entries.get(h, {}))) for h in result["hosts"]]
+        click.echo(table(("HOSTNQN", "DHCHAP_KEY", "CTRL_KEY", "HASH", "DHGROUP"), rows))
 
 
 # -- listeners and referrals ------------------------------------------------------------------------

@@ -84,6 +84,9 @@ def _api(value: str):
 @click.option("--connect-timeout", type=click.FloatRange(min=0, min_open=True), default=defaults.TCP_CONNECT_TIMEOUT,
               show_default=True, metavar="SECONDS",
               help="Close an NVMe/TCP connection whose Fabrics Connect does not follow the ICResp in time.")
+@click.option("--auth-timeout", type=click.FloatRange(min=0, min_open=True), default=defaults.AUTH_TIMEOUT,
+              show_default=True, metavar="SECONDS",
+              help="Tear down a controller whose DH-HMAC-CHAP transaction makes no progress for this long.")
 @click.option("--max-connections", type=click.IntRange(min=1), default=defaults.TCP_MAX_CONNECTIONS,
               show_default=True, metavar="N",
               help="NVMe/TCP connections across all listeners (lowered to fit RLIMIT_NOFILE, with a log line). "
@@ -94,6 +97,20 @@ def _api(value: str):
 @click.option("--h2c-budget", default=f"{defaults.TCP_H2C_GLOBAL_BUDGET >> 20}M", show_default=True, metavar="SIZE",
               help="Write data all NVMe/TCP connections together may have asked for by R2T (split across --workers); "
                    "writes beyond it wait their turn.")
+@click.option("--ceph-conf", "ceph_confs", multiple=True, metavar="PATH",
+              type=click.Path(dir_okay=False, path_type=Path),
+              help=f"Ceph configuration file RBD namespaces may use (repeatable); the first is their default "
+                   f"(else {defaults.CEPH_CONF}). A configuration's ceph_confs add to these.")
+@click.option("--ceph-keyring", "ceph_keyrings", multiple=True, metavar="PATH",
+              type=click.Path(dir_okay=False, path_type=Path),
+              help="Ceph keyring RBD namespaces may name (repeatable); without one the Ceph configuration decides.")
+@click.option("--rbd-image", "rbd_images", multiple=True, metavar="POOL[/NAMESPACE]/IMAGE",
+              help="Export this existing RBD image in the default subsystem instead of the RAM disk (repeatable; "
+                   "when no configuration exists yet).")
+@click.option("--rbd-op-timeout", type=click.FloatRange(min=0, min_open=True), default=defaults.RBD_OP_TIMEOUT,
+              show_default=True, metavar="SECONDS",
+              help="An RBD namespace's command fails (retryably) when the cluster does not answer in time, "
+                   "instead of waiting for it forever.")
 def serve(**kw) -> None:
     """Run the NVMe-oF target: by default one subsystem with a 1 GiB RAM disk, allowing any host,
     I/O on 127.0.0.1:4420, discovery on 127.0.0.1:8009 and the REST API on 127.0.0.1:8080."""
@@ -122,12 +139,17 @@ def serve(**kw) -> None:
         raise click.BadParameter(str(e), param_hint="--api-max-body") from None
     fields["ic_timeout"] = kw["ic_timeout"]
     fields["connect_timeout"] = kw["connect_timeout"]
+    fields["auth_timeout"] = kw["auth_timeout"]
     fields["max_connections"] = kw["max_connections"]
     fields["max_connections_per_listener"] = kw["max_connections_per_listener"]
     try:
         fields["h2c_budget"] = parse_size(kw["h2c_budget"])
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--h2c-budget") from None
+    fields["ceph_confs"] = list(kw["ceph_confs"])
+    fields["ceph_keyrings"] = list(kw["ceph_keyrings"])
+    fields["rbd_images"] = [_rbd_image(text) for text in kw["rbd_images"]]
+    fields["rbd_op_timeout"] = kw["rbd_op_timeout"]
     options = DaemonOptions(**fields)
 
     def ready(daemon) -> None:
@@ -144,3 +166,14 @@ def serve(**kw) -> None:
 
 def register(cli: click.Group) -> None:
     cli.add_command(serve)
+
+
+def _rbd_image(text: str) -> dict[str, str]:
+    """POOL/IMAGE or POOL/NAMESPACE/IMAGE, as the rbd CLI writes an image spec."""
+    parts = text.split("/")
+    if len(parts) not in (2, 3) or not all(parts):
+        raise click.BadParameter(f"{text!r} is not POOL/IMAGE or POOL/NAMESPACE/IMAGE", param_hint="--rbd-image")
+    spec = {"pool": parts[0], "image": parts[-1]}
+    if len(parts) == 3:
+        spec["rbd_namespace"] = parts[1]
+    return spec

@@ -1,0 +1,164 @@
+"""DH-HMAC-CHAP settings of allowed hosts as management sees them: checked on input, written to the
+config file, shown by the API without their secrets.
+
+The names follow Linux nvmet configfs (``hosts/<nqn>/dhchap_key``, ``dhchap_ctrl_key``,
+``dhchap_hash``, ``dhchap_dhgroup``): secrets in the ``DHHC-1:NN:base64:`` form `nvme gen-dhchap-key`
+writes, hashes as ``sha256`` or configfs' ``hmac(sha256)``, DH groups as ``null``/``ffdhe2048``.
+A secret never appears in a message, a log line or an API answer: only whether it is set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from nvmeof.auth import DHGROUP_IDS, HASH_IDS, DhchapSecret, parse_dhgroup, parse_hash
+from target.model import HostAuth, Subsystem
+
+SECRET_FIELDS = ("dhchap_key", "dhchap_ctrl_key")
+LIST_FIELDS = ("dhchap_hash", "dhchap_dhgroup")
+FIELDS = SECRET_FIELDS + LIST_FIELDS
+# The defaults, in the controller's order of preference (the first the host offers is used): every hash,
+# SHA-256 first (nvmet's default dhchap_hash); every DH group, ffdhe2048 first and null last, which is what
+# nvmet with its default dhchap_dhgroup ends up choosing for a Linux host (nvmet_auth_negotiate).
+ALL_HASHES: tuple[int, ...] = (1, 2, 3)
+ALL_DHGROUPS: tuple[int, ...] = (1, 2, 3, 4, 5, 0)
+HASH_NAMES = {v: k for k, v in HASH_IDS.items()}
+DHGROUP_NAMES = {v: k for k, v in DHGROUP_IDS.items()}
+
+
+class AuthSettingError(ValueError):
+    """A refused DH-HMAC-CHAP setting; the message names the field and never the secret."""
+
+
+def _scrub(message: str, secret: str) -> str:
+    # DhchapSecret.parse names what is wrong without the key; keep it that way even if it did not
+    return message.replace(secret, "<secret>") if secret and secret in message else message
+
+
+def parse_secret(value: Any, field: str, hostnqn: str) -> DhchapSecret:
+    if isinstance(value, DhchapSecret):
+        return value
+    if isinstance(value, bool):
+        raise AuthSettingError(
+            f"{field} of host {hostnqn} is {str(value).lower()}: that is the presence flag an API export shows "
+            "(it never carries secrets); give the DHHC-1 secret itself or leave the field out")
+    if not isinstance(value, str):
+        raise AuthSettingError(f"{field} of host {hostnqn} must be a DHHC-1 secret string, got {type(value).__name__}")
+    try:
+        return DhchapSecret.parse(value.strip())
+    except ValueError as exc:
+        raise AuthSettingError(
+            f"{field} of host {hostnqn} is not a usable secret: {_scrub(str(exc), value.strip())}; "
+            "generate one with `nvme gen-dhchap-key` or `nvmeof gen-dhchap-key`") from None
+
+
+def _names(value: Any, field: str) -> list[str]:
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
+        return [v.strip() for v in value]
+    raise AuthSettingError(f"{field} must be a list of names, got {value!r}")
+
+
+def parse_hashes(value: Any, field: str = "dhchap_hash") -> tuple[int, ...] | None:
+    """Hash names (``sha256``, ``hmac(sha384)``, ...) to ids, in the order given; None stays None."""
+    if value is None:
+        return None
+    ids: list[int] = []
+    for name in _names(value, field):
+        try:
+            hid = parse_hash(name)
+        except ValueError:
+            raise AuthSettingError(f"{field}: unknown hash {name!r}; use {', '.join(HASH_IDS)}") from None
+        if hid not in ids:
+            ids.append(hid)
+    if not ids:
+        raise AuthSettingError(f"{field} is empty; name at least one of {', '.join(HASH_IDS)} or leave it out for all")
+    return tuple(ids)
+
+
+def parse_dhgroups(value: Any, field: str = "dhchap_dhgroup") -> tuple[int, ...] | None:
+    """DH group names (``null``, ``ffdhe2048`` ... ``ffdhe8192``) to ids, in the order given."""
+    if value is None:
+        return None
+    ids: list[int] = []
+    for name in _names(value, field):
+        try:
+            gid = parse_dhgroup(name)
+        except ValueError:
+            raise AuthSettingError(f"{field}: unknown DH group {name!r}; use {', '.join(DHGROUP_IDS)}") from None
+        if gid not in ids:
+            ids.append(gid)
+    if not ids:
+        raise AuthSettingError(
+            f"{field} is empty; name at least one of {', '.join(DHGROUP_IDS)} or leave it out for all")
+    return tuple(ids)
+
+
+def hash_names(ids: Iterable[int] | None) -> list[str] | None:
+    return None if ids is None else [HASH_NAMES[i] for i in ids]
+
+
+def dhgroup_names(ids: Iterable[int] | None) -> list[str] | None:
+    return None if ids is None else [DHGROUP_NAMES[i] for i in ids]
+
+
+def build(hostnqn: str, settings: dict[str, Any], base: HostAuth | None = None) -> HostAuth:
+    """A new HostAuth: ``base`` with the fields in ``settings`` replaced (a None value removes one).
+    AuthSettingError names the first bad field."""
+    unknown = sorted(set(settings) - set(FIELDS))
+    if unknown:
+        raise AuthSettingError(f"unknown DH-HMAC-CHAP setting(s) {', '.join(unknown)}; use {', '.join(FIELDS)}")
+    entry = HostAuth() if base is None else HostAuth(base.dhchap_key, base.dhchap_ctrl_key, base.dhchap_hash,
+                                                     base.dhchap_dhgroup)
+    for field in SECRET_FIELDS:
+        if field in settings:
+            value = settings[field]
+            setattr(entry, field, None if value is None or value == "" else parse_secret(value, field, hostnqn))
+    if "dhchap_hash" in settings:
+        entry.dhchap_hash = parse_hashes(settings["dhchap_hash"])
+    if "dhchap_dhgroup" in settings:
+        entry.dhchap_dhgroup = parse_dhgroups(settings["dhchap_dhgroup"])
+    if entry.dhchap_ctrl_key is not None and entry.dhchap_key is None:
+        raise AuthSettingError(
+            f"host {hostnqn}: a controller key (dhchap_ctrl_key) needs a host key (dhchap_key) too; bidirectional "
+            "authentication runs inside the host's own authentication")
+    return entry
+
+
+def effective(sub: Subsystem, entry: HostAuth) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The hashes and DH groups a transaction of this host may use: the host's, else the subsystem's,
+    else all (nvmet's defaults allow every hash and group, null included)."""
+    hashes = entry.dhchap_hash or sub.dhchap_hash or ALL_HASHES
+    groups = entry.dhchap_dhgroup if entry.dhchap_dhgroup is not None else sub.dhchap_dhgroup
+    return hashes, groups if groups is not None else ALL_DHGROUPS
+
+
+def config_entry(hostnqn: str, entry: HostAuth, *, redact: bool = False) -> dict[str, Any]:
+    """The host's object in the config file's ``hosts`` list; with ``redact`` the secrets become
+    presence flags (what the API shows)."""
+    out: dict[str, Any] = {"nqn": hostnqn}
+    for field in SECRET_FIELDS:
+        secret = getattr(entry, field)
+        if redact:
+            out[field] = secret is not None
+        elif secret is not None:
+            out[field] = secret.format()
+    if entry.dhchap_hash is not None:
+        out["dhchap_hash"] = hash_names(entry.dhchap_hash)
+    if entry.dhchap_dhgroup is not None:
+        out["dhchap_dhgroup"] = dhgroup_names(entry.dhchap_dhgroup)
+    return out
+
+
+def redact_item(item: Any) -> Any:
+    """A copy of a subsystem config item with every host secret replaced by its presence flag."""
+    if not isinstance(item, dict) or not isinstance(item.get("hosts"), list):
+        return item
+    hosts = []
+    for host in item["hosts"]:
+        if isinstance(host, dict):
+            host = {k: (bool(v) if k in SECRET_FIELDS else v) for k, v in host.items()}
+        hosts.append(host)
+    return {**item, "hosts": hosts}
