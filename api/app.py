@@ -1,7 +1,7 @@
 """The management service: ``create_app(service, token=...)`` builds the FastAPI application.
 
 Resources live under /api/v1; /health (liveness, no details), /version and /metrics sit at the
-root for probes and scrapers; the OpenAPI UI is at /docs. Every route except /health requires the
+root for probes and scrapers; the OpenAPI UI is at /docs, the dashboard at /ui. Every route except /health requires the
 token, loopback included: ``Authorization: Bearer <token>``, or the session cookie a browser gets
 from the login link ``/login?token=...`` that `nvmeof serve` prints. :class:`api.auth.ApiGuard`
 also refuses foreign Host and Origin headers, non-JSON state-changing requests and bodies over
@@ -17,7 +17,7 @@ from fastapi import APIRouter, FastAPI
 
 from api import errors
 from api.auth import LOGIN_PATH, OPEN_PATHS, ApiGuard, HostPolicy
-from api.routers import config, controllers, fabric, namespaces, subsystems, system
+from api.routers import config, controllers, fabric, namespaces, subsystems, system, ui
 from nvmeof import __version__, defaults
 from target.service import TargetService
 
@@ -60,6 +60,7 @@ def create_app(service: TargetService, *, token: str, hosts: HostPolicy | None =
     v1.include_router(system.v1)
     app.include_router(v1)
     app.include_router(system.router)
+    app.include_router(ui.router)
 
     app.add_middleware(ApiGuard, token=token, hosts=hosts, max_body=max_body, token_hint=token_hint)
     _document_bearer(app)

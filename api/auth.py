@@ -13,7 +13,9 @@ nothing changes for, a client that fails a check. In order:
    can only send form or text bodies.
 4. ``Content-Length`` above the cap is refused up front (413).
 5. The credential: ``Authorization: Bearer <token>``, or the session cookie that ``/login?token=``
-   sets for a browser (HttpOnly, SameSite=Strict), as Jupyter does. Only ``/health`` is open.
+   sets for a browser (HttpOnly, SameSite=Strict), as Jupyter does. Only ``/health`` and the
+   dashboard's shell (``/ui`` and its script and style sheet, which hold no data: the page asks
+   for a token when its first API call gets 401) are open.
 6. A body is read up to the cap before the route runs (chunked bodies included) and refused with
    413 past it, so no request holds more than the cap in memory.
 
@@ -34,9 +36,12 @@ from urllib.parse import parse_qs
 
 log = logging.getLogger("nvmeof.api")
 
-OPEN_PATHS = frozenset({"/health"})
+UI_SHELL = frozenset({"/ui", "/ui/ui.js", "/ui/ui.css"})
+OPEN_PATHS = frozenset({"/health"}) | UI_SHELL
 LOGIN_PATH = "/login"
 LOGIN_REDIRECT = "/docs"
+# Where /login?next= may send the browser: a fixed list, so the link is no open redirect.
+LOGIN_NEXT = frozenset({"/docs", "/ui"})
 SESSION_COOKIE = "nvmeof_session"
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 JSON_TYPE = "application/json"
@@ -226,11 +231,17 @@ class ApiGuard:
         raise Refusal(401, f"unauthorized: {reason}{hint}", [(b"www-authenticate", b'Bearer realm="nvmeof"')])
 
     async def _login(self, scope, headers: dict[bytes, bytes], send) -> None:
-        """``GET /login?token=T``: the link `nvmeof serve` prints. Sets the session cookie and
-        sends the browser on to /docs, whose requests then carry the cookie."""
+        """``GET /login?token=T[&next=/ui]``: the links `nvmeof serve` prints (and the dashboard's token
+        form). Sets the session cookie and sends the browser on to /docs or ``next``, whose requests then
+        carry the cookie."""
         if scope["method"] != "GET":
             raise Refusal(405, "use GET /login?token=TOKEN (the link nvmeof serve printed)")
-        given = parse_qs(scope["query_string"].decode("latin-1")).get("token", [""])[0]
+        query = parse_qs(scope["query_string"].decode("latin-1"))
+        given = query.get("token", [""])[0]
+        target = query.get("next", [LOGIN_REDIRECT])[0]
+        if target not in LOGIN_NEXT:
+            raise Refusal(400, f"/login next={target!r} is not a page of this API; use one of "
+                               f"{', '.join(sorted(LOGIN_NEXT))}")
         if not hmac.compare_digest(given.encode("latin-1", "replace"), self._token):
             cookie = _cookie(headers, SESSION_COOKIE)
             if not (cookie and hmac.compare_digest(cookie.encode("latin-1"), self._session)):
@@ -238,7 +249,7 @@ class ApiGuard:
         log.info("API login from %s: session cookie set", _client(scope))
         cookie_header = f"{SESSION_COOKIE}={self._session.decode()}; HttpOnly; SameSite=Strict; Path=/"
         await send({"type": "http.response.start", "status": 303, "headers": [
-            (b"location", LOGIN_REDIRECT.encode()), (b"set-cookie", cookie_header.encode()),
+            (b"location", target.encode()), (b"set-cookie", cookie_header.encode()),
             (b"cache-control", b"no-store"), (b"content-length", b"0"),
         ]})
         await send({"type": "http.response.body", "body": b""})

@@ -253,6 +253,8 @@ class ReferralOut(BaseModel):
 class QueueOut(BaseModel):
     qid: int
     sqsize: int
+    hdgst: bool = Field(False, description="NVMe/TCP header digest (CRC32C) enabled on this queue")
+    ddgst: bool = Field(False, description="NVMe/TCP data digest (CRC32C) enabled on this queue")
     worker_pid: int | None = Field(None, description="With `nvmeof serve --workers N`: the process ID of the "
                                    "worker serving this I/O queue; null when the main process serves it")
 

@@ -22,6 +22,7 @@ from nvmeof.auth import DhchapSecret
 FABRICS_DEV = "/dev/nvme-fabrics"
 SYS_NVME = Path("/sys/class/nvme")
 SYS_NVME_SUBSYS = Path("/sys/class/nvme-subsystem")
+SYS_BLOCK = Path("/sys/class/block")
 
 
 class KernelAttachError(Exception):
@@ -209,6 +210,41 @@ def controllers() -> list[dict]:
                     "subsysnqn": attr("subsysnqn"), "state": attr("state"), "cntlid": attr("cntlid"),
                     "block_devices": block_devices(c.name)})
     return out
+
+
+def controllers_detail() -> list[dict]:
+    """controllers() with what ``nvme list -v`` shows besides: serial, model, firmware, host identity,
+    the nvme-subsystem name and each block device's NSID and geometry (the sysfs attributes libnvme reads)."""
+    out = []
+    for c in controllers():
+        base = SYS_NVME / c["name"]
+
+        def attr(name: str, base: Path = base) -> str:
+            try:
+                return (base / name).read_text().strip()
+            except OSError:
+                return ""
+        subsys = _subsystem_dir(c["name"])
+        out.append({**c, "serial": attr("serial"), "model": attr("model"), "firmware": attr("firmware_rev"),
+                    "hostnqn": attr("hostnqn"), "hostid": attr("hostid"),
+                    "subsystem": subsys.name if subsys is not None else "",
+                    "namespaces": [namespace_info(d) for d in c["block_devices"]]})
+    return out
+
+
+def namespace_info(device: str) -> dict:
+    """NSID and geometry of block device ``/dev/nvmeXnY`` from sysfs (``size`` counts 512-byte sectors)."""
+    name = Path(device).name
+    base = SYS_BLOCK / name
+
+    def number(rel: str) -> int:
+        try:
+            return int((base / rel).read_text().strip())
+        except (OSError, ValueError):
+            return 0
+    lba_size = number("queue/logical_block_size") or 512
+    size = number("size") * 512
+    return {"name": name, "nsid": number("nsid"), "lba_size": lba_size, "size": size, "lbas": size // lba_size}
 
 
 def disconnect(name: str) -> None:

@@ -91,3 +91,8 @@ AUTH_TIMEOUT = 10.0                   # seconds a queue's transaction may stall 
                                       # queue and a controller ID)
 AUTH_MAX_TRANSFER = 64 * 1024         # largest Authentication Send TL / Receive AL accepted (the largest
                                       # message, a Reply with an ffdhe8192 value and SHA-512, is under 1.2 KiB)
+
+# Dashboard and per-host metrics (api/routers/ui.py, target/model.py)
+HOST_STATS_MAX = 1024                 # hosts per subsystem whose I/O counters are kept (oldest dropped past it)
+UI_POLL_INTERVAL = 1.0                # seconds between the dashboard's reads of /ui/stats
+UI_HISTORY = 300                      # seconds of samples the dashboard's charts keep (it draws the last 5 minutes)

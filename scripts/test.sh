@@ -8,9 +8,10 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     bash tests/interop/install_deps.sh
     bash tests/interop/install_rootfs_deps.sh
     bash tests/install_ceph_deps.sh
+    bash tests/install_browser_deps.sh
 else
     echo "scripts/test.sh: not root or no apt-get: system packages for the VM suite are not installed;" \
-         "VM tests will skip with the reason" >&2
+         "VM, Ceph and browser tests will skip with the reason" >&2
 fi
 
 python3 -m pip install --quiet --disable-pip-version-check -e '.[dev]'

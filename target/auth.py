@@ -203,7 +203,9 @@ def _group(dhgroup_id: int | None) -> str:
 
 def _refuse(queue: TargetQueue, ctrl: Controller, reason: str) -> None:
     log.warning("authentication refused: host %s, subsystem %s, qid %d, cntlid %d: %s; tearing the controller down",
-                host_label(ctrl.hostnqn), ctrl.subsystem.nqn, queue.qid, ctrl.cntlid, reason)
+                host_label(ctrl.hostnqn), ctrl.subsystem.nqn, queue.qid, ctrl.cntlid, reason,
+                extra={"event": "refused", "host": ctrl.hostnqn, "subnqn": ctrl.subsystem.nqn, "qid": queue.qid,
+                       "cntlid": ctrl.cntlid, "peer": queue.peer, "reason": reason})
 
 
 def _tear_down(target: Target, ctrl: Controller, queue: TargetQueue, reason: str) -> None:

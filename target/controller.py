@@ -41,6 +41,7 @@ from nvmeof.spec.registers import (
     NVM_IOSQES,
 )
 from nvmeof.status import encode_status
+from target.model import NamespaceStats
 
 if TYPE_CHECKING:
     from target.core import Target
@@ -111,6 +112,8 @@ class Controller:
         self.hostnqn = hostnqn
         self.hostid = bytes(hostid)
         self.is_discovery = subsystem.subtype == "discovery"
+        # This host's I/O counters on the subsystem (target/io.py adds to them); discovery does no I/O.
+        self.host_stats = NamespaceStats() if self.is_discovery else subsystem.stats_for_host(hostnqn)
         self.clock = clock
         if kato_ms == 0 and self.is_discovery:
             kato_ms = DISCOVERY_DEFAULT_KATO_MS
@@ -279,8 +282,11 @@ class Controller:
         if self.closed:
             return
         self.closed = True
+        admin = self.queues.get(0)
         log.info("controller %d (subsystem %s, host %s) torn down: %s", self.cntlid, self.subsystem.nqn,
-                 host_label(self.hostnqn), reason)
+                 host_label(self.hostnqn), reason,
+                 extra={"event": "disconnect", "host": self.hostnqn, "subnqn": self.subsystem.nqn, "qid": 0,
+                        "cntlid": self.cntlid, "peer": admin.peer if admin is not None else "", "reason": reason})
         for fut in self.aer_waiters:
             if not fut.done():
                 fut.cancel()
@@ -303,7 +309,8 @@ class Controller:
             "hostid": self.hostid.hex(),
             "peer": peer,
             "transport": transport,
-            "queues": [{"qid": q.qid, "sqsize": q.sqsize} for _, q in sorted(self.queues.items())],
+            "queues": [{"qid": q.qid, "sqsize": q.sqsize, "hdgst": q.hdgst, "ddgst": q.ddgst}
+                       for _, q in sorted(self.queues.items())],
             "kato_ms": self.kato_ms,
             "connected_since": self.created,
             "enabled": self.enabled,

@@ -113,8 +113,8 @@ class Target:
 
     def _disconnect(self, victims: list[Controller], reason: str) -> int:
         for ctrl in victims:
-            log.warning("disconnecting controller %d of subsystem %s (host %s): %s", ctrl.cntlid,
-                        ctrl.subsystem.nqn, host_label(ctrl.hostnqn), reason)
+            log.debug("disconnecting controller %d of subsystem %s (host %s): %s", ctrl.cntlid,
+                      ctrl.subsystem.nqn, host_label(ctrl.hostnqn), reason)  # its teardown line says why
             self.remove_controller(ctrl, reason)
         return len(victims)
 
@@ -161,7 +161,9 @@ class Target:
             silent_ms = int((now - ctrl.last_keep_alive) * 1000)
             log.warning("keep-alive timeout: host %s silent for %d ms (KATO %d ms), tearing down controller %d "
                         "of subsystem %s", host_label(ctrl.hostnqn), silent_ms, ctrl.kato_ms, ctrl.cntlid,
-                        ctrl.subsystem.nqn)
+                        ctrl.subsystem.nqn, extra={"event": "failure", "host": ctrl.hostnqn,
+                                                   "subnqn": ctrl.subsystem.nqn, "cntlid": ctrl.cntlid,
+                                                   "reason": f"keep-alive timeout after {silent_ms} ms"})
             self.remove_controller(ctrl, f"keep-alive timeout after {silent_ms} ms")
         return [c.cntlid for c in expired]
 
@@ -276,6 +278,8 @@ class Target:
             ctrl.record_error(req, err.status, err.dnr)
         if req.ns is not None:
             req.ns.stats.errors += 1
+            if ctrl is not None:
+                ctrl.host_stats.errors += 1
         return queue.complete(req, err.status, err.result, 0, err.dnr)
 
 

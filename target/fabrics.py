@@ -55,8 +55,20 @@ def _invalid_param(iattr: int, ipo: int, detail: str) -> NvmeError:
 
 
 def _rejected(err: NvmeError, req: Request) -> NvmeError:
-    log.warning("Connect from %s refused with %s: %s", req.queue.peer or "a local peer", err.name, err.detail)
+    fields = {"event": "refused", "peer": req.queue.peer, "qid": req.cmd.cdw10 >> 16, "reason": err.detail,
+              "status": err.name, **_connect_names(req)}
+    log.warning("Connect from %s refused with %s: %s", req.queue.peer or "a local peer", err.name, err.detail,
+                extra=fields)
     return err.mark_logged()  # core.Target.fail need not log it again
+
+
+def _connect_names(req: Request) -> dict[str, str]:
+    """The host and subsystem NQNs of a refused Connect, for the log line's fields (when readable)."""
+    try:
+        data = ConnectDataCompiled.parse(bytes(req.data or b""))
+        return {"host": _nqn(data.hostnqn), "subnqn": _nqn(data.subsysnqn)}
+    except (ConstructError, UnicodeDecodeError, ValueError):
+        return {}
 
 
 # --- Connect -------------------------------------------------------------------------------------
@@ -125,7 +137,9 @@ def _execute_connect(target: Target, req: Request) -> None:
                             result=(CONNECT_IATTR_DATA << 16) | IPO_DATA_HOSTNQN)
         ctrl = target.create_controller(subsystem, hostnqn, data.hostid, kato)
         log.info("controller %d created for subsystem %s, host %s (%s, KATO %d ms)", ctrl.cntlid,
-                 subsystem.nqn, host, queue.peer, ctrl.kato_ms)
+                 subsystem.nqn, host, queue.peer, ctrl.kato_ms,
+                 extra={"event": "connect", "host": hostnqn, "subnqn": subsystem.nqn, "qid": 0,
+                        "cntlid": ctrl.cntlid, "peer": queue.peer, "kato": ctrl.kato_ms})
     else:
         if subsystem is None:
             raise _invalid_param(CONNECT_IATTR_DATA, IPO_DATA_SUBSYSNQN,
@@ -247,13 +261,15 @@ def _make_disconnect(target: Target) -> Execute:
         queue = req.queue
         ctrl = queue.ctrl
         assert ctrl is not None
-        log.info("host %s disconnects qid %d of controller %d", host_label(ctrl.hostnqn), queue.qid,
-                 ctrl.cntlid)
         # Close only after the transport has sent this command's completion.
         loop = asyncio.get_running_loop()
-        if queue.qid == 0:
-            loop.call_soon(target.remove_controller, ctrl, "host sent Disconnect on the admin queue")
+        if queue.qid == 0:  # the controller's teardown line is this disconnect's one log line
+            loop.call_soon(target.remove_controller, ctrl, "host disconnects qid 0 (Disconnect on the admin queue)")
         else:
+            log.info("host %s disconnects qid %d of controller %d", host_label(ctrl.hostnqn), queue.qid,
+                     ctrl.cntlid, extra={"event": "disconnect", "host": ctrl.hostnqn, "subnqn": ctrl.subsystem.nqn,
+                                         "qid": queue.qid, "cntlid": ctrl.cntlid, "peer": queue.peer,
+                                         "reason": "Disconnect command"})
             loop.call_soon(_close_queue, target, queue)
     return execute
 

@@ -14,9 +14,10 @@ from nvmeof import defaults
 from nvmeof.spec.nvme import DSM_AD, DSM_RANGE_SIZE, NSID_ALL, RW_FUA, WZ_DEAC, Direction, DsmRange, IoOpcode
 from nvmeof.status import NvmeError, Status
 from target.backends.base import BackendError, BackendUnavailable
+from target.model import LATENCY_SHIFT
 
 if TYPE_CHECKING:
-    from target.model import Namespace
+    from target.model import Namespace, NamespaceStats
     from target.request import Request
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,32 @@ def _backend_failed(ns: Namespace, what: str, exc: Exception) -> NvmeError:
     return NvmeError(Status.INTERNAL, f"{what} failed: {exc}")
 
 
+def _count_read(stats: NamespaceStats, host: NamespaceStats, length: int, latency_ns: int) -> None:
+    # The namespace's and the host's counters (/metrics, the dashboard): plain increments, and the
+    # latency bucket from one shift and bit_length() (target/model.py LATENCY_SHIFT).
+    bucket = (latency_ns >> LATENCY_SHIFT).bit_length()
+    stats.reads += 1
+    stats.read_bytes += length
+    stats.read_latency_ns += latency_ns
+    stats.read_hist[bucket] += 1
+    host.reads += 1
+    host.read_bytes += length
+    host.read_latency_ns += latency_ns
+    host.read_hist[bucket] += 1
+
+
+def _count_write(stats: NamespaceStats, host: NamespaceStats, length: int, latency_ns: int) -> None:
+    bucket = (latency_ns >> LATENCY_SHIFT).bit_length()
+    stats.writes += 1
+    stats.write_bytes += length
+    stats.write_latency_ns += latency_ns
+    stats.write_hist[bucket] += 1
+    host.writes += 1
+    host.write_bytes += length
+    host.write_latency_ns += latency_ns
+    host.write_hist[bucket] += 1
+
+
 async def _read(req: Request) -> None:
     ns = req.ns
     assert ns is not None
@@ -100,10 +127,7 @@ async def _read(req: Request) -> None:
         req.reply = await ns.backend.read(req.cmd.slba << ns.lba_shift, length)
     except (BackendError, OSError) as exc:
         raise _backend_failed(ns, "read", exc) from None
-    stats = ns.stats
-    stats.reads += 1
-    stats.read_bytes += length
-    stats.read_latency_ns += _perf_ns() - start
+    _count_read(ns.stats, req.queue.ctrl.host_stats, length, _perf_ns() - start)
 
 
 async def _write(req: Request) -> None:
@@ -114,21 +138,18 @@ async def _write(req: Request) -> None:
         await ns.backend.write(req.cmd.slba << ns.lba_shift, req.data, fua=bool(req.cmd.cdw12 & RW_FUA))
     except (BackendError, OSError) as exc:
         raise _backend_failed(ns, "write", exc) from None
-    stats = ns.stats
-    stats.writes += 1
-    stats.write_bytes += req.data_len
-    stats.write_latency_ns += _perf_ns() - start
+    _count_write(ns.stats, req.queue.ctrl.host_stats, req.data_len, _perf_ns() - start)
 
 
 async def _compare(req: Request) -> None:
     ns = req.ns
     assert ns is not None and req.data is not None
+    start = _perf_ns()
     try:
         stored = await ns.backend.read(req.cmd.slba << ns.lba_shift, req.data_len)
     except (BackendError, OSError) as exc:
         raise _backend_failed(ns, "compare read", exc) from None
-    ns.stats.reads += 1
-    ns.stats.read_bytes += req.data_len
+    _count_read(ns.stats, req.queue.ctrl.host_stats, req.data_len, _perf_ns() - start)
     if stored != req.data:
         raise NvmeError(Status.COMPARE_FAILED, f"compare of LBA {req.cmd.slba}+{req.cmd.nlb} found different data",
                         dnr=True)
@@ -160,6 +181,7 @@ async def _write_zeroes(req: Request) -> None:
     assert ns is not None
     cmd = req.cmd
     offset, length = cmd.slba << ns.lba_shift, cmd.nlb << ns.lba_shift
+    start = _perf_ns()
     try:
         if cmd.cdw12 & WZ_DEAC:
             await ns.backend.discard(offset, length)
@@ -167,7 +189,7 @@ async def _write_zeroes(req: Request) -> None:
             await ns.backend.write_zeroes(offset, length)
     except (BackendError, OSError) as exc:
         raise _backend_failed(ns, "write zeroes", exc) from None
-    ns.stats.writes += 1
+    _count_write(ns.stats, req.queue.ctrl.host_stats, 0, _perf_ns() - start)
 
 
 async def _dsm(req: Request) -> None:

@@ -49,7 +49,10 @@ async def run_command(target: Target, xq: TransportQueue, req: Request) -> None:
         except Exception as exc:
             if isinstance(exc, ConnectionError) and xq.closed:
                 return   # the queue went away under the command (an RDMA buffer pool torn down)
-            log.exception("command %r failed unexpectedly", req)
+            ctrl = req.queue.ctrl
+            log.exception("command %r failed unexpectedly", req, extra={
+                "event": "failure", "qid": req.queue.qid, "peer": req.queue.peer, "reason": f"internal error: {exc}",
+                **({"host": ctrl.hostnqn, "subnqn": ctrl.subsystem.nqn, "cntlid": ctrl.cntlid} if ctrl else {})})
             cqe = target.fail(req, NvmeError(Status.INTERNAL, f"internal error: {exc}"))
             reply = None
         else:

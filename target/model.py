@@ -21,8 +21,28 @@ ADRFAMS = ("ipv4", "ipv6")
 BLOCK_SIZES = (512, 4096)
 
 
+# I/O latency histogram: bucket i counts latencies below 2**(LATENCY_SHIFT + i) ns (and, for i > 0, at
+# least 2**(LATENCY_SHIFT + i - 1)): power-of-two buckets as SPDK's histogram_data.h keeps them, found
+# with one shift and bit_length() on the hot path. The list is long enough for any latency (2**73 ns),
+# so no bound check runs; /metrics exports LATENCY_BUCKETS of them (1 us .. 8.6 s) and +Inf.
+LATENCY_SHIFT = 10
+LATENCY_BUCKETS = 24
+_HIST_SLOTS = 64
+
+
+def latency_bounds() -> list[float]:
+    """Upper bound of each exported bucket, in seconds (Prometheus ``le``)."""
+    return [(1 << (LATENCY_SHIFT + i)) / 1e9 for i in range(LATENCY_BUCKETS)]
+
+
+def _histogram() -> list[int]:
+    return [0] * _HIST_SLOTS
+
+
 @dataclass(slots=True)
 class NamespaceStats:
+    """I/O counters of one namespace, or of one host on one subsystem (``Subsystem.host_stats``)."""
+
     reads: int = 0
     writes: int = 0
     read_bytes: int = 0
@@ -30,6 +50,8 @@ class NamespaceStats:
     errors: int = 0
     read_latency_ns: int = 0  # sum over all reads; divide by reads for the mean
     write_latency_ns: int = 0
+    read_hist: list[int] = field(default_factory=_histogram)    # read latencies, see LATENCY_SHIFT
+    write_hist: list[int] = field(default_factory=_histogram)
 
     def as_dict(self) -> dict[str, int]:
         return {
@@ -41,6 +63,33 @@ class NamespaceStats:
             "read_latency_ns": self.read_latency_ns,
             "write_latency_ns": self.write_latency_ns,
         }
+
+    def exported_hist(self, hist: list[int]) -> list[int]:
+        """The LATENCY_BUCKETS exported buckets, the slow tail folded into the last (it joins +Inf)."""
+        out = hist[:LATENCY_BUCKETS]
+        out[-1] += sum(hist[LATENCY_BUCKETS:])
+        return out
+
+    def to_row(self) -> list:
+        """What a worker process reports (target/worker.py); ``add_row`` adds it up in the main process."""
+        return [self.reads, self.writes, self.read_bytes, self.write_bytes, self.errors, self.read_latency_ns,
+                self.write_latency_ns, list(self.read_hist), list(self.write_hist)]
+
+    def add_row(self, row: list) -> None:
+        self.reads += row[0]
+        self.writes += row[1]
+        self.read_bytes += row[2]
+        self.write_bytes += row[3]
+        self.errors += row[4]
+        self.read_latency_ns += row[5]
+        self.write_latency_ns += row[6]
+        for hist, counts in ((self.read_hist, row[7] if len(row) > 7 else ()),
+                             (self.write_hist, row[8] if len(row) > 8 else ())):
+            for i, n in enumerate(counts[:_HIST_SLOTS]):
+                hist[i] += n
+
+    def busy(self) -> bool:
+        return bool(self.reads or self.writes or self.errors)
 
 
 @dataclass(eq=False)
@@ -108,6 +157,20 @@ class Subsystem:
     host_auth: dict[str, HostAuth] = field(default_factory=dict)
     dhchap_hash: tuple[int, ...] | None = None
     dhchap_dhgroup: tuple[int, ...] | None = None
+    # I/O counters per host NQN, kept across reconnects (Prometheus counters stay monotonic); a
+    # controller holds its host's entry (Controller.host_stats). Bounded: see stats_for_host.
+    host_stats: dict[str, NamespaceStats] = field(default_factory=dict)
+
+    def stats_for_host(self, hostnqn: str) -> NamespaceStats:
+        """The host's counters, made at its first connect. Past HOST_STATS_MAX hosts (any host may connect
+        to an allow-any-host subsystem, each with a new NQN) the oldest entry is dropped, so /metrics stays
+        bounded; a dropped host that is still connected keeps counting in an entry nobody exports."""
+        entry = self.host_stats.get(hostnqn)
+        if entry is None:
+            while len(self.host_stats) >= defaults.HOST_STATS_MAX:
+                del self.host_stats[next(iter(self.host_stats))]
+            entry = self.host_stats[hostnqn] = NamespaceStats()
+        return entry
 
     def active_nsids(self) -> list[int]:
         return sorted(nsid for nsid, ns in self.namespaces.items() if ns.enabled)

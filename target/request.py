@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 class TargetQueue:
     """A submission/completion queue pair on the target, bound to a controller by Connect."""
 
-    __slots__ = ("auth", "close", "connected_at", "ctrl", "listener", "local_addr", "ops", "peer", "qid",
-                 "sqflow_disabled", "sqhd", "sqsize")
+    __slots__ = ("auth", "close", "connected_at", "ctrl", "ddgst", "hdgst", "listener", "local_addr", "ops", "peer",
+                 "qid", "sqflow_disabled", "sqhd", "sqsize")
 
     def __init__(self, *, ops: TransportOps, peer: str = "", listener: Listener | None = None,
                  local_addr: str = "", close: Callable[[], None] | None = None) -> None:
@@ -39,6 +39,8 @@ class TargetQueue:
         self.local_addr = local_addr  # our IP address on this connection (fills wildcard listeners' entries)
         self.connected_at = 0.0   # wall-clock time of the Connect that bound this queue
         self.auth: QueueAuth | None = None   # DH-HMAC-CHAP state when the host must authenticate (target/auth.py)
+        self.hdgst = False        # NVMe/TCP header / data digests (CRC32C) the ICReq/ICResp exchange enabled
+        self.ddgst = False
         self.close: Callable[[], None] = close or _no_close
 
     @property

@@ -1365,23 +1365,190 @@ class TargetService:
         try:
             await asyncio.to_thread(configmod.save_config, self.config_path, self.snapshot())
         except configmod.ConfigError as exc:
-            subsystems, namespaces, listeners, referrals = before
-            for sub, ns in list(self._all_namespaces()):
-                if sub.nqn in subsystems and (sub.nqn, ns.nsid) not in namespaces:
-                    del sub.namespaces[ns.nsid]
-                    self.target.namespace_changed(sub.nqn, ns.nsid)
-                    ns.backend.close()
-            for nqn in set(self.target.subsystems) - subsystems:
-                sub = self.target.subsystems.pop(nqn)
-                self.target.disconnect_subsystem(nqn)
-                for ns in sub.namespaces.values():
-                    ns.backend.close()
-            for lid in set(self.target.listeners) - listeners:
-                await self.target.stop_listener(self.target.listeners.pop(lid))
-            self.target.referrals[:] = referrals
-            self._unrestored = unrestored
-            self.target.discovery_changed()
+            await self._take_out(before, unrestored)
             raise ServiceError(500, f"{exc}; {what} was undone") from exc
+
+    async def _take_out(
+        self, before: tuple[set[str], set[tuple[str, int]], set[str], list[Referral]], unrestored: list[Unrestored]
+    ) -> None:
+        """Remove everything added since ``before`` and put the unrestored list back."""
+        subsystems, namespaces, listeners, referrals = before
+        for sub, ns in list(self._all_namespaces()):
+            if sub.nqn in subsystems and (sub.nqn, ns.nsid) not in namespaces:
+                del sub.namespaces[ns.nsid]
+                self.target.namespace_changed(sub.nqn, ns.nsid)
+                ns.backend.close()
+        for nqn in set(self.target.subsystems) - subsystems:
+            sub = self.target.subsystems.pop(nqn)
+            self.target.disconnect_subsystem(nqn)
+            for ns in sub.namespaces.values():
+                ns.backend.close()
+        for lid in set(self.target.listeners) - listeners:
+            await self.target.stop_listener(self.target.listeners.pop(lid))
+        self.target.referrals[:] = referrals
+        self._unrestored = unrestored
+        self.target.discovery_changed()
+
+    def live_config(self) -> dict[str, Any]:
+        """snapshot() of what runs, without the items kept from a failed restore."""
+        pending, self._unrestored = self._unrestored, []
+        try:
+            return self.snapshot()
+        finally:
+            self._unrestored = pending
+
+    async def reload(self, config: dict[str, Any]) -> list[str]:
+        """Make the running configuration what ``config`` (the re-read file, already through
+        load_config) says, change by change (target/reload.py plans them), so the controllers of
+        whatever stays keep running. All or nothing: returns the reasons when refused, and then
+        nothing changed; [] when applied (the file is then saved back in canonical form, with the
+        nsids and identifiers it left out). Items still waiting from a failed restore that the file
+        keeps as they were stay waiting; those it dropped are forgotten."""
+        from target.reload import plan_reload
+
+        async with self._lock:
+            pending = [u for u in self._unrestored if _pending_in(u, config)]
+            wanted = _without_pending(config, pending)
+            plan = plan_reload(self.live_config(), wanted, _endpoint_key)
+            errors = list(plan.problems) + self._resize_problems(plan.resized)
+            if errors:
+                return errors
+            saved = (self.backing, self._config_backing, list(self._unrestored))
+            before = self._inventory()
+            undo: list[Callable[[], None]] = []
+            later: list[Undo] = []
+            self._unrestored = []
+            self._config_policy(config, errors, start_up=True)
+            try:
+                if not errors:
+                    self._reload_take_away(plan, undo, later)
+                    nss = [(nqn, f"namespace of {nqn}", item) for nqn, item in plan.new_namespaces]
+                    await self._replay([("subsystem", item) for item in plan.new_subsystems], nss,
+                                       [("listener", item) for item in plan.new_listeners],
+                                       [("referral", item) for item in plan.new_referrals], errors, keep=False)
+                if not errors:
+                    for item in plan.access:
+                        self._reload_access(item, undo)
+                if not errors and self.config_path is not None:
+                    self._unrestored = pending
+                    await asyncio.to_thread(configmod.save_config, self.config_path, self.snapshot())
+            except (ServiceError, configmod.ConfigError) as exc:
+                errors.append(exc.message if isinstance(exc, ServiceError) else str(exc))
+            if errors:
+                for step in reversed(undo):
+                    step()
+                await self._take_out(before, saved[2])
+                self.backing, self._config_backing = saved[0], saved[1]
+                return errors
+            self._unrestored = pending
+            await self._reload_side_effects(plan, later, saved[2])
+        for nqn, nsid, size in plan.resized:  # checked above; each saves the file again
+            await self.resize_namespace(nqn, nsid, size, allow_shrink=True)
+        for nqn, nsid, enabled in plan.enabled:
+            await self.set_namespace_enabled(nqn, nsid, enabled)
+        log.info("configuration %s reloaded: %s", self.config_path, plan.summary())
+        return []
+
+    def _resize_problems(self, resized: list[tuple[str, int, int]]) -> list[str]:
+        problems = []
+        for nqn, nsid, size in resized:
+            ns = self.target.subsystems[nqn].namespaces[nsid]
+            if size < ns.block_size or size % ns.block_size:
+                problems.append(f"subsystem {nqn} namespace {nsid}: size {size} is not a positive multiple of the "
+                                f"block size {ns.block_size}")
+            elif size < ns.backend.size and ns.backend.holds_user_data:
+                problems.append(f"subsystem {nqn} namespace {nsid}: a reload does not shrink user data "
+                                f"({ns.backend.size} -> {size} bytes); shrink it through the API with allow_shrink")
+        return problems
+
+    def _reload_take_away(self, plan: Any, undo: list[Callable[[], None]], later: list[Undo]) -> None:
+        """The removals, in memory only (undoable); ``later`` disconnects and closes once saved,
+        as remove_namespace/remove_subsystem/remove_listener do."""
+        for nqn, nsid in plan.removed_namespaces:
+            sub = self.target.subsystems[nqn]
+            ns = sub.namespaces.pop(nsid)
+            undo.append(lambda sub=sub, ns=ns: sub.namespaces.__setitem__(ns.nsid, ns))
+            later.append(lambda nqn=nqn, ns=ns: self._dropped_namespace(nqn, ns))
+        for nqn in plan.removed_subsystems:
+            sub = self.target.subsystems.pop(nqn)
+            undo.append(lambda sub=sub: self.target.subsystems.__setitem__(sub.nqn, sub))
+            later.append(lambda sub=sub: self._dropped_subsystem(sub))
+        for lid in plan.removed_listeners:
+            lst = self.target.listeners.pop(lid)
+            undo.append(lambda lid=lid, lst=lst: self.target.listeners.__setitem__(lid, lst))
+            later.append(lambda lst=lst: self._dropped_listener(lst))
+        self.target.referrals[:] = [r for r in self.target.referrals if r.id not in plan.removed_referrals]
+
+    async def _dropped_namespace(self, nqn: str, ns: Namespace) -> None:
+        self.target.namespace_changed(nqn, ns.nsid)
+        await self._settle()
+        ns.backend.close()
+
+    async def _dropped_subsystem(self, sub: Subsystem) -> None:
+        self.target.disconnect_subsystem(sub.nqn)
+        for ns in sub.namespaces.values():
+            ns.backend.close()
+
+    async def _dropped_listener(self, listener: Listener) -> None:
+        self.target.disconnect_listener(listener)
+        await self.target.stop_listener(listener)
+
+    def _reload_access(self, item: dict[str, Any], undo: list[Callable[[], None]]) -> None:
+        """Hosts, allow_any_host and DH-HMAC-CHAP lists of a subsystem as ``item`` has them, checked as
+        add_subsystem checks them; the hosts it no longer admits lose their controllers afterwards."""
+        sub = self.target.subsystems[item["nqn"]]
+        nqns, settings = _split_hosts(_given(item, "hosts", []))
+        hosts = {_nqn(h, "host NQN") for h in nqns}
+        allow = _bool(_given(item, "allow_any_host", not hosts), "allow_any_host")
+        if allow and hosts:
+            raise _bad(f"subsystem {sub.nqn}: give either allow_any_host or a list of hosts, not both")
+        auth = {h: entry for h, s in settings.items() if not (entry := _host_auth(h, s)).empty}
+        try:
+            hashes = hostauth.parse_hashes(item.get("dhchap_hash"))
+            groups = hostauth.parse_dhgroups(item.get("dhchap_dhgroup"))
+        except hostauth.AuthSettingError as exc:
+            raise _bad(f"subsystem {sub.nqn}: {exc}") from None
+        old = (sub.hosts, sub.host_auth, sub.allow_any_host, sub.dhchap_hash, sub.dhchap_dhgroup)
+
+        def back() -> None:
+            sub.hosts, sub.host_auth, sub.allow_any_host, sub.dhchap_hash, sub.dhchap_dhgroup = old
+
+        undo.append(back)
+        sub.hosts, sub.host_auth, sub.allow_any_host, sub.dhchap_hash, sub.dhchap_dhgroup = (
+            hosts, auth, allow, hashes, groups)
+
+    async def _reload_side_effects(self, plan: Any, later: list[Undo], unrestored_before: list[Unrestored]) -> None:
+        """After the reload is saved: what removals and narrower host lists do to connected hosts."""
+        for step in later:
+            await step()
+        for item in plan.access:
+            await self._revoke(item["nqn"])
+        for u in unrestored_before:
+            if u not in self._unrestored:
+                log.info("configuration item %s, not restored, is no longer in the file: forgotten", u.where)
+        self.target.discovery_changed()
+        await self._settle()
+
+def _pending_in(entry: Unrestored, config: dict[str, Any]) -> bool:
+    """Whether the re-read file still holds this unrestored item unchanged (then it stays waiting)."""
+    if entry.kind == "namespace":
+        subs = [s for s in config.get("subsystems", []) if s.get("nqn") == entry.subnqn]
+        return any(entry.item in (s.get("namespaces") or []) for s in subs)
+    return entry.item in config.get(f"{entry.kind}s", [])
+
+
+def _without_pending(config: dict[str, Any], pending: list[Unrestored]) -> dict[str, Any]:
+    """``config`` without the items still waiting from a failed restore (a reload does not retry them:
+    POST /api/v1/config/unrestored/retry does)."""
+    out = copy.deepcopy(config)
+    for entry in pending:
+        if entry.kind == "namespace":
+            for sub in out.get("subsystems", []):
+                if sub.get("nqn") == entry.subnqn and entry.item in (sub.get("namespaces") or []):
+                    sub["namespaces"].remove(entry.item)
+        else:
+            out[f"{entry.kind}s"].remove(entry.item)
+    return out
 
 
 def _items(config: dict[str, Any], key: str, errors: list[str]) -> list[Any]:

@@ -53,6 +53,7 @@ class RemoteController:
         self.closed = False
         self.active = False
         self.errors: list[list[int]] = []
+        self.host_stats = NamespaceStats()   # taken by each report; the main process adds it to its Controller's
 
     @property
     def cc(self) -> int:
@@ -327,8 +328,14 @@ class Worker:
             row = _take_stats(ns)
             if row is not None:
                 stats[str(key)] = row
-        if active or errors or stats:
-            self.channel.send({"op": "report", "active": active, "errors": errors, "stats": stats})
+        host_stats = []
+        for ctrl in self.controllers.values():
+            if ctrl.host_stats.busy():
+                host_stats.append([ctrl.ctrl_id, ctrl.host_stats.to_row()])
+                ctrl.host_stats = NamespaceStats()
+        if active or errors or stats or host_stats:
+            self.channel.send({"op": "report", "active": active, "errors": errors, "stats": stats,
+                               "host_stats": host_stats})
 
     def _report_stats_of(self, key: int, ns: Namespace) -> None:
         row = _take_stats(ns)
@@ -337,10 +344,9 @@ class Worker:
 
 
 def _take_stats(ns: Namespace) -> list[int] | None:
-    s = ns.stats
-    row = [s.reads, s.writes, s.read_bytes, s.write_bytes, s.errors, s.read_latency_ns, s.write_latency_ns]
-    if not any(row):
+    if not ns.stats.busy():
         return None
+    row = ns.stats.to_row()
     ns.stats = NamespaceStats()
     return row
 

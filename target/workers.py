@@ -272,14 +272,11 @@ class WorkerPool:
             ns = self._ns_by_key.get(int(key))
             if ns is None:
                 continue
-            s = ns.stats
-            s.reads += row[0]
-            s.writes += row[1]
-            s.read_bytes += row[2]
-            s.write_bytes += row[3]
-            s.errors += row[4]
-            s.read_latency_ns += row[5]
-            s.write_latency_ns += row[6]
+            ns.stats.add_row(row)
+        for ctrl_id, row in msg.get("host_stats", ()):
+            ctrl = by_id.get(ctrl_id)
+            if ctrl is not None:
+                ctrl.host_stats.add_row(row)
 
     # --- queues -------------------------------------------------------------------------------------
 

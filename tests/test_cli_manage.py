@@ -367,3 +367,27 @@ def test_config_unrestored_discard(run, server, tmp_path):
     asyncio.run_coroutine_threadsafe(server.service.restore(config), server.loop).result(10)
     run("config", "unrestored", "--discard")
     assert json.loads(run("config", "unrestored", "--json").stdout) == []
+
+
+def test_output_format_json_on_every_management_command(run, server):
+    # nvme-cli's -o/--output-format: every API command takes it, -o json equals the older --json
+    def commands(group: click.Group, prefix: tuple[str, ...] = ()):
+        for name, cmd in group.commands.items():
+            if isinstance(cmd, click.Group):
+                yield from commands(cmd, (*prefix, name))
+            else:
+                yield (*prefix, name), cmd
+    listed = list(commands(root))
+    assert len(listed) > 20
+    for path, cmd in listed:
+        opts = {o for p in cmd.params for o in p.opts}
+        assert {"-o", "--output-format", "--json"} <= opts, path
+    run("subsystem", "add", NQN, "--serial", "SERIAL1")
+    run("ns", "add", NQN, "--size", "1M")
+    for args in (("subsystem", "list"), ("ns", "list", NQN), ("listener", "list"), ("controller", "list")):
+        assert json.loads(run(*args, "-o", "json").stdout) == json.loads(run(*args, "--json").stdout), args
+    assert [s["nqn"] for s in json.loads(run("subsystem", "list", "--output-format", "json").stdout)] == [NQN]
+    assert run("subsystem", "list", "-o", "normal").stdout.split()[:1] == ["NQN"]
+    r = run("ns", "resize", NQN, "1", "2M", "-o", "json")
+    assert json.loads(r.stdout)["size"] == 2 << 20
+    assert "'xml' is not one of 'normal', 'json'" in run("subsystem", "list", "-o", "xml", code=2).stderr

@@ -57,7 +57,7 @@ def test_host_commands_against_nvmeof_serve(tmp_path: Path) -> None:
         conn = ["-a", t.traddr, "-s", str(t.io_port), "-n", t.subnqn]
         disc = _nvmeof("discover", "-a", t.traddr, "-s", str(t.discovery_port), "--json")
         assert disc.returncode == 0, disc.stderr.decode()
-        rows = json.loads(disc.stdout)
+        rows = json.loads(disc.stdout)["records"]   # nvme-cli's json_discovery_log shape
         assert {(r["subnqn"], r["trsvcid"]) for r in rows} >= {(t.subnqn, str(t.io_port)),
                                                               (defaults.DISCOVERY_NQN, str(t.discovery_port))}
         table = _nvmeof("discover", "-a", t.traddr, "-s", str(t.discovery_port))

@@ -42,7 +42,7 @@ async def test_admin_connect_returns_cntlid_and_registers_controller(target):
     assert ctrl.hostnqn == HOSTNQN and ctrl.kato_ms == 5000
     info = target.controllers_info()
     assert info[0]["cntlid"] == cntlid and info[0]["subnqn"] == SUBNQN and info[0]["transport"] == "loop"
-    assert info[0]["queues"] == [{"qid": 0, "sqsize": 31}]
+    assert info[0]["queues"] == [{"qid": 0, "sqsize": 31, "hdgst": False, "ddgst": False}]
     # a second host connection gets a different cntlid
     host2 = await open_loop(target)
     res2 = await host2.connect(SUBNQN)

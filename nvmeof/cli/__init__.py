@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import logging
-import sys
-
 import click
 
 from nvmeof import __version__
+from nvmeof.cli.logformat import LOG_FORMATS
 
 LOG_LEVELS = ["debug", "info", "warning", "error"]
 
@@ -16,10 +14,15 @@ LOG_LEVELS = ["debug", "info", "warning", "error"]
 @click.version_option(__version__, prog_name="nvmeof")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", show_default=True,
               envvar="NVMEOF_LOG_LEVEL", help="Logging verbosity (stderr).")
-def cli(log_level: str) -> None:
+@click.option("--log-format", type=click.Choice(LOG_FORMATS), default="text", show_default=True,
+              envvar="NVMEOF_LOG_FORMAT",
+              help="Log lines as plain text, or one JSON object per line for log collectors (ts, level, logger, "
+                   "message, and host, subnqn, qid, cntlid, peer, reason on connection events).")
+def cli(log_level: str, log_format: str) -> None:
     """NVMe over Fabrics toolkit: run a target, attach hosts, manage and measure."""
-    logging.basicConfig(level=getattr(logging, log_level.upper()), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from nvmeof.cli.logformat import configure
+
+    configure(log_level, log_format)
 
 
 def _register() -> None:
@@ -30,6 +33,9 @@ def _register() -> None:
     from nvmeof.cli.commands import manage
 
     manage.register(cli)
+    from nvmeof.cli.commands import completion
+
+    completion.register(cli)
     try:
         from nvmeof.cli.commands import bench
     except ImportError:  # benchmark command lands separately

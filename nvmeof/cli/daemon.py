@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nvmeof import defaults
+from nvmeof.cli.notify import notify, reloading
 from nvmeof.uri import TransportAddress
 
 log = logging.getLogger("nvmeof.daemon")
@@ -237,6 +238,8 @@ class Daemon:
         self._api_socket: tuple[Path, int, int] | None = None   # path, st_dev, st_ino of our Unix socket
         self.restore_errors: list[str] = []
         self._stop = asyncio.Event()
+        self._reload_task: asyncio.Task | None = None
+        self._reload_wanted = False
 
     async def start(self) -> None:
         opts = self.options
@@ -370,10 +373,55 @@ class Daemon:
     def request_stop(self) -> None:
         self._stop.set()
 
+    def request_reload(self) -> None:
+        """SIGHUP: one reload at a time; a SIGHUP during one runs another after it (the file may have
+        changed again)."""
+        self._reload_wanted = True
+        if self._reload_task is None or self._reload_task.done():
+            self._reload_task = asyncio.get_running_loop().create_task(self._reloads())
+
+    async def _reloads(self) -> None:
+        while self._reload_wanted and not self._stop.is_set():
+            self._reload_wanted = False
+            await self.reload()
+
+    async def reload(self) -> list[str]:
+        """Re-read --config and apply what changed (TargetService.reload), keeping connected hosts.
+        A file that does not load or whose changes are refused changes nothing; either way the
+        reasons are logged and the daemon stays READY. Returns them ([] when applied)."""
+        from target.config import load_config
+
+        path = self.options.config_path
+        if path is None:
+            log.warning("SIGHUP: no --config file to re-read; nothing reloaded")
+            return ["no --config file"]
+        reloading()
+        try:
+            config = await asyncio.to_thread(load_config, path)
+            errors = await self.service.reload(config)
+        except Exception as e:  # the message names the file and the problem
+            errors = [str(e)]
+        if errors:
+            log.error("configuration %s: reload refused, nothing changed: %s", path, "; ".join(errors))
+        notify(READY=1, STATUS=self.status() if not errors else f"reload refused ({len(errors)} problem(s)); "
+               f"{self.status()}")
+        return errors
+
+    def status(self) -> str:
+        """One line for systemctl status (STATUS=)."""
+        subs = [s for s in self.target.subsystems.values() if s.nqn != defaults.DISCOVERY_NQN]
+        nss = sum(len(s.namespaces) for s in subs)
+        listeners = ", ".join(f"{lst.traddr}:{lst.trsvcid}" for lst in self.target.listeners.values())
+        api = f"; API {self.api_endpoint}" if self.api_endpoint else ""
+        return f"{len(subs)} subsystem(s), {nss} namespace(s); listening on {listeners or 'nothing'}{api}"
+
     async def wait(self) -> None:
         await self._stop.wait()
 
     async def stop(self) -> None:
+        if self._reload_task is not None:  # let a reload in progress finish (it holds the service lock)
+            with contextlib.suppress(Exception):
+                await self._reload_task
         if self.api_server is not None:
             await self.api_server.stop()
         self._remove_api_files()
@@ -399,7 +447,9 @@ class Daemon:
                          "reads it: nvmeof subsystem list)")
             if self.api_endpoint.startswith("http"):
                 # The token is shown here once, on stdout, never in a log line (as Jupyter does).
-                lines.append(f"  API docs (login)    {self.api_endpoint}/login?token={self.api_token}")
+                # One link logs the browser in (a cookie) for both the dashboard and /docs.
+                lines.append(f"  Dashboard (login)   {self.api_endpoint}/login?token={self.api_token}&next=/ui")
+                lines.append(f"  API docs            {self.api_endpoint}/docs  (after the login link)")
         if ios:
             io = ios[0]
             disc = discs[0] if discs else io
@@ -428,6 +478,9 @@ async def serve(options: DaemonOptions, *, ready=None) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, daemon.request_stop)
+    # SIGHUP (systemctl reload) re-reads the configuration file; installed before READY=1 so that a
+    # reload systemd sends right after start-up is never the default action (terminate).
+    loop.add_signal_handler(signal.SIGHUP, daemon.request_reload)
     try:
         try:
             await daemon.start()
@@ -436,10 +489,12 @@ async def serve(options: DaemonOptions, *, ready=None) -> int:
             raise
         if ready is not None:
             ready(daemon)
+        notify(READY=1, STATUS=daemon.status())
         await daemon.wait()
         log.info("shutting down")
+        notify(STOPPING=1, STATUS="shutting down")
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.remove_signal_handler(sig)
     await daemon.stop()
     return 0

@@ -75,6 +75,75 @@ TCP_SECTYPE_NONE = 0
 RDMA_QPTYPE_CONNECTED = 1
 RDMA_PRTYPE_NOT_SPECIFIED = 1
 RDMA_CMS_RDMA_CM = 1
+EFLAGS_NCC = 1 << 2     # no CDC connectivity
+TCP_SECTYPE_TLS = 1
+TCP_SECTYPE_TLS13 = 2
+
+# Discovery log field values as nvme-cli prints them, normal and JSON output alike: libnvme
+# src/nvme/fabrics.c ``libnvmf_trtype_str`` / ``_adrfam_str`` / ``_subtype_str`` / ``_treq_str`` /
+# ``_eflags_str`` / ``_sectype_str`` / ``_prtype_str`` / ``_qptype_str`` / ``_cms_str``. A value missing
+# from a table is "unrecognized", as libnvme's ``arg_str`` answers.
+UNRECOGNIZED = "unrecognized"
+_SQFLOW_NOTE = ", sq flow control disable supported"
+_EPCSD_NAME, _DUPRET_NAME, _NCC_NAME = ("explicit discovery connections", "duplicate discovery information",
+                                        "no cdc connectivity")
+TRTYPE_NAMES = {TrType.RDMA: "rdma", TrType.FC: "fc", TrType.TCP: "tcp", TrType.LOOP: "loop"}
+# libnvme's table stops at FC: loop (254) prints as "unrecognized"; 0 is PCIe
+ADRFAM_NAMES = {0: "pci", AdrFam.IPV4: "ipv4", AdrFam.IPV6: "ipv6", AdrFam.IB: "infiniband",
+                AdrFam.FC: "fibre-channel"}
+SUBTYPE_NAMES = {SubType.REFERRAL: "discovery subsystem referral", SubType.NVME: "nvme subsystem",
+                 SubType.CURRENT: "current discovery subsystem"}
+_TREQ_BASE = {TREQ_NOT_SPECIFIED: "not specified", TREQ_REQUIRED: "required", TREQ_NOT_REQUIRED: "not required"}
+TREQ_NAMES = {**_TREQ_BASE, **{v | TREQ_DISABLE_SQFLOW: name + _SQFLOW_NOTE for v, name in _TREQ_BASE.items()}}
+EFLAGS_NAMES = {
+    bits: ", ".join(name for bit, name in ((EFLAGS_EPCSD, _EPCSD_NAME), (EFLAGS_DUPRETINFO, _DUPRET_NAME),
+                                           (EFLAGS_NCC, _NCC_NAME)) if bits & bit) or "none"
+    for bits in range(8)
+}
+SECTYPE_NAMES = {TCP_SECTYPE_NONE: "none", TCP_SECTYPE_TLS: "tls", TCP_SECTYPE_TLS13: "tls13"}
+PRTYPE_NAMES = {RDMA_PRTYPE_NOT_SPECIFIED: "not specified", 2: "infiniband", 3: "roce", 4: "roce-v2", 5: "iwarp"}
+QPTYPE_NAMES = {RDMA_QPTYPE_CONNECTED: "connected", 2: "datagram"}
+CMS_NAMES = {RDMA_CMS_RDMA_CM: "rdma-cm"}
+
+
+def _name(table: dict[int, str], value: int) -> str:
+    return table.get(value, UNRECOGNIZED)
+
+
+def trtype_str(value: int) -> str:
+    return _name(TRTYPE_NAMES, value)
+
+
+def adrfam_str(value: int) -> str:
+    return _name(ADRFAM_NAMES, value)
+
+
+def subtype_str(value: int) -> str:
+    return _name(SUBTYPE_NAMES, value)
+
+
+def treq_str(value: int) -> str:
+    return _name(TREQ_NAMES, value)
+
+
+def eflags_str(value: int) -> str:
+    return _name(EFLAGS_NAMES, value)
+
+
+def sectype_str(value: int) -> str:
+    return _name(SECTYPE_NAMES, value)
+
+
+def prtype_str(value: int) -> str:
+    return _name(PRTYPE_NAMES, value)
+
+
+def qptype_str(value: int) -> str:
+    return _name(QPTYPE_NAMES, value)
+
+
+def cms_str(value: int) -> str:
+    return _name(CMS_NAMES, value)
 
 # Connect response DW0 bits used for IATTR/IPO on INVALID_PARAM: IATTR in bits 23:16 (0 = SQE field,
 # 1 = Connect data field), IPO (byte offset) in bits 15:0 (NVMe-oF 1.1 Figure 23).
@@ -188,32 +257,23 @@ DiscoveryLogEntryCompiled = DiscoveryLogEntry.compile()
 # Authentication Send (fctype 0x05) / Receive (0x06): Linux ``struct nvmf_auth_send_command`` /
 # ``nvmf_auth_receive_command``. SECP/SPSP0/SPSP1 select the security protocol (DH-HMAC-CHAP: 0xE9, 1, 1,
 # nvmeof.spec.auth); ``tl`` is the transfer length of the Send payload, ``al`` the allocation length of Receive.
-AuthSendCommand = Struct(
-    "opcode" / Const(FABRICS_OPCODE, Int8ul),
-    "rsvd1" / Int8ul,
-    "cid" / Int16ul,
-    "fctype" / Int8ul,
-    "rsvd2" / Bytes(19),
-    "dptr" / Bytes(16),
-    "rsvd3" / Int8ul,
-    "spsp0" / Int8ul,
-    "spsp1" / Int8ul,
-    "secp" / Int8ul,
-    "tl" / Int32ul,
-    "rsvd4" / Bytes(16),
-)
+def _auth_command(length: str) -> Struct:
+    """The two differ only in the name of the length field (``tl`` / ``al``)."""
+    return Struct(
+        "opcode" / Const(FABRICS_OPCODE, Int8ul),
+        "rsvd1" / Int8ul,
+        "cid" / Int16ul,
+        "fctype" / Int8ul,
+        "rsvd2" / Bytes(19),
+        "dptr" / Bytes(16),
+        "rsvd3" / Int8ul,
+        "spsp0" / Int8ul,
+        "spsp1" / Int8ul,
+        "secp" / Int8ul,
+        length / Int32ul,
+        "rsvd4" / Bytes(16),
+    )
 
-AuthReceiveCommand = Struct(
-    "opcode" / Const(FABRICS_OPCODE, Int8ul),
-    "rsvd1" / Int8ul,
-    "cid" / Int16ul,
-    "fctype" / Int8ul,
-    "rsvd2" / Bytes(19),
-    "dptr" / Bytes(16),
-    "rsvd3" / Int8ul,
-    "spsp0" / Int8ul,
-    "spsp1" / Int8ul,
-    "secp" / Int8ul,
-    "al" / Int32ul,
-    "rsvd4" / Bytes(16),
-)
+
+AuthSendCommand = _auth_command("tl")
+AuthReceiveCommand = _auth_command("al")

@@ -107,6 +107,22 @@ class FeatureId(enum.IntEnum):
     HOST_ID = 0x81
 
 
+# Feature names as nvme-cli prints them (src/nvme-print.c ``nvme_feature_to_string``; others: "Unknown"),
+# and Get Features SEL names (``nvme_select_to_string``).
+FEATURE_NAMES = {
+    FeatureId.ARBITRATION: "Arbitration", FeatureId.POWER_MGMT: "Power Management",
+    FeatureId.LBA_RANGE: "LBA Range Type", FeatureId.TEMP_THRESHOLD: "Temperature Threshold",
+    FeatureId.ERR_RECOVERY: "Error Recovery", FeatureId.VOLATILE_WC: "Volatile Write Cache",
+    FeatureId.NUM_QUEUES: "Number of Queues", FeatureId.IRQ_COALESCE: "Interrupt Coalescing",
+    FeatureId.IRQ_CONFIG: "Interrupt Vector Configuration", FeatureId.WRITE_ATOMIC: "Write Atomicity Normal",
+    FeatureId.ASYNC_EVENT: "Async Event Configuration", FeatureId.AUTO_PST: "Autonomous Power State Transition",
+    FeatureId.HOST_MEM_BUF: "Host Memory Buffer", FeatureId.TIMESTAMP: "Timestamp",
+    FeatureId.KATO: "Keep Alive Timer", FeatureId.HOST_BEHAVIOR: "Host Behavior",
+    FeatureId.HOST_ID: "Host Identifier",
+}
+SELECT_NAMES = {0: "Current", 1: "Default", 2: "Saved", 3: "Supported capabilities"}
+
+
 class LogPageId(enum.IntEnum):
     ERROR = 0x01
     SMART = 0x02

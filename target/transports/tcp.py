@@ -152,7 +152,7 @@ class _LogThrottle:
         self.total += 1
         now = time.monotonic()
         if now >= self._quiet_until and not self._held:
-            log.log(self.level, "%s", text)
+            log.log(self.level, "%s", text, extra={"event": "refused", "reason": text})
             self._quiet_until = now + self.interval
             return
         self._held += 1
@@ -164,11 +164,12 @@ class _LogThrottle:
     def _flush(self) -> None:
         self._timer = None
         held, self._held = self._held, 0
+        fields = {"event": "refused", "reason": self._last}
         if held == 1:
-            log.log(self.level, "%s", self._last)
+            log.log(self.level, "%s", self._last, extra=fields)
         elif held:
             log.log(self.level, "%s (and %d more like it in the last %.1f s; %d in all)", self._last, held - 1,
-                    self.interval, self.total)
+                    self.interval, self.total, extra={**fields, "count": held})
         self._quiet_until = time.monotonic() + self.interval
 
 
@@ -451,16 +452,19 @@ class TargetConnection(asyncio.BufferedProtocol):
                     self._on_h2c_data(event)
                 elif kind is ICReqReceived:
                     self.conn.send_icresp(maxh2cdata=defaults.MAXH2CDATA)
+                    self.queue.hdgst, self.queue.ddgst = self.conn.hdgst, self.conn.ddgst   # shown by Controller.info
                     if self._deadline is not None:
                         self._arm_deadline(self._port.limits.connect_timeout, "Connect")
                 elif kind is ProtocolError:
                     log.warning("NVMe/TCP protocol error from %s (fes %#x, fei %d): %s; sending C2HTermReq and closing",
-                                self.queue.peer, event.fes, event.fei, event.reason)
+                                self.queue.peer, event.fes, event.fei, event.reason, extra=self._fields(
+                                    "failure", f"protocol error: {event.reason}"))
                     self.close()
                     return
                 elif kind is TermReqReceived:
                     log.warning("host %s terminated the connection (H2CTermReq fes %#x fei %d)",
-                                self.queue.peer, event.fes, event.fei)
+                                self.queue.peer, event.fes, event.fei, extra=self._fields(
+                                    "failure", f"H2CTermReq fes {event.fes:#x}"))
                     self.close()
                     return
                 if self._closed:
@@ -568,6 +572,14 @@ class TargetConnection(asyncio.BufferedProtocol):
                 transport.resume_reading()
 
     # --- teardown -------------------------------------------------------------------------------
+
+    def _fields(self, event: str, reason: str) -> dict[str, object]:
+        """Structured fields of a log line about this connection (`--log-format json`)."""
+        queue = self.queue
+        fields: dict[str, object] = {"event": event, "peer": queue.peer, "qid": queue.qid, "reason": reason}
+        if queue.ctrl is not None:
+            fields.update(host=queue.ctrl.hostnqn, subnqn=queue.ctrl.subsystem.nqn, cntlid=queue.ctrl.cntlid)
+        return fields
 
     def close(self) -> None:
         """Close the connection (after flushing what is queued) and fail everything in flight."""

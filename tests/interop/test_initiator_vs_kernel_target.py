@@ -102,7 +102,8 @@ def test_cli_commands(kernel_target: vm.KernelTarget, tmp_path: Path) -> None:
     out = _ok(_nvmeof("discover", *addr, "-s", str(kt.discovery_trsvcid)), "discover")
     assert kt.subnqn.encode() in out and defaults.DISCOVERY_NQN.encode() in out
 
-    rows = json.loads(_ok(_nvmeof("discover", *addr, "-s", str(kt.discovery_trsvcid), "--json"), "discover --json"))
+    disc = _nvmeof("discover", *addr, "-s", str(kt.discovery_trsvcid), "--json")
+    rows = json.loads(_ok(disc, "discover --json"))["records"]   # nvme-cli's json_discovery_log shape
     assert kt.subnqn in {r["subnqn"] for r in rows}
 
     ident = json.loads(_ok(_nvmeof("identify", *conn, "--json"), "identify --json"))

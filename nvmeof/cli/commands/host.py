@@ -7,7 +7,6 @@ Exit codes scripts can rely on: 0 success, 1 the target answered with an NVMe er
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import sys
 from collections.abc import Callable
@@ -19,6 +18,8 @@ from nvmeof.auth import AuthFailure
 from nvmeof.spec.nvme import FeatureId, LogPageId
 from nvmeof.status import NvmeError
 
+from .. import render
+from ..render import output_format_options, wants_json
 from .common import echo_json, format_size, parse_size, table
 
 EXIT_NVME_STATUS = 1
@@ -64,21 +65,21 @@ def connection_options(default_port: int, *, nqn_required: bool = True) -> Calla
             click.option("--data-digest", is_flag=True, help="Negotiate the NVMe/TCP data digest."),
             click.option("--timeout", type=float, default=30.0, show_default=True,
                          help="Seconds to wait for each command."),
-            click.option("--json", "as_json", is_flag=True, help="Machine-readable output."),
         ]
         if nqn_required:
             opts.append(click.option("-n", "--nqn", required=True, help="Subsystem NQN."))
         names = ["transport", "traddr", "trsvcid", "hostnqn", "hostid", "hdr_digest", "data_digest", "timeout",
-                 "as_json", "dhchap_secret", "dhchap_ctrl_secret"] + (["nqn"] if nqn_required else [])
+                 "dhchap_secret", "dhchap_ctrl_secret"] + (["nqn"] if nqn_required else [])
 
         @functools.wraps(f)
         def collect(**kwargs):
             conn = {name: kwargs.pop(name) for name in names}
+            conn["as_json"] = wants_json(kwargs.pop("output_format"), kwargs.pop("as_json"))
             return f(conn, **kwargs)
 
         for opt in reversed(opts):
             collect = opt(collect)
-        return dhchap_options(collect)
+        return output_format_options(dhchap_options(collect))
     return deco
 
 
@@ -110,38 +111,31 @@ async def _open(conn: dict, *, nr_io_queues: int = 1):
                                    dhchap_secret=conn["dhchap_secret"], dhchap_ctrl_secret=conn["dhchap_ctrl_secret"])
 
 
-def _plain(value: object) -> object:
-    """construct Containers / lists to JSON-able plain data."""
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items() if not k.startswith("_")}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    if isinstance(value, bytes | bytearray):
-        return value.hex()
-    return value
-
-
 @click.command()
 @connection_options(defaults.TCP_DISCOVERY_PORT, nqn_required=False)
 def discover(conn) -> None:
-    """Read a discovery controller's log: the subsystems and where to reach them."""
-    import initiator
-
-    transport, traddr, trsvcid = conn["transport"], conn["traddr"], conn["trsvcid"]
-    entries = run_guarded(initiator.discover(traddr, trsvcid, transport=transport, hostnqn=conn["hostnqn"],
-                                             hostid=conn["hostid"], hdr_digest=conn["hdr_digest"],
-                                             data_digest=conn["data_digest"], timeout=conn["timeout"],
-                                             dhchap_secret=conn["dhchap_secret"],
-                                             dhchap_ctrl_secret=conn["dhchap_ctrl_secret"]))
-    # DiscoveryEntry is a slotted dataclass: it has no __dict__ for vars().
-    rows = [_plain(dataclasses.asdict(e)) if dataclasses.is_dataclass(e) else _plain(dict(e)) for e in entries]
+    """Read a discovery controller's log: the subsystems and where to reach them (as `nvme discover`)."""
+    genctr, entries = run_guarded(_discover(conn))
     if conn["as_json"]:
-        echo_json(rows)
-        return
-    click.echo(f"Discovery log from {transport}://{traddr}:{trsvcid}: {len(rows)} entries")
-    click.echo(table(["trtype", "traddr", "trsvcid", "subtype", "portid", "subnqn"],
-                     [[r.get("trtype"), r.get("traddr"), r.get("trsvcid"), r.get("subtype"), r.get("portid"),
-                       r.get("subnqn")] for r in rows]))
+        echo_json(render.discovery_log_json(genctr, entries))
+    else:
+        click.echo(render.discovery_log_text(genctr, entries))
+
+
+async def _discover(conn: dict) -> tuple[int, list]:
+    """(genctr, entries): initiator.discover's sequence, keeping the generation counter nvme-cli prints."""
+    from initiator.controller import HostController
+    from initiator.discovery import read_discovery_log
+
+    ctrl = HostController(conn["traddr"], conn["trsvcid"], defaults.DISCOVERY_NQN, hostnqn=conn["hostnqn"],
+                          hostid=conn["hostid"], transport=conn["transport"], nr_io_queues=0, kato=0,
+                          hdr_digest=conn["hdr_digest"], data_digest=conn["data_digest"], timeout=conn["timeout"],
+                          dhchap_secret=conn["dhchap_secret"], dhchap_ctrl_secret=conn["dhchap_ctrl_secret"])
+    await ctrl.open()
+    try:
+        return await read_discovery_log(ctrl)
+    finally:
+        await ctrl.disconnect()
 
 
 async def _identify(conn: dict) -> dict:
@@ -151,28 +145,24 @@ async def _identify(conn: dict) -> dict:
         for nsid in await ctrl.namespaces():
             ns = await ctrl.identify_namespace(nsid)
             lbads = ns["lbaf"][ns["flbas"] & 0xF]["lbads"]
-            namespaces.append({"nsid": nsid, "nsze": ns["nsze"], "block_size": 1 << lbads,
-                               "size": ns["nsze"] << lbads, "nguid": bytes(ns["nguid"]).hex(),
-                               "eui64": bytes(ns["eui64"]).hex()})
-        return {"controller": _plain(idc), "namespaces": namespaces}
+            # nvme id-ns's fields, led by the NSID and the sizes it implies
+            namespaces.append({"nsid": nsid, "block_size": 1 << lbads, "size": ns["nsze"] << lbads,
+                               **render.id_ns_json(ns)})
+        return {"controller": idc, "namespaces": namespaces}
 
 
 @click.command()
 @connection_options(defaults.TCP_IO_PORT)
 def identify(conn) -> None:
-    """Identify a subsystem's controller and its namespaces through the Python initiator."""
+    """Identify a subsystem's controller and its namespaces through the Python initiator.
+
+    JSON: {"controller": what `nvme id-ctrl -o json` prints, "namespaces": [nsid, block_size, size and what
+    `nvme id-ns -o json` prints]}."""
     out = run_guarded(_identify(conn))
     if conn["as_json"]:
-        echo_json(out)
+        echo_json({"controller": render.id_ctrl_json(out["controller"]), "namespaces": out["namespaces"]})
         return
-    c = out["controller"]
-    ver = c.get("ver", 0)
-    click.echo(table(["field", "value"], [
-        ["subnqn", c.get("subnqn")], ["model (mn)", c.get("mn")], ["serial (sn)", c.get("sn")],
-        ["firmware (fr)", c.get("fr")], ["cntlid", c.get("cntlid")],
-        ["version", f"{ver >> 16}.{(ver >> 8) & 0xFF}.{ver & 0xFF}"], ["mdts", c.get("mdts")],
-        ["namespaces (nn)", c.get("nn")], ["kas (100 ms)", c.get("kas")], ["ioccsz (16 B)", c.get("ioccsz")],
-    ]))
+    click.echo(render.id_ctrl_text(out["controller"]))
     click.echo()
     click.echo(table(["nsid", "size", "blocks", "block size", "nguid"],
                      [[n["nsid"], format_size(n["size"]), n["nsze"], n["block_size"], n["nguid"]]
@@ -189,7 +179,8 @@ async def _read(conn: dict, nsid: int, slba: int, nlb: int) -> bytes:
 @click.option("--nsid", type=click.IntRange(1, 0xFFFFFFFE), default=1, show_default=True)
 @click.option("--slba", "-z", type=click.IntRange(0), default=0, show_default=True, help="Starting LBA.")
 @click.option("--nlb", "-c", type=click.IntRange(1), default=1, show_default=True, help="Number of blocks.")
-@click.option("-o", "--output", type=click.File("wb"), default="-", help="Where to write the data (stdout).")
+@click.option("-d", "--data", "--output", "output", type=click.File("wb"), default="-",
+              help="Where to write the data (stdout); nvme-cli's -d/--data (-o is the output format).")
 def read(conn, nsid, slba, nlb, output) -> None:
     """Read NLB blocks from SLBA of namespace NSID."""
     data = run_guarded(_read(conn, nsid, slba, nlb))
@@ -253,9 +244,10 @@ async def _get_log(conn: dict, lid: int, length: int, offset: int, nsid: int) ->
 @click.option("--lid", "-i", required=True, callback=_int_or_name(LogPageId),
               help="Log page id: a number or one of error, smart, fw_slot, changed_ns, cmd_effects.")
 @click.option("--len", "-l", "length", default="512", show_default=True, help="Bytes to read.")
-@click.option("--offset", "-o", "lpo", type=click.IntRange(0), default=0, show_default=True)
+@click.option("--lpo", "-L", "--offset", "lpo", type=click.IntRange(0), default=0, show_default=True,
+              help="Log page offset in bytes (nvme-cli's -L/--lpo; -o is the output format).")
 @click.option("--nsid", type=click.IntRange(0, 0xFFFFFFFF), default=0xFFFFFFFF)
-@click.option("--raw", "raw_out", is_flag=True, help="Write the raw bytes to stdout.")
+@click.option("--raw", "-b", "--raw-binary", "raw_out", is_flag=True, help="Write the raw bytes to stdout.")
 def get_log(conn, lid, length, lpo, nsid, raw_out) -> None:
     """Read a log page (decoded for SMART, error and firmware slot pages)."""
     try:
@@ -268,30 +260,35 @@ def get_log(conn, lid, length, lpo, nsid, raw_out) -> None:
     if raw_out:
         sys.stdout.buffer.write(data)
         return
-    decoded = _decode_log(lid, data) if lpo == 0 else None
-    if conn["as_json"]:
-        echo_json({"lid": lid, "length": len(data), "data": data.hex(), "decoded": decoded})
-        return
+    decoded = _decode_log(lid, data, conn["nqn"]) if lpo == 0 else None
     if decoded is None:
-        click.echo(data.hex(" ", 16))
-    elif isinstance(decoded, list):
-        for i, entry in enumerate(decoded):
-            click.echo(f"entry {i}: {entry}")
+        if conn["as_json"]:
+            echo_json({"lid": lid, "lpo": lpo, "length": len(data), "data": data.hex()})
+        else:
+            click.echo(data.hex(" ", 16))
+    elif conn["as_json"]:
+        echo_json(decoded)
+    elif "errors" in decoded:
+        for i, entry in enumerate(decoded["errors"]):
+            click.echo(f"Entry[{i:2}]")
+            click.echo("\n".join(f"{k:<22}: {v}" for k, v in entry.items()))
     else:
-        click.echo(table(["field", "value"], [[k, v] for k, v in decoded.items()]))
+        body = next(iter(decoded.values())) if lid == LogPageId.FW_SLOT else decoded
+        click.echo("\n".join(f"{k:<40}: {v}" for k, v in body.items()))
 
 
-def _decode_log(lid: int, data: bytes) -> object:
+def _decode_log(lid: int, data: bytes, device: str) -> dict | None:
+    """The pages nvme-cli decodes, in its JSON shapes (error-log, smart-log, fw-log)."""
     from nvmeof.spec import logs
 
     try:
         if lid == LogPageId.SMART and len(data) >= 512:
-            return _plain(dict(logs.SmartLog.parse(data[:512])))
+            return render.smart_log_json(logs.SmartLog.parse(data[:512]))
         if lid == LogPageId.ERROR and len(data) >= 64:
-            entries = [_plain(dict(logs.ErrorLogEntry.parse(data[i:i + 64]))) for i in range(0, len(data) - 63, 64)]
-            return [e for e in entries if e.get("error_count")]
+            entries = [logs.ErrorLogEntry.parse(data[i:i + 64]) for i in range(0, len(data) - 63, 64)]
+            return render.error_log_json(e for e in entries if e["error_count"])  # empty slots: not errors
         if lid == LogPageId.FW_SLOT and len(data) >= 512:
-            return _plain(dict(logs.FirmwareSlotLog.parse(data[:512])))
+            return render.fw_log_json(logs.FirmwareSlotLog.parse(data[:512]), device)
     except Exception:  # an undecodable page is still shown raw
         return None
     return None
@@ -315,11 +312,10 @@ def get_feature(conn, fid, sel, cdw11, nsid) -> None:
     result = run_guarded(_get_feature(conn, fid, sel, cdw11, nsid))
     value = result[0] if isinstance(result, tuple) else result
     dw0 = value if isinstance(value, int) else getattr(value, "dw0", value)
-    name = FeatureId(fid).name.lower() if fid in FeatureId._value2member_map_ else f"{fid:#x}"
     if conn["as_json"]:
-        echo_json({"fid": fid, "name": name, "value": dw0})
+        echo_json(render.feature_json(fid, sel, dw0))
     else:
-        click.echo(f"get-feature: {name} (fid {fid:#04x}), current value: {dw0:#010x}")
+        click.echo(render.feature_text(fid, sel, dw0))
 
 
 def _kernel_guard(func: Callable) -> Callable:
@@ -347,23 +343,26 @@ def _kernel_guard(func: Callable) -> Callable:
 @click.option("-k", "--keep-alive-tmo", "kato", type=click.IntRange(0))
 @click.option("-g", "--hdr-digest", is_flag=True)
 @click.option("-G", "--data-digest", is_flag=True)
-@click.option("--list", "list_only", is_flag=True, help="List the kernel's fabrics controllers and exit.")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--list", "list_only", is_flag=True, help="List the kernel's fabrics controllers and exit "
+              "(`nvmeof list` prints them as nvme-cli does).")
+@output_format_options
 @dhchap_options
 @_kernel_guard
 def connect(transport, traddr, trsvcid, nqn, hostnqn, hostid, nr_io_queues, queue_size, kato, hdr_digest,
-            data_digest, list_only, as_json, dhchap_secret, dhchap_ctrl_secret) -> None:
-    """Attach a subsystem through the Linux kernel host (like `nvme connect`); prints the block devices."""
+            data_digest, list_only, output_format, as_json, dhchap_secret, dhchap_ctrl_secret) -> None:
+    """Attach a subsystem through the Linux kernel host (like `nvme connect`); prints the block devices.
+
+    -o json prints {"device": "nvmeN"} as nvme-cli does, with cntlid, subnqn and the block devices added.
+    --list keeps its own rows (one per controller, sysfs names); `nvmeof list` prints nvme-cli's shape."""
     from initiator import kernel
 
+    as_json = wants_json(output_format, as_json)
     if list_only:
         ctrls = kernel.controllers()
         if as_json:
             echo_json(ctrls)
         else:
-            click.echo(table(["name", "transport", "address", "state", "subsysnqn", "block devices"],
-                             [[c["name"], c["transport"], c["address"], c["state"], c["subsysnqn"],
-                               " ".join(c["block_devices"])] for c in ctrls]))
+            click.echo(render.kernel_list_text(ctrls, table))
         return
     if not nqn:
         raise click.UsageError("missing -n/--nqn: the subsystem NQN to connect to (see `nvmeof discover`)")
@@ -373,7 +372,8 @@ def connect(transport, traddr, trsvcid, nqn, hostnqn, hostid, nr_io_queues, queu
                           dhchap_secret=dhchap_secret.format() if dhchap_secret else None,
                           dhchap_ctrl_secret=dhchap_ctrl_secret.format() if dhchap_ctrl_secret else None)
     if as_json:
-        echo_json(vars(ctrl))
+        # nvme-cli's fabrics.c hook_connected prints {"device": name}; the rest is what we know besides
+        echo_json({"device": ctrl.name, **vars(ctrl)})
     else:
         click.echo(f"connected {ctrl.name} (cntlid {ctrl.cntlid}) to {nqn}: "
                    f"{' '.join(ctrl.block_devices) or 'no namespaces yet'}")
@@ -382,22 +382,41 @@ def connect(transport, traddr, trsvcid, nqn, hostnqn, hostid, nr_io_queues, queu
 @click.command()
 @click.option("-n", "--nqn", help="Disconnect every controller of this subsystem.")
 @click.option("-d", "--device", help="Disconnect one controller, e.g. nvme0.")
+@output_format_options
 @_kernel_guard
-def disconnect(nqn, device) -> None:
+def disconnect(nqn, device, output_format, as_json) -> None:
     """Detach kernel-host controllers (like `nvme disconnect`)."""
     from initiator import kernel
 
     if bool(nqn) == bool(device):
         raise click.UsageError("give exactly one of -n/--nqn or -d/--device")
     if device:
-        kernel.disconnect(device.removeprefix("/dev/"))
-        click.echo(f"disconnected {device}")
-        return
-    names = kernel.disconnect_nqn(nqn)
-    if not names:
-        click.echo(f"nvmeof: no controller is connected to {nqn}", err=True)
-        sys.exit(EXIT_KERNEL)
-    click.echo(f"disconnected {len(names)} controller(s): {' '.join(names)}")
+        names = [device.removeprefix("/dev/")]
+        kernel.disconnect(names[0])
+    else:
+        names = kernel.disconnect_nqn(nqn)
+        if not names:
+            click.echo(f"nvmeof: no controller is connected to {nqn}", err=True)
+            sys.exit(EXIT_KERNEL)
+    if wants_json(output_format, as_json):
+        echo_json({"disconnected": names})
+    else:
+        # nvme-cli's words (fabrics.c: "NQN:%s disconnected %d controller(s)")
+        click.echo(f"{f'NQN:{nqn} ' if nqn else ''}disconnected {len(names)} controller(s): {' '.join(names)}")
+
+
+@click.command("list")
+@output_format_options
+@_kernel_guard
+def list_(output_format, as_json) -> None:
+    """List the Linux kernel host's NVMe over Fabrics controllers and their namespaces (like `nvme list -v`)."""
+    from initiator import kernel
+
+    ctrls = kernel.controllers_detail()
+    if wants_json(output_format, as_json):
+        echo_json(render.kernel_list_json(ctrls))
+    else:
+        click.echo(render.kernel_list_text(ctrls, table))
 
 
 @click.command("gen-dhchap-key")
@@ -438,5 +457,5 @@ def gen_dhchap_key(secret, key_length, nqn, hmac_id) -> None:
 
 
 def register(cli: click.Group) -> None:
-    for cmd in (discover, identify, read, write, get_log, get_feature, connect, disconnect, gen_dhchap_key):
+    for cmd in (discover, identify, read, write, get_log, get_feature, connect, disconnect, list_, gen_dhchap_key):
         cli.add_command(cmd)

@@ -2,7 +2,7 @@
 
 One command per API call, grouped like the resources: ``nvmeof subsystem|ns|host|listener|referral|
 controller|config ...``. Every command takes ``--api URL|unix:PATH`` (env NVMEOF_API), ``--token``
-(env NVMEOF_API_TOKEN) and ``--json``. Without them the endpoint and the token come from the files
+(env NVMEOF_API_TOKEN) and ``-o json`` (or ``--json``). Without them the endpoint and the token come from the files
 `nvmeof serve` writes in its state directory (NVMEOF_STATE_DIR, else /var/lib/nvmeof for root, else
 ~/.local/share/nvmeof): ``api-endpoint`` and ``api-token`` (mode 0600, so only that user and root
 can read it). The file's token is sent only to the endpoint recorded next to it, and never printed.
@@ -27,6 +27,7 @@ from nvmeof import defaults
 from nvmeof.uri import parse_address
 from target.backends import KINDS
 
+from ..render import OUTPUT_FORMATS, wants_json
 from .common import echo_json, format_size, parse_size, table
 
 if TYPE_CHECKING:
@@ -165,11 +166,14 @@ def _nqn(nqn: str) -> str:
 def api_command(group: click.Group, name: str | None = None, **kwargs: Any) -> Callable:
     """Register a subcommand with the shared connection options and error-to-exit-code mapping.
 
-    The wrapped function receives ``api`` (an :class:`Api`) and ``as_json`` first.
+    The wrapped function receives ``api`` (an :class:`Api`) and ``as_json`` first: true for ``-o json``
+    (nvme-cli's -o/--output-format) or its older spelling ``--json``.
     """
 
     def decorate(func: Callable) -> click.Command:
-        @click.option("--json", "as_json", is_flag=True, help="Print the API's JSON answer.")
+        @click.option("--json", "as_json", is_flag=True, help="Same as -o json.")
+        @click.option("-o", "--output-format", "output_format", type=click.Choice(OUTPUT_FORMATS), default="normal",
+                      show_default=True, help="normal text, or json: the API's JSON answer.")
         @click.option("--token", envvar="NVMEOF_API_TOKEN", metavar="TOKEN", show_envvar=True,
                       help="Bearer token of the API. Default: the api-token file `nvmeof serve` wrote in its "
                            "state directory (NVMEOF_STATE_DIR).")
@@ -177,10 +181,11 @@ def api_command(group: click.Group, name: str | None = None, **kwargs: Any) -> C
                       help="Where `nvmeof serve` runs its REST API. Default: the api-endpoint file in its state "
                            f"directory, else {DEFAULT_API}.")
         @functools.wraps(func)
-        def command(api_url: str | None, token: str | None, as_json: bool, **params: Any) -> None:
+        def command(api_url: str | None, token: str | None, output_format: str, as_json: bool,
+                    **params: Any) -> None:
             api = Api(*resolve_endpoint(api_url, token))
             try:
-                func(api, as_json, **params)
+                func(api, wants_json(output_format, as_json), **params)
             except ApiError as exc:
                 click.echo(f"error: {exc.message}", err=True)
                 sys.exit(EXIT_API_ERROR)
