@@ -482,8 +482,10 @@ def import_nvmetcli(data: Any) -> Converted:
         if str(attr.get("model", "")).strip():
             out["model"] = str(attr["model"]).strip()
         # A kernel built with passthru support gives every subsystem a passthru node, and nvmetcli
-        # dumps it; only one with a device behind it is a passthru controller.
-        if any((pt.get("device") or {}).get("path") for pt in sub.get("passthru") or []):
+        # dumps it; only one with a device behind it is a passthru controller. An unset device_path
+        # reads "(null)" (nvmet_passthru_device_path_show prints a NULL string; Debian's 6.12 does).
+        if any(str((pt.get("device") or {}).get("path") or "").strip() not in ("", "(null)")
+               for pt in sub.get("passthru") or []):
             warnings.append(f"{where} ({sub['nqn']}): passthru controllers are not supported, dropped")
         namespaces = []
         for j, ns in enumerate(sub.get("namespaces") or []):

@@ -42,12 +42,26 @@ def _qemu_unusable_reason() -> str | None:
     return None
 
 
-@pytest.fixture(scope="session")
-def vm_assets() -> vm.Assets:
+def _kernel_params() -> list[str]:
+    try:
+        return list(vm.selected_kernels())
+    except vm.VmSetupError:
+        return list(vm.KERNELS)  # the fixture reports the bad NVMEOF_VM_KERNELS value as an error
+
+
+@pytest.fixture(scope="session", params=_kernel_params(), ids=lambda kernel: f"k{kernel}")
+def vm_assets(request: pytest.FixtureRequest) -> vm.Assets:
+    """The boot assets of one kernel: every test using them (directly or through `kernel_target`,
+    `debian_rootfs`) runs once per kernel in vm.KERNELS, with ids `k6.1` and `k6.12`.
+
+    Session-scoped and parametrized, so pytest runs all of one kernel's tests before the other's and
+    tears down that kernel's guests (the kernel target) before booting the next kernel.
+    """
+    vm.selected_kernels()  # raises on a bad NVMEOF_VM_KERNELS
     reason = _qemu_unusable_reason()
     if reason is not None:
         pytest.skip(reason)
-    return vm.build_assets()
+    return vm.build_assets(kernel=request.param)
 
 
 class _KernelTargetHolder:

@@ -18,6 +18,7 @@ packages=(
     iproute2          # `rdma` for Soft-RoCE links inside the guest
     cpio              # builds the initramfs archives
     xz-utils          # unpacks vmlinux from the bzImage's xz stream
+    zstd              # unpacks vmlinux from the 6.12 bzImage's zstd stream
     kmod              # depmod for the guest's modules.dep
     dpkg              # dpkg -x of the kernel package
     apt               # apt-get download / apt-cache depends
@@ -29,5 +30,5 @@ SCRIPT=install_deps.sh
 # shellcheck source=tests/interop/apt_packages.sh
 source "$(dirname "$0")/apt_packages.sh"
 install_missing_packages "${packages[@]}"
-require_tools qemu-system-x86_64 busybox nvme fio rdma cpio xz depmod dpkg-deb
+require_tools qemu-system-x86_64 busybox nvme fio rdma cpio xz zstd depmod dpkg-deb
 echo "install_deps.sh: host packages for tests/interop are installed"

@@ -60,7 +60,10 @@ IMAGE_SLACK_MB = 256
 # The project's own pure-Python dependencies, copied from the host's installed distributions into
 # a folder the guest mounts over 9p: the guest installs nothing and gets the very versions the
 # host tests use (Debian's python3-construct is older than pyproject allows).
-GUEST_PYTHON_DISTRIBUTIONS: tuple[str, ...] = ("construct", "crc32c", "click", "pyudev")
+# cryptography (nvmeof.auth's FFDHE and HMAC) ships an abi3 extension and cffi one for cpython-311,
+# which both the host's and bookworm's Python 3.11 load.
+GUEST_PYTHON_DISTRIBUTIONS: tuple[str, ...] = ("construct", "crc32c", "click", "pyudev", "cryptography", "cffi",
+                                               "pycparser")
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 GUEST_PROJECT = "/host"
@@ -246,6 +249,8 @@ def _build_image(assets: vm.Assets, image: Path, work: Path) -> None:
     dest = root / "usr" / "lib" / "modules" / kver
     dest.parent.mkdir(parents=True, exist_ok=True)
     shutil.copytree(modules, dest, symlinks=True)
+    # 6.12's modules are .ko.xz; the stage-1 busybox insmod (and _module_chain) need plain .ko files
+    vm.decompress_modules(dest)
     _run(["depmod", "-b", str(root), kver])
     (root / "etc" / "hostname").write_text("nvmeof-guest\n")
     used = sum(f.stat().st_size for f in root.rglob("*") if f.is_file() and not f.is_symlink())
@@ -329,13 +334,39 @@ def _pydeps_key() -> str:
     return hashlib.sha256("\n".join(versions).encode()).hexdigest()[:16]
 
 
-def build_rootfs(cache_dir: Path | str | None = None) -> RootfsAssets:
+def _owner_file(path: Path) -> Path:
+    return path.with_name(path.name + ".kernel")
+
+
+def _claim(path: Path, package: str) -> None:
+    """Record which kernel package a cached image/initramfs belongs to (for per-kernel clean-up)."""
+    owner = _owner_file(path)
+    if not owner.is_file() or owner.read_text().strip() != package:
+        owner.write_text(package + "\n")
+
+
+def _remove_stale(out: Path, pattern: str, package: str, keep: Path) -> None:
+    """Delete cached files matching `pattern` built for `package` other than `keep`.
+
+    Another kernel's files stay: both kernels' guests share this folder (a file without an owner
+    record predates per-kernel caching and is left alone too).
+    """
+    for stale in out.glob(pattern):
+        owner = _owner_file(stale)
+        if stale != keep and owner.is_file() and owner.read_text().strip() == package:
+            stale.unlink()
+            owner.unlink()
+
+
+def build_rootfs(cache_dir: Path | str | None = None, *, assets: vm.Assets | None = None) -> RootfsAssets:
     """The root image, its initramfs and the guest's Python dependencies; built once and cached.
 
-    Lives in ``<vm cache>/rootfs``; concurrent callers serialize on a lock file. The first build
-    downloads the packages and takes minutes; later calls return at once.
+    ``assets`` picks the kernel (default: vm.build_assets(cache_dir), the 6.1 kernel); each kernel
+    package has its own image and initramfs.  Lives in ``<vm cache>/rootfs``; concurrent callers
+    serialize on a lock file. The first build downloads the packages and takes minutes; later calls
+    return at once.
     """
-    assets = vm.build_assets(cache_dir)
+    assets = assets if assets is not None else vm.build_assets(cache_dir)
     missing = missing_host_tools()
     out = assets.cache_dir / "rootfs"
     out.mkdir(parents=True, exist_ok=True)
@@ -354,18 +385,18 @@ def build_rootfs(cache_dir: Path | str | None = None) -> RootfsAssets:
             work = Path(tempfile.mkdtemp(prefix="build-", dir=out))
             try:
                 if not image.is_file():
-                    for stale in out.glob(f"{SUITE}-*.ext4"):
-                        stale.unlink()
+                    _remove_stale(out, f"{SUITE}-*.ext4", assets.kernel_package, image)
                     _build_image(assets, image, work)
                     modules = work / "root" / "usr" / "lib" / "modules" / assets.kernel_version
                 else:
                     modules = _module_tree_from_image(image, assets.kernel_version, work)
-                for stale in out.glob("boot-*.cpio"):
-                    stale.unlink()
+                _remove_stale(out, "boot-*.cpio", assets.kernel_package, initramfs)
                 _build_initramfs(modules, initramfs)
             finally:
                 shutil.rmtree(work, ignore_errors=True)
             built = True
+        _claim(image, assets.kernel_package)
+        _claim(initramfs, assets.kernel_package)
         if not pydeps.is_dir():
             # No clean-up of other pydeps-* folders: a guest of another environment (another venv with
             # other versions) may be reading one over 9p right now, and each is only a few MiB.

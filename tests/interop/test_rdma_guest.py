@@ -34,7 +34,7 @@ def debian_rootfs(vm_assets: vm.Assets) -> rootfs.RootfsAssets:
         missing = rootfs.missing_host_tools()
     if missing:
         pytest.skip(f"the Debian guest image needs {', '.join(missing)}: run install_rootfs_deps.sh as root")
-    return rootfs.build_rootfs()
+    return rootfs.build_rootfs(assets=vm_assets)
 
 
 def test_pyverbs_cm_read_write_send(debian_rootfs: rootfs.RootfsAssets, tmp_path: Path) -> None:

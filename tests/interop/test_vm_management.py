@@ -26,6 +26,7 @@ import pytest
 
 import initiator
 from nvmeof import defaults
+from nvmeof.auth import generate_secret
 from target.config import import_nvmetcli, validate_config
 from target.core import Target
 from target.service import TargetService
@@ -41,6 +42,10 @@ NS1_NGUID = "3b2c1d4e-5f60-4718-8293-a4b5c6d7e8f9"
 SERIAL = "4e564d6554434c49"
 MODEL = "nvmetcli interop"
 BEGIN, END = "@@NVMETCLI-DUMP-BEGIN@@", "@@NVMETCLI-DUMP-END@@"
+# On a kernel with NVME_TARGET_AUTH (6.12) the host also gets DH-HMAC-CHAP keys, hash and group in configfs.
+HOST_KEY = generate_secret(secret=bytes(range(32)), hmac_id=1, nqn=HOST)
+HOST_CTRL_KEY = generate_secret(secret=bytes(range(100, 148)), hmac_id=2, nqn=HOST)
+HOST_DHCHAP = {"key": HOST_KEY, "ctrl_key": HOST_CTRL_KEY, "hash": "hmac(sha384)", "dhgroup": "ffdhe3072"}
 
 # A kernel target with what the nvmetcli format carries: a host, a subsystem restricted to it with
 # serial/model and two namespaces (one disabled, one with given UUID/NGUID), an open subsystem, an
@@ -50,6 +55,12 @@ set -e
 C=/sys/kernel/config/nvmet
 modprobe brd rd_nr=2 rd_size=8192
 mkdir "$C/hosts/{HOST}"
+if [ -f "$C/hosts/{HOST}/dhchap_key" ]; then
+    echo "{HOST_KEY}" > "$C/hosts/{HOST}/dhchap_key"
+    echo "{HOST_CTRL_KEY}" > "$C/hosts/{HOST}/dhchap_ctrl_key"
+    echo "{HOST_DHCHAP['hash']}" > "$C/hosts/{HOST}/dhchap_hash"
+    echo "{HOST_DHCHAP['dhgroup']}" > "$C/hosts/{HOST}/dhchap_dhgroup"
+fi
 S=$C/subsystems/{VOL}
 mkdir "$S"
 echo 0 > "$S/attr_allow_any_host"
@@ -204,12 +215,13 @@ def _dump_from_guest(vm_assets: vm.Assets) -> dict:
         raise AssertionError(f"the guest's dump is not JSON ({exc}):\n{match.group(1)}") from None
 
 
-def _check_nvmetcli_shape(dump: dict) -> None:
+def _check_nvmetcli_shape(dump: dict, auth: bool) -> None:
     """The document has the keys and value types `nvmetcli save` writes (nvmet/nvme.py dump())."""
     assert set(dump) == {"discovery", "hosts", "ports", "subsystems"}
     # discovery_nqn (the root's one attribute) arrived after 6.1: Debian's 6.1 dumps an empty group
     assert dump["discovery"] in ({}, {"nqn": defaults.DISCOVERY_NQN})
-    assert dump["hosts"] == [{"dhchap": {}, "nqn": HOST}]  # Debian's 6.1 has no in-band authentication
+    # Debian's 6.1 has no in-band authentication: an empty dhchap group; 6.12 shows what the guest set
+    assert dump["hosts"] == [{"dhchap": HOST_DHCHAP if auth else {}, "nqn": HOST}]
     for port in dump["ports"]:
         assert set(port) == {"addr", "param", "portid", "subsystems", "ana_groups", "referrals"}
         assert {"trtype", "adrfam", "traddr", "trsvcid", "treq"} <= set(port["addr"])
@@ -234,14 +246,18 @@ async def test_kernel_nvmetcli_dump_imports_into_ours(vm_assets: vm.Assets, tmp_
     dump = _dump_from_guest(vm_assets)
     saved = tmp_path / "nvmetcli.json"  # as `nvmetcli save` formats it, for a look after a failure
     saved.write_text(json.dumps(dump, sort_keys=True, indent=2) + "\n")
-    _check_nvmetcli_shape(dump)
+    auth = vm_assets.has_inband_auth
+    _check_nvmetcli_shape(dump, auth)
 
     out = import_nvmetcli(dump)
     validate_config(dict(out))
     subs = {s["nqn"]: s for s in out["subsystems"]}
     assert set(subs) == {VOL, OPEN}
     vol = subs[VOL]
-    assert vol["allow_any_host"] is False and vol["hosts"] == [HOST]
+    # the kernel's keys, hash and group come over under the names nvmetcli and configfs use
+    host_entry = {"nqn": HOST, "dhchap_key": HOST_KEY, "dhchap_ctrl_key": HOST_CTRL_KEY,
+                  "dhchap_hash": ["hmac(sha384)"], "dhchap_dhgroup": ["ffdhe3072"]} if auth else HOST
+    assert vol["allow_any_host"] is False and vol["hosts"] == [host_entry]
     assert vol["serial"] == SERIAL and vol["model"] == MODEL
     ns3 = {"nsid": 3, "backend": "file", "path": "/dev/ram1", "block_size": 512, "enabled": False}
     # nvmet generates a UUID for a namespace given none; the NGUID it leaves at zero ("not set")
@@ -281,7 +297,13 @@ async def test_kernel_nvmetcli_dump_imports_into_ours(vm_assets: vm.Assets, tmp_
         assert await service.restore(dict(out), persist=True) == []
         assert service.get_subsystem(VOL).hosts == {HOST}
         assert service.get_subsystem(VOL).active_nsids() == [1]
-        async with initiator.connect("127.0.0.1", port, VOL, hostnqn=HOST, timeout=10) as ctrl:
+        keys = {"dhchap_secret": HOST_KEY, "dhchap_ctrl_secret": HOST_CTRL_KEY} if auth else {}
+        if auth:
+            # the imported key is enforced: without it the host gets nowhere
+            with pytest.raises(initiator.NvmeError, match="dhchap_secret"):
+                await initiator.connect("127.0.0.1", port, VOL, hostnqn=HOST, timeout=10)
+        async with initiator.connect("127.0.0.1", port, VOL, hostnqn=HOST, timeout=10, **keys) as ctrl:
+            assert ctrl.authenticated is auth
             assert await ctrl.namespaces() == [1]
             ident = await ctrl.identify_namespace(1)
             assert ident.nsze == (8 << 20) // 512

@@ -91,6 +91,25 @@ KMOD_APPLETS: tuple[str, ...] = ("modprobe", "insmod", "rmmod", "lsmod", "depmod
 # Bump when the initramfs layout changes in a way the recipe hash below would not see.
 ASSET_FORMAT = 1
 
+# The kernels the suite runs on, by label.  "6.1" is what linux-image-amd64 depends on (bookworm's
+# own kernel: no NVMe in-band authentication); "6.12" is the newest bookworm 6.12 build apt offers
+# (NVME_HOST_AUTH, NVME_TARGET_AUTH, NVME_TCP_TLS).  Each label's package can be pinned with its
+# environment variable; NVMEOF_VM_KERNELS (comma-separated labels) limits which ones run.
+KERNELS: tuple[str, ...] = ("6.1", "6.12")
+DEFAULT_KERNEL = "6.1"
+KERNEL_PACKAGE_ENV: dict[str, str] = {
+    "6.1": "NVMEOF_VM_KERNEL_PACKAGE",
+    "6.12": "NVMEOF_VM_KERNEL_PACKAGE_6_12",
+}
+KERNELS_ENV = "NVMEOF_VM_KERNELS"
+# Debian names a kernel's unsigned image package linux-image-<version>+deb12-<flavour>-unsigned.
+_KERNEL_612_PACKAGE_RE = re.compile(r"^linux-image-6\.12\.(\d+)\+deb12-amd64-unsigned$")
+# What a cached kernel folder of each label is called (the fallback without apt lists).
+_CACHED_KERNEL_RE: dict[str, re.Pattern[str]] = {
+    "6.1": re.compile(r"^linux-image-6\.1\.\d"),
+    "6.12": _KERNEL_612_PACKAGE_RE,
+}
+
 _RUN_DIR = "/etc/nvmeof-vm"
 
 INIT_SCRIPT = r"""#!/bin/sh
@@ -135,7 +154,10 @@ poweroff -f
 """
 
 # ttyS0 is the kernel console; ttyS1 carries only the guest script's output (see INIT_SCRIPT).
-KERNEL_CMDLINE = "console=ttyS0 panic=-1 quiet rdinit=/init 8250.nr_uarts=2 mitigations=off"
+# cryptomgr.notests: Debian's 6.12 builds dh/ffdhe, hmac and sha2 in (=y), and their boot-time self-tests
+# (crypto/testmgr.c) cost ~3.5 s per boot under TCG; the DH-HMAC-CHAP tests check those algorithms
+# end to end against our own implementation anyway.  6.1 boots no slower or faster with it.
+KERNEL_CMDLINE = "console=ttyS0 panic=-1 quiet rdinit=/init 8250.nr_uarts=2 mitigations=off cryptomgr.notests"
 
 
 class VmError(Exception):
@@ -177,6 +199,17 @@ class Assets:
     fio_layer: Path  # cpio appended after `initramfs` for guests that run fio
     modules_root: Path  # holds lib/modules/<kernel_version>
     cache_dir: Path
+    kernel: str = DEFAULT_KERNEL  # the label in KERNELS this kernel stands for ("6.1", "6.12")
+
+    @property
+    def has_inband_auth(self) -> bool:
+        """Whether this kernel has NVMe in-band authentication (DH-HMAC-CHAP).
+
+        nvme-auth.ko (drivers/nvme/common/auth.c) is built exactly when NVME_HOST_AUTH or
+        NVME_TARGET_AUTH selects NVME_AUTH; Debian's 6.1 does not build it, its 6.12 does.
+        """
+        common = self.modules_root / "lib" / "modules" / self.kernel_version / "kernel" / "drivers" / "nvme" / "common"
+        return (common / "nvme-auth.ko").is_file()
 
 
 def default_cache_dir() -> Path:
@@ -188,7 +221,7 @@ def default_cache_dir() -> Path:
 
 def missing_host_tools() -> list[str]:
     """Host commands the harness needs that are not installed (install_deps.sh installs them)."""
-    needed = [QEMU, "apt-get", "apt-cache", "dpkg-deb", "depmod", "ldd", "busybox"]
+    needed = [QEMU, "apt-get", "apt-cache", "dpkg-deb", "depmod", "ldd", "busybox", "zstd"]
     needed += [*GUEST_BINARIES, *FIO_BINARIES]
     path = os.environ.get("PATH", "") + ":/sbin:/usr/sbin"
     missing = []
@@ -214,41 +247,119 @@ def _run(cmd: Sequence[str], *, cwd: Path | None = None) -> str:
     return proc.stdout
 
 
-def resolve_kernel_package(cache_root: Path) -> str:
-    """The kernel package to boot: $NVMEOF_VM_KERNEL_PACKAGE, else what linux-image-amd64 depends on.
+def selected_kernels() -> tuple[str, ...]:
+    """The kernel labels the VM suite runs on: $NVMEOF_VM_KERNELS (e.g. "6.12"), else all of KERNELS."""
+    env = os.environ.get(KERNELS_ENV, "").strip()
+    if not env:
+        return KERNELS
+    chosen = tuple(k.strip() for k in env.split(",") if k.strip())
+    unknown = [k for k in chosen if k not in KERNELS]
+    if unknown or not chosen:
+        raise VmSetupError(f"{KERNELS_ENV}={env!r}: unknown kernel label(s) {unknown}; known: {', '.join(KERNELS)}")
+    return chosen
 
-    Without apt lists (no `apt-get update` yet) a kernel already in the cache is reused.
+
+def _apt_cache(*args: str) -> str:
+    try:
+        return subprocess.run(["apt-cache", *args], capture_output=True, text=True, check=False).stdout
+    except FileNotFoundError:
+        return ""
+
+
+def _newest_612_package() -> str | None:
+    """The newest linux-image-6.12.N+deb12-amd64-unsigned apt can download (highest N), or None."""
+    names = _apt_cache("pkgnames", "linux-image-6.12.").split()
+    found = sorted(
+        ((int(m.group(1)), name) for name in names if (m := _KERNEL_612_PACKAGE_RE.match(name))), reverse=True
+    )
+    for _, name in found:
+        # pkgnames also knows names whose archive is gone from the lists; take one with a candidate
+        if re.search(r"Candidate: (?!\(none\))", _apt_cache("policy", name)):
+            return name
+    return None
+
+
+def resolve_kernel_package(cache_root: Path, kernel: str = DEFAULT_KERNEL) -> str:
+    """The kernel package to boot for label `kernel`.
+
+    "6.1": $NVMEOF_VM_KERNEL_PACKAGE, else what linux-image-amd64 depends on.  "6.12":
+    $NVMEOF_VM_KERNEL_PACKAGE_6_12, else the newest linux-image-6.12.*+deb12-amd64-unsigned apt offers.
+    Without apt lists (no `apt-get update` yet) a kernel of that label already in the cache is reused.
     """
-    env = os.environ.get("NVMEOF_VM_KERNEL_PACKAGE")
+    if kernel not in KERNELS:
+        raise VmSetupError(f"unknown kernel label {kernel!r}; known: {', '.join(KERNELS)}")
+    env = os.environ.get(KERNEL_PACKAGE_ENV[kernel])
     if env:
         return env
-    try:
-        out = subprocess.run(
-            ["apt-cache", "depends", "linux-image-amd64"], capture_output=True, text=True, check=False
-        ).stdout
-    except FileNotFoundError:
-        out = ""
-    match = re.search(r"Depends:\s*(linux-image-\S+)", out)
-    if match:
-        return match.group(1)
+    if kernel == "6.12":
+        newest = _newest_612_package()
+        if newest:
+            return newest
+        asked = "`apt-cache pkgnames linux-image-6.12.` offers no linux-image-6.12.*+deb12-amd64-unsigned"
+    else:
+        match = re.search(r"Depends:\s*(linux-image-\S+)", _apt_cache("depends", "linux-image-amd64"))
+        if match:
+            return match.group(1)
+        asked = "`apt-cache depends linux-image-amd64` names no linux-image package"
     cached = sorted(
-        (p for p in cache_root.glob("linux-image-*") if (p / "vmlinux").is_file()),
+        (
+            p
+            for p in cache_root.glob("linux-image-*")
+            if (p / "vmlinux").is_file() and _CACHED_KERNEL_RE[kernel].match(p.name)
+        ),
         key=lambda p: p.stat().st_mtime,
     )
     if cached:
         return cached[-1].name
     raise VmSetupError(
-        "cannot tell which kernel to boot: `apt-cache depends linux-image-amd64` names no linux-image "
-        "package (run `apt-get update`, e.g. via tests/interop/install_deps.sh) and the cache "
-        f"{cache_root} holds no kernel"
+        f"cannot tell which {kernel} kernel to boot: {asked} (run `apt-get update`, e.g. via "
+        f"tests/interop/install_deps.sh, or set {KERNEL_PACKAGE_ENV[kernel]}) and the cache {cache_root} "
+        "holds no such kernel"
     )
 
 
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+_XZ_MAGIC = b"\xfd7zXZ\x00"
+
+
+def _bzimage_payload(bzimage: bytes) -> bytes | None:
+    """The compressed kernel a bzImage carries, located by its boot protocol header (None if no header).
+
+    Boot protocol 2.08+: `payload_offset`/`payload_length` at 0x248/0x24c count from the protected-mode
+    code, which follows the (setup_sects + 1) 512-byte sectors of real-mode setup
+    (Documentation/arch/x86/boot.rst).  The payload ends with the 4-byte uncompressed size.
+    """
+    if len(bzimage) < 0x250 or bzimage[0x202:0x206] != b"HdrS":
+        return None
+    setup_sects = bzimage[0x1F1] or 4
+    offset = int.from_bytes(bzimage[0x248:0x24C], "little")
+    length = int.from_bytes(bzimage[0x24C:0x250], "little")
+    start = (setup_sects + 1) * 512 + offset
+    if length <= 4 or start + length > len(bzimage):
+        return None
+    return bzimage[start : start + length]
+
+
 def extract_vmlinux(bzimage: bytes) -> bytes:
-    """The ELF vmlinux inside a bzImage's xz stream; QEMU boots it via PVH, skipping decompression."""
-    start = bzimage.find(b"\xfd7zXZ\x00")
+    """The ELF vmlinux inside a bzImage's xz (6.1) or zstd (6.12) stream; QEMU boots it via PVH,
+    skipping the in-guest decompression."""
+    payload = _bzimage_payload(bzimage)
+    if payload is not None and payload.startswith(_ZSTD_MAGIC):
+        # Debian's 6.12 is CONFIG_KERNEL_ZSTD; the standard library has no zstd, the zstd tool does.
+        # Without the trailing size word the payload is exactly one zstd frame.
+        try:
+            proc = subprocess.run(["zstd", "-d", "-c", "-q"], input=payload[:-4], capture_output=True, check=False)
+        except FileNotFoundError as exc:
+            raise VmSetupError("the kernel image is zstd-compressed and zstd is not installed; run "
+                               "tests/interop/install_deps.sh as root") from exc
+        if proc.returncode != 0 or not proc.stdout.startswith(b"\x7fELF"):
+            raise VmSetupError(f"zstd -d of the kernel image failed (status {proc.returncode}): "
+                               f"{proc.stderr.decode(errors='replace').strip()[:500]}")
+        return proc.stdout
+    start = bzimage.find(_XZ_MAGIC)
     if start < 0:
-        raise VmSetupError("the kernel image holds no xz stream (kernel not built with CONFIG_KERNEL_XZ)")
+        raise VmSetupError("the kernel image holds no xz or zstd stream (kernel built with CONFIG_KERNEL_XZ "
+                           "or CONFIG_KERNEL_ZSTD expected)")
     decompressor = lzma.LZMADecompressor(format=lzma.FORMAT_XZ)
     try:
         elf = decompressor.decompress(bzimage[start:])
@@ -264,6 +375,8 @@ def _copy_modules(src_root: Path, kver: str, dst_root: Path) -> None:
     dst = dst_root / "lib" / "modules" / kver
     for rel in MODULE_PATHS:
         path = src / "kernel" / rel
+        if not path.exists() and path.with_name(path.name + ".xz").is_file():
+            path = path.with_name(path.name + ".xz")  # 6.12 ships every module xz-compressed
         if not path.exists():
             raise VmSetupError(f"kernel package has no {path.relative_to(src_root)}")
         files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
@@ -275,11 +388,32 @@ def _copy_modules(src_root: Path, kver: str, dst_root: Path) -> None:
                 out.with_name(f.name[: -len(".xz")]).write_bytes(lzma.decompress(f.read_bytes()))
             elif f.name.endswith(".ko"):
                 shutil.copyfile(f, out)
+    copy_module_lists(src, dst)
+    _run(["depmod", "-b", str(dst_root), kver])
+
+
+def copy_module_lists(src: Path, dst: Path) -> None:
+    """modules.order/builtin from module tree `src` to `dst`, naming the decompressed .ko files."""
     for name in ("modules.order", "modules.builtin", "modules.builtin.modinfo"):
         if (src / name).is_file():
             text = (src / name).read_bytes().replace(b".ko.xz", b".ko")
             (dst / name).write_bytes(text)
-    _run(["depmod", "-b", str(dst_root), kver])
+
+
+def decompress_modules(tree: Path) -> int:
+    """Replace every .ko.xz under `tree` by its plain .ko (busybox insmod cannot read xz); the count.
+
+    Run depmod afterwards: modules.dep must name the .ko files.
+    """
+    count = 0
+    for f in sorted(tree.rglob("*.ko.xz")):
+        f.with_name(f.name[: -len(".xz")]).write_bytes(lzma.decompress(f.read_bytes()))
+        f.unlink()
+        count += 1
+    for name in ("modules.order", "modules.builtin", "modules.builtin.modinfo"):
+        if (tree / name).is_file():
+            (tree / name).write_bytes((tree / name).read_bytes().replace(b".ko.xz", b".ko"))
+    return count
 
 
 def _fetch_kernel(package: str, kdir: Path) -> None:
@@ -482,21 +616,22 @@ def _is_static(path: str) -> bool:
     return "not a dynamic executable" in (proc.stdout + proc.stderr) or "statically linked" in proc.stdout
 
 
-_assets_memo: dict[Path, Assets] = {}
+_assets_memo: dict[tuple[Path, str], Assets] = {}
 
 
-def build_assets(cache_dir: Path | str | None = None) -> Assets:
-    """Kernel, modules and base initramfs, built once per kernel package and cached.
+def build_assets(cache_dir: Path | str | None = None, kernel: str = DEFAULT_KERNEL) -> Assets:
+    """Kernel, modules and base initramfs for kernel label `kernel`, built once per package and cached.
 
-    The cache is `cache_dir`, else $NVMEOF_VM_CACHE, else ~/.cache/nvmeof-toolkit/vm; concurrent
-    callers serialize on a lock file so only one builds.
+    The cache is `cache_dir`, else $NVMEOF_VM_CACHE, else ~/.cache/nvmeof-toolkit/vm, with one folder
+    per kernel package (`<cache>/<package>/`); concurrent callers serialize on a lock file so only
+    one builds.
     """
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    memo = _assets_memo.get(root)
+    memo = _assets_memo.get((root, kernel))
     if memo is not None and all(p.is_file() for p in (memo.vmlinux, memo.initramfs, memo.fio_layer)):
         return memo
     root.mkdir(parents=True, exist_ok=True)
-    package = resolve_kernel_package(root)
+    package = resolve_kernel_package(root, kernel)
     kdir = root / package
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -511,7 +646,7 @@ def build_assets(cache_dir: Path | str | None = None) -> Assets:
                 stale.unlink()
             _build_initramfs(kdir / "modules", initramfs)
             _build_fio_layer(fio_layer)
-    assets = _assets_memo[root] = Assets(
+    assets = _assets_memo[(root, kernel)] = Assets(
         kernel_package=package,
         kernel_version=kver,
         vmlinux=kdir / "vmlinux",
@@ -519,6 +654,7 @@ def build_assets(cache_dir: Path | str | None = None) -> Assets:
         fio_layer=fio_layer,
         modules_root=kdir / "modules",
         cache_dir=root,
+        kernel=kernel,
     )
     return assets
 
@@ -989,6 +1125,37 @@ echo "guest_nvme_connect: CTRL=$CTRL DEV=$DEV"
 """
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelTargetHost:
+    """One allowed host of the kernel target, with its nvmet DH-HMAC-CHAP settings (configfs
+    ``hosts/<nqn>/dhchap_key``, ``dhchap_ctrl_key``, ``dhchap_hash`` e.g. "hmac(sha384)",
+    ``dhchap_dhgroup`` e.g. "ffdhe2048" or "null"); None leaves nvmet's default."""
+
+    hostnqn: str
+    dhchap_key: str | None = dataclasses.field(default=None, repr=False)
+    dhchap_ctrl_key: str | None = dataclasses.field(default=None, repr=False)
+    dhchap_hash: str | None = None
+    dhchap_dhgroup: str | None = None
+
+
+def _kernel_target_host_steps(sub: str, host: KernelTargetHost) -> list[tuple[str, str]]:
+    """(command, what to print if it fails) pairs; a secret never appears in the message."""
+    cfs = "/sys/kernel/config/nvmet"
+    h = f"{cfs}/hosts/{shlex.quote(host.hostnqn)}"
+    steps = [(f"mkdir -p {h}", f"mkdir {h}")]
+    for attr in ("dhchap_key", "dhchap_ctrl_key"):
+        value = getattr(host, attr)
+        if value is not None:
+            steps.append((f"echo {shlex.quote(value)} > {h}/{attr}", f"writing {attr} of {host.hostnqn}"))
+    for attr in ("dhchap_hash", "dhchap_dhgroup"):
+        value = getattr(host, attr)
+        if value is not None:
+            steps.append((f"echo {shlex.quote(value)} > {h}/{attr}", f"echo {value} > {h}/{attr}"))
+    link = f"ln -s {h} {sub}/allowed_hosts/{shlex.quote(host.hostnqn)}"
+    steps.append((link, link))
+    return steps
+
+
 def guest_kernel_target_script(
     subnqn: str,
     ports: Sequence[tuple[int, int]] = ((1, 4420),),
@@ -996,11 +1163,14 @@ def guest_kernel_target_script(
     traddr: str = "0.0.0.0",
     trtype: str = "tcp",
     size_mib: int = 64,
+    hosts: Sequence[KernelTargetHost] | None = None,
 ) -> str:
     """Shell fragment: configure the kernel target (nvmet) exposing a brd RAM disk as nsid 1.
 
     `ports` is (nvmet port id, trsvcid) pairs; every port gets the subsystem linked, which also
-    serves discovery on it.  Any host may connect.  Exits 1 with a message on failure.
+    serves discovery on it.  Any host may connect, unless `hosts` lists the allowed ones (with their
+    DH-HMAC-CHAP keys: nvmet then authenticates them, NVME_TARGET_AUTH).  Exits 1 with a message on
+    failure.
     """
     if size_mib <= 0:
         raise ValueError(f"size_mib must be positive, got {size_mib}")
@@ -1011,11 +1181,15 @@ def guest_kernel_target_script(
         f"modprobe brd rd_nr=1 rd_size={size_mib * 1024}",
         "[ -b /dev/ram0 ]",
         f"mkdir {sub}",
-        f"echo 1 > {sub}/attr_allow_any_host",
+        f"echo {0 if hosts else 1} > {sub}/attr_allow_any_host",
         f"mkdir {sub}/namespaces/1",
         f"echo -n /dev/ram0 > {sub}/namespaces/1/device_path",
         f"echo 1 > {sub}/namespaces/1/enable",
     ]
+    described = [(step, step) for step in steps]
+    for host in hosts or ():
+        described += _kernel_target_host_steps(sub, host)
+    steps = []
     for portid, trsvcid in ports:
         p = f"{cfs}/ports/{int(portid)}"
         steps += [
@@ -1026,9 +1200,10 @@ def guest_kernel_target_script(
             f"echo {int(trsvcid)} > {p}/addr_trsvcid",
             f"ln -s {sub} {p}/subsystems/{q_nqn}",
         ]
+    described += [(step, step) for step in steps]
     lines = [
-        f"{step} || {{ echo {shlex.quote('guest_kernel_target: failed: ' + step)}; exit 1; }}"
-        for step in steps
+        f"{step} || {{ echo {shlex.quote('guest_kernel_target: failed: ' + what)}; exit 1; }}"
+        for step, what in described
     ]
     return "\n".join(lines) + "\n"
 
@@ -1059,26 +1234,35 @@ class KernelTarget:
     guest: Guest
 
 
-def kernel_target_script(subnqn: str = KERNEL_TARGET_NQN, size_mib: int = KERNEL_TARGET_SIZE_MIB) -> str:
+def kernel_target_script(
+    subnqn: str = KERNEL_TARGET_NQN,
+    size_mib: int = KERNEL_TARGET_SIZE_MIB,
+    hosts: Sequence[KernelTargetHost] | None = None,
+) -> str:
     """Guest script: configure nvmet on ports 4420 and 8009, print a ready marker, then idle."""
     setup = guest_kernel_target_script(
-        subnqn, ((1, KERNEL_TARGET_PORT), (2, KERNEL_DISCOVERY_PORT)), size_mib=size_mib
+        subnqn, ((1, KERNEL_TARGET_PORT), (2, KERNEL_DISCOVERY_PORT)), size_mib=size_mib, hosts=hosts
     )
     return setup + f'echo "{_KERNEL_TARGET_READY}"\nwhile :; do sleep 3600; done\n'
 
 
 def start_kernel_target(
-    assets: Assets | None = None, *, subnqn: str = KERNEL_TARGET_NQN, size_mib: int = KERNEL_TARGET_SIZE_MIB
+    assets: Assets | None = None,
+    *,
+    subnqn: str = KERNEL_TARGET_NQN,
+    size_mib: int = KERNEL_TARGET_SIZE_MIB,
+    hosts: Sequence[KernelTargetHost] | None = None,
 ) -> KernelTarget:
     """Boot a guest running the kernel target; the caller stops `.guest`.
 
+    `hosts`: only these hosts may connect, with their DH-HMAC-CHAP settings (default: any host).
     Host ports are picked free; if one is taken before QEMU binds it, new ports are picked.
     """
     for attempt in range(3):
         io_port, disc_port = free_ports(2)
         guest = Guest(assets, hostfwd=((io_port, KERNEL_TARGET_PORT), (disc_port, KERNEL_DISCOVERY_PORT)))
         try:
-            guest.start(kernel_target_script(subnqn, size_mib))
+            guest.start(kernel_target_script(subnqn, size_mib, hosts))
             guest.wait_for(_KERNEL_TARGET_READY, 60)
         except GuestBootError as exc:
             guest.stop()
