@@ -109,6 +109,10 @@ mon allow pool delete = true
 mon warn on pool no redundancy = false
 mon warn on insecure global id reclaim allowed = false
 mon data avail warn = 2
+# No manager runs (RBD, locks, watch/notify and omap need none): without this the monitor turns
+# HEALTH_WARN "no active mgr" (MGR_DOWN) once mon_mgr_mkfs_grace (120 s) after creation has passed
+# (MgrMonitor::get_health).
+mon mgr mkfs grace = 31536000
 mon cluster log file = {d}/log/ceph.$channel.log
 osd crush chooseleaf type = 0
 [client]
