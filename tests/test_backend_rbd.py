@@ -428,7 +428,7 @@ async def test_closed_backend_refuses_io(ceph_cluster: CephCluster, rbd_image: s
 
 
 async def test_stopped_osd_fails_write_in_bounded_time_then_recovers(
-        ceph_cluster: CephCluster, rbd_image: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        ceph_cluster: CephCluster, rbd_image: str) -> None:
     """An OSD that does not answer: the write fails with BackendUnavailable after the (short) op
     timeout instead of hanging; once the OSD runs again the same handle works."""
     from target.backends.rbd import RbdBackend

@@ -244,10 +244,13 @@ class RbdBackend(Backend):
         opts = dict(spec.options)
         if spec.path is not None:
             raise BackendError(f"an rbd backend takes no path (got {os.fspath(spec.path)!r}); give pool and image")
-        unknown = sorted(set(opts) - {"pool", "image", "rbd_namespace", "ceph_conf", "ceph_id", "ceph_keyring"})
+        # The registry's list of this kind's settings, which the service checks too (one source).
+        from target.backends import BACKEND_OPTIONS
+
+        takes = BACKEND_OPTIONS[cls.kind]
+        unknown = sorted(set(opts) - set(takes))
         if unknown:
-            raise BackendError(f"rbd backend: unknown setting(s) {', '.join(unknown)}; it takes pool, image, "
-                               "rbd_namespace, ceph_conf, ceph_id and ceph_keyring")
+            raise BackendError(f"rbd backend: unknown setting(s) {', '.join(unknown)}; it takes {', '.join(takes)}")
         for field in ("pool", "image"):
             if opts.get(field) is None:
                 raise BackendError(f"an rbd backend needs {field} (the RBD {field} to serve)")
