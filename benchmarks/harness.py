@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,6 +23,19 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+# The tree whose `nvmeof serve` / `nvmeof bench` are measured (its directory goes first on PYTHONPATH):
+# this one unless ``set_tree`` names another (benchmarks/ab.py runs the same matrix on two trees).
+TREE = ROOT
+DEFAULT_NQN = "nqn.2026-11.io.nvmeof-toolkit:ramdisk0"   # nvmeof/defaults.py DEFAULT_SUBSYSTEM_NQN
+
+
+def set_tree(tree: str | os.PathLike[str] | None) -> None:
+    """Measure the `nvmeof` of ``tree`` (a checkout: its nvmeof/ and target/ are imported) from now on."""
+    global TREE
+    path = Path(tree).resolve() if tree else ROOT
+    if not (path / "nvmeof" / "cli").is_dir():
+        raise SystemExit(f"--tree {path}: not a checkout of this project (no nvmeof/cli in it)")
+    TREE = path
 
 
 @dataclass(frozen=True)
@@ -53,8 +67,40 @@ def wait_port(port: int, proc: subprocess.Popen[bytes], what: str, timeout: floa
 
 def env() -> dict[str, str]:
     e = dict(os.environ)
-    e["PYTHONPATH"] = str(ROOT) + (os.pathsep + e["PYTHONPATH"] if e.get("PYTHONPATH") else "")
+    # Only the measured tree: another checkout on the inherited PYTHONPATH would shadow nothing (the
+    # tree comes first) but could supply modules the tree lacks, mixing two versions.
+    e["PYTHONPATH"] = str(TREE)
     return e
+
+
+# CPUs the servers (targets, baseline servers) and the clients (bench, baseline clients) are bound to:
+# the issue-12 measurements pin the target to one core and the client to the other, which is what
+# makes busy polling mean anything on a small machine. Empty: not pinned.
+PIN: dict[str, set[int]] = {}
+
+
+def set_pinning(server: set[int] | None, client: set[int] | None) -> None:
+    """Bind every server started from now on to ``server`` and every client to ``client`` (None: free)."""
+    PIN.clear()
+    for role, cpus in (("server", server), ("client", client)):
+        if cpus:
+            bad = cpus - os.sched_getaffinity(0)
+            if bad:
+                raise SystemExit(f"--pin: CPU(s) {sorted(bad)} are not available to this process "
+                                 f"(allowed: {sorted(os.sched_getaffinity(0))})")
+            PIN[role] = set(cpus)
+
+
+def _bind(role: str) -> Any:
+    cpus = PIN.get(role)
+    return None if not cpus else (lambda: os.sched_setaffinity(0, cpus))
+
+
+def cli_supports(subcommand: str, option: str) -> bool:
+    """Whether the measured tree's `nvmeof SUBCOMMAND` takes ``option`` (read from its --help)."""
+    out = subprocess.run([sys.executable, "-m", "nvmeof.cli", subcommand, "--help"], env=env(),
+                         capture_output=True, text=True, timeout=60, cwd=TREE)
+    return out.returncode == 0 and option in out.stdout
 
 
 def machine() -> dict[str, Any]:
@@ -87,7 +133,8 @@ def stop(proc: subprocess.Popen[Any]) -> None:
 
 def run_json(cmd: list[str], what: str, timeout: float) -> Any:
     """Run a benchmark client and return the JSON it prints; a failure stops the run with its stderr."""
-    out = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=timeout)
+    out = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=timeout,
+                         preexec_fn=_bind("client"))
     if out.returncode != 0:
         raise SystemExit(f"{what} (status {out.returncode}):\n{out.stderr}")
     return json.loads(out.stdout)
@@ -96,7 +143,7 @@ def run_json(cmd: list[str], what: str, timeout: float) -> Any:
 @contextmanager
 def running(cmd: list[str], port: int, what: str) -> Iterator[subprocess.Popen[bytes]]:
     """``cmd`` started (stdout dropped), yielded once it listens on ``port``, stopped on the way out."""
-    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.DEVNULL, cwd=ROOT)
+    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.DEVNULL, cwd=TREE, preexec_fn=_bind("server"))
     try:
         wait_port(port, proc, what)
         yield proc
@@ -104,25 +151,58 @@ def running(cmd: list[str], port: int, what: str) -> Iterator[subprocess.Popen[b
         stop(proc)
 
 
+def parse_size(text: str) -> int:
+    """``256M`` and friends (K, M, G: powers of 1024), as `nvmeof serve --ramdisk-size` reads them."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    return int(t[:-1]) * units[t[-1]] if t and t[-1] in units else int(t)
+
+
+def fill_file(path: Path, size: int) -> None:
+    """Write ``size`` bytes of non-zero data to ``path``; the page cache keeps them (a file namespace
+    measured "in the page cache" is exactly this)."""
+    chunk = os.urandom(1 << 20)
+    with open(path, "wb") as f:
+        for _ in range(size >> 20):
+            f.write(chunk)
+        f.write(chunk[: size & ((1 << 20) - 1)])
+
+
 @contextmanager
-def serving(ramdisk_size: str, *, workers: int | None = None,
-            log_level: str | None = None) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
-    """`nvmeof serve --api none` with a RAM disk on free loopback ports: yields the process and its
-    I/O port once it listens, and stops it (SIGINT, as Ctrl-C) on the way out."""
+def serving(ramdisk_size: str, *, workers: int | None = None, log_level: str | None = None,
+            file_ns: bool = False, extra_args: tuple[str, ...] = ()) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """`nvmeof serve --api none` with a RAM disk (nsid 1) on free loopback ports: yields the process
+    and its I/O port once it listens, and stops it (SIGINT, as Ctrl-C) on the way out. ``file_ns``:
+    also a file of the same size, written just before (so in the page cache), as nsid 2 of the same
+    subsystem. ``extra_args`` go to `nvmeof serve` as given (--poll-us N, --tcp-engine ...)."""
     io_port, disc_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "nvmeof.cli", *(["--log-level", log_level] if log_level else []),
            "serve", "--api", "none", "--listen", f"tcp://127.0.0.1:{io_port}",
-           "--discovery", f"tcp://127.0.0.1:{disc_port}", "--ramdisk-size", ramdisk_size]
-    what = "nvmeof serve"
+           "--discovery", f"tcp://127.0.0.1:{disc_port}", "--ramdisk-size", ramdisk_size, *extra_args]
+    what = "nvmeof serve" + "".join(f" {a}" for a in extra_args)
     if workers is not None:
         cmd += ["--workers", str(workers)]
         what += f" --workers {workers}"
-    with running(cmd, io_port, what) as proc:
-        yield proc, io_port
+    with tempfile.TemporaryDirectory(prefix="nvmeof-bench-") as tmp:
+        if file_ns:
+            size = parse_size(ramdisk_size)
+            disks = Path(tmp) / "disks"
+            disks.mkdir()
+            fill_file(disks / "bench.img", size)
+            config = {"version": 1, "subsystems": [{"nqn": DEFAULT_NQN, "allow_any_host": True, "namespaces": [
+                {"nsid": 1, "backend": "ram", "size": size},
+                {"nsid": 2, "backend": "file", "path": str(disks / "bench.img")},
+            ]}]}  # fmt: skip
+            cfg = Path(tmp) / "config.json"
+            cfg.write_text(json.dumps(config))
+            cmd += ["--config", str(cfg), "--backing-dir", str(disks)]
+        with running(cmd, io_port, what) as proc:
+            yield proc, io_port
 
 
 def run_bench(row: Row, port: int, target_pid: int, *, runtime: float, ramp: float, numjobs: int,
-              nr_io_queues: int | None = None, nsid: int = 1, nqn: str | None = None) -> dict[str, Any]:
+              nr_io_queues: int | None = None, nsid: int = 1, nqn: str | None = None,
+              extra_args: tuple[str, ...] = ()) -> dict[str, Any]:
     """One row through `nvmeof bench --output-format json` (``--target-pid``: the target's CPU per
     I/O, its worker processes included) and the figures of its first (grouped) job."""
     cmd = [sys.executable, "-m", "nvmeof.cli", "bench", "-a", "127.0.0.1", "-s", str(port),
@@ -130,7 +210,7 @@ def run_bench(row: Row, port: int, target_pid: int, *, runtime: float, ramp: flo
            "--runtime", str(runtime), "--time_based", "--ramp_time", str(ramp), "--numjobs", str(numjobs),
            *(["--nr-io-queues", str(nr_io_queues)] if nr_io_queues is not None else []), "--group_reporting",
            "--nsid", str(nsid), *(["--nqn", nqn] if nqn else []),
-           "--output-format", "json", "--eta", "never", "--target-pid", str(target_pid)]
+           "--output-format", "json", "--eta", "never", "--target-pid", str(target_pid), *extra_args]
     report = run_json(cmd, f"nvmeof bench failed for {row.name}", runtime * 4 + 120)
     return bench_figures(report, row)
 

@@ -1,12 +1,17 @@
-"""The benchmark matrix: `nvmeof bench` against `nvmeof serve` (RAM disk) and a raw TCP baseline.
+"""The benchmark matrix: `nvmeof bench` against `nvmeof serve` (RAM disk, a file in the page cache) and
+raw TCP baselines measured in the same run, with the issue-12 goals checked at the end.
 
-    python3 benchmarks/run.py                  # a few seconds per row
-    python3 benchmarks/run.py --runtime 10 --json results.json
+    python3 benchmarks/run.py                  # 3 s + 0.5 s ramp per row
+    python3 benchmarks/run.py --seconds 10 --json results.json
+    python3 benchmarks/run.py --tree /path/to/other/checkout --only 4k-randread-qd32
 
-Starts ``nvmeof serve`` and the baseline echo server (benchmarks/baseline.py) as subprocesses on
-free loopback ports, runs each row of the matrix through ``nvmeof bench --output-format json``
-(with ``--target-pid`` so the target's CPU per I/O is measured) and the same traffic through the
-baseline client, prints each result with its ratio to the baseline, and checks the issue-6 goals.
+Starts ``nvmeof serve`` (nsid 1 a RAM disk, nsid 2 a file of the same size written just before, so in
+the page cache), a second ``nvmeof serve --poll-us N`` for the polled QD1 row when the tree has that
+option, and the baselines of benchmarks/baseline.py as subprocesses on free loopback ports. Each row
+runs ``nvmeof bench --output-format json --target-pid ...`` in a fresh process and its baseline: the
+asyncio echo pair with the same traffic, the QD1 ping-pong pair with the same polling, or (file rows)
+the RAM row of the same shape. ``--tree`` measures another checkout's `nvmeof` with this script
+(benchmarks/ab.py does that for two trees, row by row).
 """
 
 from __future__ import annotations
@@ -16,34 +21,73 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import Row, free_port, machine, run_bench, run_json, running, serving
+import harness
+from harness import (
+    Row,
+    cli_supports,
+    free_port,
+    machine,
+    run_bench,
+    run_json,
+    running,
+    serving,
+    set_pinning,
+    set_tree,
+)
 
 BASELINE = Path(__file__).resolve().parent / "baseline.py"
 
+
+@dataclass(frozen=True)
+class Job:
+    """A row of the matrix: what `nvmeof bench` runs, against which namespace, compared with what."""
+
+    row: Row
+    nsid: int = 1            # 1: the RAM disk, 2: the file in the page cache
+    poll: bool = False       # `serve --poll-us N` and `bench --poll-us N`
+    baseline: str = "stream"  # "stream" (asyncio echo pair), "pingpong" (QD1 pair, same polling), "ram:ROW"
+
+    @property
+    def name(self) -> str:
+        return self.row.name
+
+
 MATRIX = (
-    Row("4k-randread-qd1", "randread", 4096, 1),
-    Row("4k-randread-qd32", "randread", 4096, 32),
-    Row("4k-randwrite-qd32", "randwrite", 4096, 32),
-    Row("128k-read-qd8", "read", 131072, 8),
-    Row("128k-write-qd8", "write", 131072, 8),
+    Job(Row("4k-randread-qd1", "randread", 4096, 1), baseline="pingpong"),
+    Job(Row("4k-randread-qd1-poll", "randread", 4096, 1), poll=True, baseline="pingpong"),
+    Job(Row("4k-randread-qd32", "randread", 4096, 32)),
+    Job(Row("4k-randwrite-qd32", "randwrite", 4096, 32)),
+    Job(Row("128k-read-qd8", "read", 131072, 8)),
+    Job(Row("128k-write-qd8", "write", 131072, 8)),
+    Job(Row("file-4k-randread-qd32", "randread", 4096, 32), nsid=2, baseline="ram:4k-randread-qd32"),
+    Job(Row("file-4k-randwrite-qd32", "randwrite", 4096, 32), nsid=2, baseline="ram:4k-randwrite-qd32"),
+    Job(Row("file-128k-read-qd8", "read", 131072, 8), nsid=2, baseline="ram:128k-read-qd8"),
 )
 
-GOAL_SEQ_READ_RATIO = 0.70
-GOAL_CPU_US = 10.0
-GOAL_QD1_LAT_RATIO = 3.0
+# issue 12 "Goals"
+GOAL_CPU_US = 5.0             # target and initiator CPU per 4 KiB random read at QD32
+GOAL_POLL_LAT_RATIO = 1.5     # QD1 mean latency with --poll-us on both ends / raw ping-pong, same polling
+GOAL_SEQ_READ_RATIO = 0.90    # 128 KiB sequential read / raw baseline
 
 
 @contextmanager
-def baseline_server() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
-    """The raw TCP echo server (benchmarks/baseline.py) on a free loopback port, once it listens."""
+def baseline_server(*, poll_us: int | None = None) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """A baseline server of benchmarks/baseline.py on a free loopback port, once it listens: the
+    asyncio echo server, or with ``poll_us`` (0 included) the ping-pong server polling that long."""
     port = free_port()
-    with running([sys.executable, str(BASELINE), "serve", "--port", str(port)], port, "baseline server") as raw:
+    if poll_us is None:
+        cmd, what = [sys.executable, str(BASELINE), "serve", "--port", str(port)], "baseline server"
+    else:
+        cmd = [sys.executable, str(BASELINE), "pingserve", "--port", str(port), "--poll-us", str(poll_us)]
+        what = f"ping-pong server --poll-us {poll_us}"
+    with running(cmd, port, what) as raw:
         yield raw, port
 
 
@@ -54,93 +98,238 @@ def run_baseline(row: Row, port: int, server_pid: int, args: argparse.Namespace)
     return run_json(cmd, f"baseline client failed for {row.name}", args.runtime * 4 + 60)
 
 
+def run_pingpong(row: Row, port: int, server_pid: int, poll_us: int, args: argparse.Namespace) -> dict[str, Any]:
+    cmd = [sys.executable, str(BASELINE), "pingpong", "--port", str(port), "--bs", str(row.bs),
+           "--poll-us", str(poll_us), "--runtime", str(args.runtime), "--ramp", str(args.ramp),
+           "--server-pid", str(server_pid)]
+    return run_json(cmd, f"ping-pong client failed for {row.name}", args.runtime * 4 + 60)
+
+
+def poll_support() -> str | None:
+    """None if the measured tree's `serve` and `bench` both take --poll-us, else why the polled row is skipped."""
+    missing = [sub for sub in ("serve", "bench") if not cli_supports(sub, "--poll-us")]
+    if not missing:
+        return None
+    return f"`nvmeof {' / '.join(missing)}` of {harness.TREE} has no --poll-us option"
+
+
 def fmt_rate(bw: float) -> str:
     return f"{bw / (1 << 20):.1f}"
 
 
+def _f(value: float | None, fmt: str = ".1f", scale: float = 1.0) -> str:
+    return "-" if value is None else format(value / scale, fmt)
+
+
 def print_table(results: list[dict[str, Any]]) -> None:
-    headers = ("job", "IOPS", "MiB/s", "lat us", "tgt us/IO", "ini us/IO", "raw IOPS", "raw MiB/s",
-               "raw lat us", "tput ratio", "lat ratio")
+    headers = ("job", "IOPS", "MiB/s", "lat us", "tgt us/IO", "ini us/IO", "baseline", "base IOPS", "base MiB/s",
+               "base lat us", "base srv us/IO", "base cli us/IO", "tput ratio", "lat ratio")
     rows = []
     for r in results:
-        b, n = r["baseline"], r["nvmeof"]
+        if r.get("skipped"):
+            rows.append((r["name"], *("-" * 5), "skipped", *("-" * 7)))
+            continue
+        b, n = r["baseline"] or {}, r["nvmeof"]
         rows.append((
-            r["name"], f"{n['iops']:.0f}", fmt_rate(n["bw_bytes"]), f"{n['mean_lat_ns'] / 1e3:.1f}",
-            "-" if n["target_cpu_us_per_io"] is None else f"{n['target_cpu_us_per_io']:.1f}",
-            f"{n['initiator_cpu_us_per_io']:.1f}", f"{b['iops']:.0f}", fmt_rate(b["bw_bytes"]),
-            f"{b['mean_lat_ns'] / 1e3:.1f}", f"{r['throughput_ratio']:.2f}", f"{r['latency_ratio']:.2f}",
+            r["name"], f"{n['iops']:.0f}", fmt_rate(n["bw_bytes"]), _f(n["mean_lat_ns"], scale=1e3),
+            _f(n["target_cpu_us_per_io"]), _f(n["initiator_cpu_us_per_io"]), r["baseline_kind"],
+            _f(b.get("iops"), ".0f"), "-" if "bw_bytes" not in b else fmt_rate(b["bw_bytes"]),
+            _f(b.get("mean_lat_ns"), scale=1e3),
+            _f(b.get("server_cpu_us_per_io", b.get("target_cpu_us_per_io"))),
+            _f(b.get("client_cpu_us_per_io", b.get("initiator_cpu_us_per_io"))),
+            _f(r["throughput_ratio"], ".2f"), _f(r["latency_ratio"], ".2f"),
         ))
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
     print("  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True)))
     for row in rows:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
+    for r in results:
+        if r.get("skipped"):
+            print(f"  {r['name']} skipped: {r['skipped']}")
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
 
 
 def goals(by_name: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    out = []
-    seq = by_name.get("128k-read-qd8")
+    """Each issue-12 goal as a line: status met / MISSED / info / skipped, and the figures behind it."""
+    out: list[dict[str, Any]] = []
+
+    def add(goal: str, status: str, figures: str) -> None:
+        out.append({"goal": goal, "status": status, "met": status == "met", "figures": figures})
+
+    def usable(name: str) -> dict[str, Any] | None:
+        r = by_name.get(name)
+        if r is not None and r.get("skipped"):
+            add(f"{name}", "skipped", r["skipped"])
+            return None
+        return r
+
+    rr = usable("4k-randread-qd32")
+    if rr:
+        n, b = rr["nvmeof"], rr["baseline"]
+        for side, key, raw_key in (("target", "target_cpu_us_per_io", "server_cpu_us_per_io"),
+                                   ("initiator", "initiator_cpu_us_per_io", "client_cpu_us_per_io")):
+            v, raw = n[key], b.get(raw_key)
+            add(f"4K randread QD32 {side} CPU <= {GOAL_CPU_US:g} us/IO",
+                "MISSED" if v is None or v > GOAL_CPU_US else "met",
+                f"{_f(v)} us/IO (raw TCP {'server' if side == 'target' else 'client'} {_f(raw)} us/IO, "
+                f"{_f(_ratio(v, raw), '.2f')}x of it)")
+    for name, poll in (("4k-randread-qd1-poll", True), ("4k-randread-qd1", False)):
+        r = usable(name)
+        if not r:
+            continue
+        n, b, ratio = r["nvmeof"], r["baseline"], r["latency_ratio"]
+        figures = (f"{_f(n['mean_lat_ns'], scale=1e3)} us vs raw ping-pong {_f(b['mean_lat_ns'], scale=1e3)} us "
+                   f"(poll {r['poll_us']} us) = {_f(ratio, '.2f')}x; CPU target {_f(n['target_cpu_us_per_io'])} / "
+                   f"initiator {_f(n['initiator_cpu_us_per_io'])} us/IO, raw {_f(b['server_cpu_us_per_io'])} / "
+                   f"{_f(b['client_cpu_us_per_io'])}")
+        if poll:
+            add(f"4K QD1 mean latency, --poll-us on both ends, <= {GOAL_POLL_LAT_RATIO:g}x raw ping-pong "
+                "with the same polling", "met" if ratio is not None and ratio <= GOAL_POLL_LAT_RATIO else "MISSED",
+                figures)
+        else:
+            add("4K QD1 mean latency without polling: no worse than before (compare trees: benchmarks/ab.py)",
+                "info", figures)
+    seq = usable("128k-read-qd8")
     if seq:
         ratio = seq["throughput_ratio"]
-        out.append({"goal": f"128K seq read >= {GOAL_SEQ_READ_RATIO:.0%} of raw TCP throughput",
-                    "met": ratio >= GOAL_SEQ_READ_RATIO,
-                    "figures": f"{fmt_rate(seq['nvmeof']['bw_bytes'])} vs {fmt_rate(seq['baseline']['bw_bytes'])} "
-                               f"MiB/s = {ratio:.0%}"})
-    rr = by_name.get("4k-randread-qd32")
-    if rr:
-        t = rr["nvmeof"]["target_cpu_us_per_io"]
-        i = rr["nvmeof"]["initiator_cpu_us_per_io"]
-        out.append({"goal": f"4K randread QD32 target CPU <= {GOAL_CPU_US:.0f} us/IO",
-                    "met": t is not None and t <= GOAL_CPU_US, "figures": f"{t:.1f} us/IO" if t is not None else "n/a"})
-        out.append({"goal": f"4K randread QD32 initiator CPU <= {GOAL_CPU_US:.0f} us/IO",
-                    "met": i <= GOAL_CPU_US, "figures": f"{i:.1f} us/IO"})
-    qd1 = by_name.get("4k-randread-qd1")
-    if qd1:
-        ratio = qd1["nvmeof"]["mean_lat_ns"] / qd1["baseline"]["mean_lat_ns"]
-        out.append({"goal": f"4K randread QD1 mean latency <= {GOAL_QD1_LAT_RATIO:.0f}x raw TCP round trip",
-                    "met": ratio <= GOAL_QD1_LAT_RATIO,
-                    "figures": f"{qd1['nvmeof']['mean_lat_ns'] / 1e3:.1f} us vs "
-                               f"{qd1['baseline']['mean_lat_ns'] / 1e3:.1f} us = {ratio:.2f}x"})
+        add(f"128K seq read >= {GOAL_SEQ_READ_RATIO:.0%} of raw TCP throughput",
+            "met" if ratio is not None and ratio >= GOAL_SEQ_READ_RATIO else "MISSED",
+            f"{fmt_rate(seq['nvmeof']['bw_bytes'])} vs {fmt_rate(seq['baseline']['bw_bytes'])} MiB/s = "
+            f"{_f(ratio * 100 if ratio is not None else None, '.0f')} %")
+    for job in MATRIX:
+        if not job.baseline.startswith("ram:"):
+            continue
+        r = usable(job.name)
+        if not r:
+            continue
+        n, b = r["nvmeof"], r["baseline"]
+        add(f"{job.name} next to RAM (file in the page cache)", "info",
+            f"{n['iops']:.0f} vs {_f(b and b['iops'], '.0f')} IOPS = {_f(r['throughput_ratio'], '.2f')}x; "
+            f"target {_f(n['target_cpu_us_per_io'])} vs {_f(b and b['target_cpu_us_per_io'])} us/IO")
     return out
+
+
+def select(only: list[str] | None) -> list[Job]:
+    jobs = [j for j in MATRIX if not only or j.name in only]
+    unknown = set(only or ()) - {j.name for j in MATRIX}
+    if unknown:
+        raise SystemExit(f"unknown --only row(s) {', '.join(sorted(unknown))}; rows: "
+                         f"{', '.join(j.name for j in MATRIX)}")
+    return jobs
+
+
+def measure(jobs: list[Job], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Run ``jobs`` (in MATRIX order) with only the targets and baselines they need started."""
+    poll_skip = poll_support() if any(j.poll for j in jobs) else None
+    serve_args = tuple(args.serve_arg or ())
+    bench_args = tuple(args.bench_arg or ())
+    results: list[dict[str, Any]] = []
+    by_name: dict[str, dict[str, Any]] = {}
+    with ExitStack() as stack:
+        plain = [j for j in jobs if not j.poll]
+        target = io_port = None
+        if plain:
+            target, io_port = stack.enter_context(serving(args.ramdisk_size, log_level="warning",
+                                                          file_ns=any(j.nsid == 2 for j in plain),
+                                                          extra_args=serve_args))
+        poll_target = poll_port = None
+        if poll_skip is None and any(j.poll for j in jobs):
+            poll_target, poll_port = stack.enter_context(serving(
+                args.ramdisk_size, log_level="warning", extra_args=(*serve_args, "--poll-us", str(args.poll_us))))
+        raw: dict[Any, tuple[subprocess.Popen[bytes], int]] = {}
+
+        def raw_server(poll_us: int | None) -> tuple[subprocess.Popen[bytes], int]:
+            if poll_us not in raw:
+                raw[poll_us] = stack.enter_context(baseline_server(poll_us=poll_us))
+            return raw[poll_us]
+
+        for job in jobs:
+            row = job.row
+            entry: dict[str, Any] = {"name": job.name, "rw": row.rw, "bs": row.bs, "iodepth": row.iodepth,
+                                     "nsid": job.nsid, "poll_us": args.poll_us if job.poll else 0,
+                                     "baseline_kind": job.baseline.split(":")[0], "baseline": None,
+                                     "throughput_ratio": None, "latency_ratio": None}
+            if job.poll and poll_skip:
+                entry["skipped"] = poll_skip
+                print(f"skipping {job.name}: {poll_skip}", file=sys.stderr, flush=True)
+                results.append(entry)
+                continue
+            print(f"running {job.name} ...", file=sys.stderr, flush=True)
+            base: dict[str, Any] | None
+            if job.baseline == "stream":
+                proc, port = raw_server(None)
+                base = run_baseline(row, port, proc.pid, args)
+            elif job.baseline == "pingpong":
+                proc, port = raw_server(entry["poll_us"])
+                base = run_pingpong(row, port, proc.pid, entry["poll_us"], args)
+            else:
+                ram = by_name.get(job.baseline.split(":", 1)[1])
+                base = ram["nvmeof"] if ram and not ram.get("skipped") else None
+            pid, port = (poll_target.pid, poll_port) if job.poll else (target.pid, io_port)  # type: ignore[union-attr]
+            extra = (*bench_args, *(("--poll-us", str(args.poll_us)) if job.poll else ()))
+            ours = run_bench(row, port, pid, runtime=args.runtime, ramp=args.ramp, numjobs=args.numjobs,
+                             nsid=job.nsid, extra_args=extra)
+            entry.update(nvmeof=ours, baseline=base,
+                         throughput_ratio=_ratio(ours["bw_bytes"], base and base["bw_bytes"]),
+                         latency_ratio=_ratio(ours["mean_lat_ns"], base and base["mean_lat_ns"]))
+            results.append(entry)
+            by_name[job.name] = entry
+    return results
+
+
+def parse_pin(text: str, ap: argparse.ArgumentParser) -> tuple[set[int], set[int]]:
+    """``0:1`` or ``0,1:2,3`` as the server and client CPU sets."""
+    try:
+        server, client = (set(int(c) for c in part.split(",")) for part in text.split(":"))
+    except ValueError:
+        ap.error(f"--pin {text!r}: give SERVER_CPUS:CLIENT_CPUS, CPU numbers separated by commas, e.g. 0:1")
+    return server, client
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runtime", type=float, default=3.0, help="measured seconds per row (default 3)")
+    ap.add_argument("--runtime", "--seconds", type=float, default=3.0, help="measured seconds per row (default 3)")
     ap.add_argument("--ramp", type=float, default=0.5, help="unmeasured warm-up seconds per row (default 0.5)")
-    ap.add_argument("--ramdisk-size", default="256M", help="RAM disk size for nvmeof serve (default 256M)")
+    ap.add_argument("--ramdisk-size", default="256M",
+                    help="RAM disk size for nvmeof serve, and the size of the file namespace (default 256M)")
     ap.add_argument("--numjobs", type=int, default=1, help="nvmeof bench --numjobs (default 1)")
+    ap.add_argument("--poll-us", type=int, default=100,
+                    help="polling window of the polled QD1 row, on both ends and in its baseline (default 100)")
+    ap.add_argument("--tree", type=Path, help="measure this checkout's nvmeof (default: the one holding this script)")
+    ap.add_argument("--pin", metavar="SERVER_CPUS:CLIENT_CPUS",
+                    help="bind targets and baseline servers to the first CPU list and bench and baseline clients "
+                         "to the second, e.g. --pin 0:1 (default: not pinned)")
+    ap.add_argument("--serve-arg", action="append", metavar="ARG",
+                    help="extra argument for every nvmeof serve, e.g. --serve-arg=--tcp-engine=stream (repeatable)")
+    ap.add_argument("--bench-arg", action="append", metavar="ARG", help="extra argument for every nvmeof bench")
     ap.add_argument("--only", action="append", metavar="NAME",
-                    help=f"run only these rows (repeatable): {', '.join(r.name for r in MATRIX)}")
+                    help=f"run only these rows (repeatable): {', '.join(j.name for j in MATRIX)}")
     ap.add_argument("--json", type=Path, metavar="FILE", help="write all results as JSON to FILE")
     args = ap.parse_args(argv)
-    rows = [r for r in MATRIX if not args.only or r.name in args.only]
-    if args.only and len(rows) != len(set(args.only)):
-        unknown = set(args.only) - {r.name for r in MATRIX}
-        ap.error(f"unknown --only row(s) {', '.join(sorted(unknown))}")
-
-    results: list[dict[str, Any]] = []
-    with serving(args.ramdisk_size, log_level="warning") as (target, io_port), baseline_server() as (raw, raw_port):
-        for row in rows:
-            print(f"running {row.name} ...", file=sys.stderr, flush=True)
-            base = run_baseline(row, raw_port, raw.pid, args)
-            ours = run_bench(row, io_port, target.pid, runtime=args.runtime, ramp=args.ramp, numjobs=args.numjobs)
-            results.append({
-                "name": row.name, "rw": row.rw, "bs": row.bs, "iodepth": row.iodepth,
-                "nvmeof": ours, "baseline": base,
-                "throughput_ratio": ours["bw_bytes"] / base["bw_bytes"] if base["bw_bytes"] else 0.0,
-                "latency_ratio": ours["mean_lat_ns"] / base["mean_lat_ns"] if base["mean_lat_ns"] else 0.0,
-            })
-    info = machine()
+    if args.poll_us <= 0:
+        ap.error("--poll-us must be positive (the unpolled QD1 row is 4k-randread-qd1)")
+    set_tree(args.tree)
+    if args.pin:
+        server, client = parse_pin(args.pin, ap)
+        set_pinning(server, client)
+    jobs = select(args.only)
+    results = measure(jobs, args)
+    info = machine() | {"tree": str(harness.TREE), "pin": args.pin}
     print(f"machine: {info['cpus']} CPUs, {info['cpu_model']}, Python {info['python']} ({info['event_loop']}), "
-          f"kernel {info['kernel']}; runtime {args.runtime:g} s + ramp {args.ramp:g} s per row")
+          f"kernel {info['kernel']}; tree {info['tree']}; runtime {args.runtime:g} s + ramp {args.ramp:g} s per row"
+          + (f"; pinned servers:clients {args.pin}" if args.pin else ""))
     print_table(results)
     checks = goals({r["name"]: r for r in results})
     print()
     for g in checks:
-        print(f"[{'met' if g['met'] else 'MISSED'}] {g['goal']}: {g['figures']}")
+        print(f"[{g['status']}] {g['goal']}: {g['figures']}")
     if args.json:
         args.json.write_text(json.dumps({"machine": info, "runtime_s": args.runtime, "ramp_s": args.ramp,
-                                         "results": results, "goals": checks}, indent=2) + "\n")
+                                         "poll_us": args.poll_us, "results": results, "goals": checks},
+                                        indent=2) + "\n")
     return 0
 
 

@@ -22,6 +22,7 @@ from construct import Container
 
 from initiator import commands as c
 from initiator.auth import authenticate_queue, parse_secret
+from initiator.engine import BatchQueue, open_batch_queue
 from initiator.nvm import Buffer, NamespaceGeometry, NvmIo, check_nsid
 from initiator.queue import DEFAULT_TIMEOUT, HostQueue, TransportError, open_queue
 from nvmeof import defaults
@@ -148,7 +149,8 @@ class HostController(NvmIo):
                  event_callback: Callable[[AsyncEvent], Any] | None = None,
                  event_queue: asyncio.Queue[AsyncEvent | None] | None = None,
                  dhchap_secret: str | DhchapSecret | None = None,
-                 dhchap_ctrl_secret: str | DhchapSecret | None = None) -> None:
+                 dhchap_ctrl_secret: str | DhchapSecret | None = None,
+                 engine: str = defaults.HOST_TCP_ENGINE, poll_us: int = defaults.POLL_US) -> None:
         if transport not in ("tcp", "loop", "rdma"):
             raise ValueError(f"transport {transport!r} is not supported by the Python host (tcp, rdma or loop)")
         if transport == "loop" and not callable(getattr(target, "connect_loop", None)):
@@ -160,6 +162,18 @@ class HostController(NvmIo):
             raise ValueError(f"queue_size must be 2..65536, got {queue_size}")
         if not 0 <= kato <= 0xFFFFFFFF:
             raise ValueError(f"kato must be 0..2**32-1 ms, got {kato}")
+        if engine not in ("batch", "stream"):
+            raise ValueError(f"engine {engine!r} is not a host NVMe/TCP engine: use 'batch' (initiator/engine.py) "
+                             "or 'stream' (the asyncio protocol path)")
+        if not isinstance(poll_us, int) or poll_us < 0:
+            raise ValueError(f"poll_us must be an integer >= 0 (µs of busy polling after a batch, 0 = off), "
+                             f"got {poll_us!r}")
+        if poll_us and (engine != "batch" or transport != "tcp"):
+            raise ValueError(f"poll_us={poll_us} needs the TCP batch engine (transport='tcp', engine='batch'); "
+                             f"got transport={transport!r}, engine={engine!r}")
+        # The batch engine owns a TCP socket; the loop transport has none, RDMA its own queue.
+        self.engine = engine if transport == "tcp" else "stream"
+        self.poll_us = poll_us
         self.traddr = traddr
         self.trsvcid = int(trsvcid)
         self.subnqn = subnqn
@@ -211,6 +225,12 @@ class HostController(NvmIo):
     async def _open_queue(self, qid: int, size: int, incapsule: int) -> HostQueue:
         if self.transport == "rdma":
             return await self._open_rdma_queue(qid, size, incapsule)
+        if self.engine == "batch":
+            bq = BatchQueue(qid, queue_size=size, name=self._queue_name(qid), hdr_digest=self.hdr_digest,
+                            data_digest=self.data_digest, incapsule_size=incapsule, timeout=self.timeout,
+                            poll_us=self.poll_us)
+            bq.on_broken = self._queue_broken
+            return await open_batch_queue(bq, self.traddr, self.trsvcid, self.timeout)
         queue = HostQueue(qid, queue_size=size, name=self._queue_name(qid), hdr_digest=self.hdr_digest,
                           data_digest=self.data_digest, incapsule_size=incapsule, timeout=self.timeout)
         if self.transport == "loop":

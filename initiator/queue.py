@@ -259,6 +259,11 @@ class HostQueue(asyncio.BufferedProtocol):
     def broken(self) -> TransportError | None:
         return self._error
 
+    @property
+    def sockname(self) -> Any:
+        """The local address of the queue's connection (a (host, port, ...) tuple over TCP), or None."""
+        return self._transport.get_extra_info("sockname") if self._transport is not None else None
+
     async def submit(self, cmd: Command, *, data_out: bytes | bytearray | memoryview | None = None,
                      data_in: bytearray | memoryview | None = None,
                      timeout: Any = DEFAULT_TIMEOUT) -> Completion:

@@ -96,3 +96,20 @@ AUTH_MAX_TRANSFER = 64 * 1024         # largest Authentication Send TL / Receive
 HOST_STATS_MAX = 1024                 # hosts per subsystem whose I/O counters are kept (oldest dropped past it)
 UI_POLL_INTERVAL = 1.0                # seconds between the dashboard's reads of /ui/stats
 UI_HISTORY = 300                      # seconds of samples the dashboard's charts keep (it draws the last 5 minutes)
+
+# File backend data path (target/backends/file.py, issue 12)
+FILE_BUFFER_SIZE = 128 * 1024         # bytes per pooled read buffer of a file namespace; longer reads get a one-off
+FILE_BUFFERS = 64                     # pooled read buffers per file backend (per process), made on first use
+FILE_INLINE_WRITE_MAX = 64 * 1024     # where pwritev2(RWF_NOWAIT) is unsupported (ext4 buffered writes): page
+                                      # aligned writes up to this size run on the event loop, longer ones on
+                                      # the thread pool; 0 sends every such write to the thread pool
+HOST_TCP_ENGINE = "batch"             # connect(engine=): "batch" (initiator/engine.py) or "stream" (asyncio protocol)
+
+# NVMe/TCP batch engine (target/transports/tcp_batch.py, issue 12)
+TCP_ENGINE = "batch"                  # `nvmeof serve --tcp-engine`: batch, or stream (the event-per-PDU path)
+POLL_US = 0                           # `--poll-us`: µs of non-blocking receives after a batch before sleeping in
+                                      # the selector (hybrid polling, SPDK pollers / kernel busy-poll); 0 = off
+TCP_POLL_SLICE_US = 1000              # longest one connection's polling may hold the event loop per wake-up
+TCP_WRITE_HIGH_WATER = 256 * 1024     # unsent reply bytes of a connection before it stops reading commands
+TCP_WRITE_LOW_WATER = 64 * 1024       # ... and reads again once its backlog has drained below this
+TCP_LISTEN_BACKLOG = 100              # listen() backlog, as asyncio's create_server; also accepts per wake-up

@@ -373,6 +373,19 @@ class TcpConnection:
     def closed(self) -> bool:
         return self.state is State.CLOSED
 
+    @property
+    def fast_command_key(self) -> int:
+        """Controller role, READY: the common header of a CapsuleCmd without in-capsule data as one
+        little-endian 64-bit integer (-1 before READY), for adapters that take such PDUs themselves."""
+        return self._fast_key
+
+    def idle_ready(self) -> bool:
+        """READY at a PDU boundary with nothing held: no buffered bytes, no header checked and waiting
+        for its payload, no payload being placed, no TermReq pending. An adapter may then consume
+        whole PDUs itself (target/transports/tcp_batch.py) and hand this connection the rest later."""
+        return (self.state is State.READY and self._pos == len(self._buf) and self._pending is None
+                and self._direct is None and self._term is None)
+
     # --------------------------------------------------------------------------------- hand-off
 
     def export_state(self) -> HandoffState:

@@ -22,6 +22,7 @@ import socket
 import sys
 from typing import Any
 
+from nvmeof import defaults
 from nvmeof.spec.nvme import LBA_OPCODES
 from nvmeof.tcp import HandoffState, TcpConnection
 from target.backends import attach_backend
@@ -30,6 +31,7 @@ from target.core import Target
 from target.model import Namespace, NamespaceStats, Subsystem
 from target.request import Request, TargetQueue
 from target.transports.tcp import TargetConnection, TcpLimits, TcpPort
+from target.transports.tcp_batch import BatchMixin, attach_socket
 from target.worker_channel import Channel
 
 log = logging.getLogger("nvmeof.worker")
@@ -108,9 +110,18 @@ class WorkerConnection(TargetConnection):
         self.queue.peer, self.queue.local_addr = peer or self.queue.peer, local or self.queue.local_addr
 
 
+class BatchWorkerConnection(BatchMixin, WorkerConnection):
+    """WorkerConnection on the batch engine (target/transports/tcp_batch.py)."""
+
+    def __init__(self, target: Target, state: HandoffState, on_lost: Any) -> None:
+        super().__init__(target, state, on_lost)
+        self._batch_init()
+
+
 class Worker:
-    def __init__(self, sock: socket.socket, index: int) -> None:
+    def __init__(self, sock: socket.socket, index: int, *, tcp_engine: str = defaults.TCP_ENGINE) -> None:
         self.index = index
+        self.tcp_engine = tcp_engine
         self.target = WorkerTarget(self)
         self.channel = Channel(sock, self._on_message, self._on_channel_lost)
         self.subsystems: dict[str, Subsystem] = {}
@@ -245,8 +256,9 @@ class Worker:
             ctrl = RemoteController(msg["ctrl_id"], msg["cntlid"], msg["hostnqn"], self._subsystem(msg["subnqn"]),
                                     bool(msg["enabled"]))
             self.controllers[ctrl.ctrl_id] = ctrl
-        conn = WorkerConnection(self.target, HandoffState.from_dict(msg["tcp"]),
-                                on_lost=lambda c, hid=hid: self._connection_lost(hid, c))
+        cls = BatchWorkerConnection if self.tcp_engine == "batch" else WorkerConnection
+        conn = cls(self.target, HandoffState.from_dict(msg["tcp"]),
+                   on_lost=lambda c, hid=hid: self._connection_lost(hid, c))
         queue = conn.queue
         queue.qid = msg["qid"]
         queue.sqsize = msg["sqsize"]
@@ -267,7 +279,10 @@ class Worker:
     async def _attach(self, hid: int, conn: WorkerConnection, sock: socket.socket) -> None:
         try:
             sock.setblocking(False)
-            await asyncio.get_running_loop().connect_accepted_socket(lambda: conn, sock)
+            if isinstance(conn, BatchMixin):
+                attach_socket(conn, sock, TcpPort.of(self.target).limits.poll_us)
+            else:
+                await asyncio.get_running_loop().connect_accepted_socket(lambda: conn, sock)
         except OSError as exc:
             log.warning("worker %d: cannot take over queue %d: %s", self.index, hid, exc)
             sock.close()
@@ -358,6 +373,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--h2c-budget", type=int, default=0,
                         help="this worker's share of the global H2C budget in bytes (0: the default)")
+    parser.add_argument("--tcp-engine", choices=("batch", "stream"), default=defaults.TCP_ENGINE,
+                        help="what serves the queues handed to this worker (nvmeof serve --tcp-engine)")
+    parser.add_argument("--poll-us", type=int, default=defaults.POLL_US,
+                        help="batch engine: µs of busy receives after a batch (nvmeof serve --poll-us)")
     args = parser.parse_args(argv)
     # The main process's layout (nvmeof/cli/__init__.py) with the worker named after the level, so whatever reads
     # the shared stderr log for "<date> <time> LEVEL" sees the workers' errors too.
@@ -366,9 +385,11 @@ def main(argv: list[str] | None = None) -> int:
     sock = socket.socket(fileno=args.fd)
 
     async def run() -> None:
-        worker = Worker(sock, args.index)
+        worker = Worker(sock, args.index, tcp_engine=args.tcp_engine)
+        limits = TcpLimits(poll_us=args.poll_us)
         if args.h2c_budget:
-            TcpPort.of(worker.target).configure(TcpLimits(h2c_global_budget=args.h2c_budget))
+            limits.h2c_global_budget = args.h2c_budget
+        TcpPort.of(worker.target).configure(limits)
         await worker.run()
 
     try:

@@ -38,6 +38,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from nvmeof import defaults
 from nvmeof.spec.fabrics import FABRICS_OPCODE
 from nvmeof.spec.nvme import FabricsType
 from nvmeof.tcp import HandoffRefused, HandoffState, State
@@ -45,6 +46,7 @@ from target.backends.base import BackendError
 from target.controller import ErrorRecord
 from target.core import Target
 from target.transports.tcp import TargetConnection, TcpListener, TcpPort
+from target.transports.tcp_batch import BatchMixin, BatchTcpListener
 from target.worker_channel import Channel, socket_pair
 
 if TYPE_CHECKING:
@@ -105,10 +107,12 @@ class _Placed:
 
 
 class WorkerPool:
-    def __init__(self, target: Target, count: int, *, log_level: str | None = None) -> None:
+    def __init__(self, target: Target, count: int, *, log_level: str | None = None,
+                 tcp_engine: str = defaults.TCP_ENGINE) -> None:
         if count < 1:
             raise ValueError(f"a worker pool needs at least 1 worker, got {count}")
         self.target = target
+        self.tcp_engine = tcp_engine   # what the workers serve their queues with (--tcp-engine)
         self.count = count
         self.log_level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
         self.workers = [WorkerHandle(i) for i in range(count)]
@@ -136,6 +140,7 @@ class WorkerPool:
             w.proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "target.worker", "--fd", str(child.fileno()), "--index", str(w.index),
                 "--log-level", str(self.log_level), "--h2c-budget", str(self.h2c_share()),
+                "--tcp-engine", self.tcp_engine, "--poll-us", str(TcpPort.of(self.target).limits.poll_us),
                 pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
         finally:
             child.close()
@@ -561,14 +566,38 @@ class PooledTcpListener(TcpListener):
     connection_class = PoolConnection   # type: ignore[assignment]
 
 
+class BatchPoolConnection(BatchMixin, PoolConnection):
+    """PoolConnection on the batch engine (an I/O queue whose hand-off was given up is served here)."""
+
+    def __init__(self, target: PooledTarget, listener: Listener | None, *, on_lost: Any = None) -> None:
+        super().__init__(target, listener, on_lost=on_lost)
+        self._batch_init()
+
+    def _fast_ready(self) -> bool:
+        # While the socket is about to move, whatever the host sent behind its Connect stays with the
+        # sans-IO connection (export_state carries a half-received PDU; the batch engine's carry would not).
+        if self._handoff and not self._handoff_stay:
+            return False
+        return super()._fast_ready()
+
+
+class BatchPooledTcpListener(BatchTcpListener):
+    connection_class = BatchPoolConnection   # type: ignore[assignment]
+
+
+POOLED_LISTENERS: dict[str, type[TcpListener]] = {"batch": BatchPooledTcpListener, "stream": PooledTcpListener}
+
+
 class PooledTarget(Target):
     """A Target whose TCP I/O queues are served by a WorkerPool."""
 
-    def __init__(self, workers: int, **kwargs: Any) -> None:
+    def __init__(self, workers: int, *, tcp_engine: str = defaults.TCP_ENGINE, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        if tcp_engine not in POOLED_LISTENERS:
+            raise ValueError(f"--tcp-engine {tcp_engine!r}: choose one of {', '.join(sorted(POOLED_LISTENERS))}")
         # TCP listeners hand their I/O queues to the workers; every other trtype is served as injected.
-        self.transports = self.transports.with_entries({"tcp": PooledTcpListener})
-        self.pool = WorkerPool(self, workers)
+        self.transports = self.transports.with_entries({"tcp": POOLED_LISTENERS[tcp_engine]})
+        self.pool = WorkerPool(self, workers, tcp_engine=tcp_engine)
 
     async def start_workers(self) -> None:
         await self.pool.start()

@@ -276,6 +276,7 @@ async def test_file_read_only_rejects_writes(tmp_path):
 
 async def test_file_fua_uses_rwf_dsync_or_falls_back_to_fdatasync(tmp_path, monkeypatch):
     f = FileBackend(tmp_path / "fua.img", size=MiB, create=True)
+    f._nowait_write, f._inline_write_max = False, 0  # every write on the thread pool (the inline path: below)
     calls = []
     real_pwritev, real_fdatasync = os.pwritev, os.fdatasync
 
@@ -396,6 +397,7 @@ async def test_file_resize_and_external_truncation(tmp_path):
 
 async def test_file_close_waits_for_inflight_calls(tmp_path):
     f = FileBackend(tmp_path / "c.img", size=MiB, create=True)
+    f._nowait_read = False  # a hole is "cached": without this the read completes inline
     fd = f._fd
     read = asyncio.ensure_future(f.read(0, MiB))
     await asyncio.sleep(0)  # the read is now in the thread pool; its completion needs the loop

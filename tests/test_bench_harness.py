@@ -35,7 +35,7 @@ def test_a_failing_client_stops_the_run_with_its_stderr() -> None:
                          "bench failed for x", 30)
 
 
-@pytest.mark.parametrize("script", ["run.py", "workers.py"])
+@pytest.mark.parametrize("script", ["run.py", "workers.py", "ab.py"])
 def test_both_scripts_start_from_the_shared_harness(script: str) -> None:
     out = subprocess.run([sys.executable, str(BENCH / script), "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

@@ -36,7 +36,8 @@ from target.request import Request, TargetQueue
 from target.transports import TransportRegistry
 from target.transports.rdma import RDMA_OPS, RdmaListener
 from target.transports.tcp import TCP_OPS, TargetConnection, TcpListener
-from target.workers import PooledTarget, PooledTcpListener
+from target.transports.tcp_batch import BatchTcpListener
+from target.workers import BatchPooledTcpListener, PooledTarget, PooledTcpListener
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -60,7 +61,7 @@ async def test_a_new_transport_serves_connect_and_io_without_touching_the_core()
     tgt.listeners[listener.id] = listener
     server = await tgt.start_listener(listener)
     assert isinstance(server, ShadowListener)
-    assert tgt.transports.get("tcp") is TcpListener   # the standard entries stay beside the injected one
+    assert tgt.transports.get("tcp") is BatchTcpListener   # the standard entries stay beside the injected one
     try:
         admin = await open_tcp(server.port)
         res = await admin.connect(SUBNQN, kato=0)
@@ -122,10 +123,11 @@ def test_registry_entries_are_imported_when_first_asked_for() -> None:
 def test_pooled_target_injects_its_tcp_listener_instead_of_copying_start_listener() -> None:
     assert PooledTarget.start_listener is Target.start_listener
     pooled = PooledTarget(1, transports={"tcp-shadow": ShadowListener})
-    assert pooled.transports.get("tcp") is PooledTcpListener
+    assert pooled.transports.get("tcp") is BatchPooledTcpListener   # the default engine, batch
+    assert PooledTarget(1, tcp_engine="stream").transports.get("tcp") is PooledTcpListener
     assert pooled.transports.get("rdma") is RdmaListener
     assert pooled.transports.get("tcp-shadow") is ShadowListener
-    assert Target().transports.get("tcp") is TcpListener   # the standard registry is not changed by it
+    assert Target().transports.get("tcp") is BatchTcpListener   # the standard registry is not changed by it
 
 
 def test_transport_ops_is_a_leaf() -> None:

@@ -71,7 +71,7 @@ def socket_owner(local_port: int, remote_port: int, pids: list[int]) -> int | No
 
 
 def host_port(queue: HostQueue) -> int:
-    return queue._transport.get_extra_info("sockname")[1]  # type: ignore[union-attr]
+    return queue.sockname[1]
 
 
 class Served:

@@ -1,8 +1,9 @@
 """The job engine: one job on one connected controller.
 
-The job keeps ``iodepth`` commands in flight: ``iodepth`` coroutines, each owning one preallocated
-buffer, loop issue -> await -> record, with ``time.perf_counter_ns`` deltas going into the
-latency histograms.
+The job keeps ``iodepth`` commands in flight, each slot owning one preallocated buffer: on the batch
+engine's queues (initiator/engine.py) through completion callbacks without a Task or Future per I/O
+(initiator/bench/batch.py), otherwise ``iodepth`` coroutines looping issue -> await -> record; either
+way ``time.perf_counter_ns`` deltas go into the latency histograms.
 
 Stop rules follow fio: ``size`` bytes (one pass over the region) or ``runtime`` seconds, whichever
 comes first; with ``time_based`` the job loops over the region until ``runtime``. I/O issued during
@@ -21,6 +22,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from initiator.bench.batch import BatchDriver
 from initiator.bench.cpu import rusage_seconds
 from initiator.bench.jobspec import BenchError, ConnectSpec, JobSpec
 from initiator.bench.results import JobResult
@@ -139,7 +141,11 @@ class JobRunner:
         if timer is None:
             self._measure_start()
         try:
-            await self._gather(self._slot)
+            batch = BatchDriver.for_runner(self)
+            if batch is not None:
+                await batch.run()
+            else:
+                await self._gather(self._slot)
         finally:
             if timer is not None:
                 timer.cancel()

@@ -62,6 +62,34 @@ class LatencyHistogram:
         self.total += ns
         self.total_sq += ns * ns
 
+    def record_many(self, samples: list[int]) -> None:
+        """``record`` of each sample, in one loop (the bench's batch path keeps its samples in a list)."""
+        if not samples:
+            return
+        buckets = self.buckets
+        last = PLAT_NR - 1
+        total = total_sq = 0
+        for ns in samples:
+            msb = ns.bit_length() - 1
+            if msb <= PLAT_BITS:
+                idx = ns if ns > 0 else 0
+            else:
+                error_bits = msb - PLAT_BITS
+                idx = ((error_bits + 1) << PLAT_BITS) + ((ns >> error_bits) & (PLAT_VAL - 1))
+                if idx > last:
+                    idx = last
+            buckets[idx] += 1
+            total += ns
+            total_sq += ns * ns
+        low, high = min(samples), max(samples)
+        if self.count == 0 or low < self.min:
+            self.min = low
+        if high > self.max:
+            self.max = high
+        self.count += len(samples)
+        self.total += total
+        self.total_sq += total_sq
+
     def merge(self, other: LatencyHistogram) -> None:
         if other.count == 0:
             return

@@ -61,6 +61,8 @@ class DaemonOptions:
     ceph_keyrings: list[Path] = field(default_factory=list)  # Ceph keyrings RBD namespaces may name
     rbd_images: list[dict[str, str]] = field(default_factory=list)  # default subsystem's RBD namespaces
     rbd_op_timeout: float = defaults.RBD_OP_TIMEOUT  # seconds an OSD/monitor call of an RBD namespace may take
+    tcp_engine: str = defaults.TCP_ENGINE  # NVMe/TCP data path: "batch" (target/transports/tcp_batch.py) or "stream"
+    poll_us: int = defaults.POLL_US  # batch engine: µs of busy receives after a batch before sleeping (0: off)
 
 
 def state_directory(path: Path | str | None = None) -> Path:
@@ -189,6 +191,10 @@ class _EmbeddedServer:
         self.sock.close()
 
 
+# `serve --tcp-engine`: the listener class serving NVMe/TCP in this process ("module:attr", imported at first use).
+TCP_ENGINES = {"batch": "target.transports.tcp_batch:BatchTcpListener", "stream": "target.transports.tcp:TcpListener"}
+
+
 def configure_tcp_port(target, options: DaemonOptions) -> None:
     """Hand the NVMe/TCP limits to the target's port (and raise RLIMIT_NOFILE for the connection cap
     before worker processes inherit it)."""
@@ -197,7 +203,7 @@ def configure_tcp_port(target, options: DaemonOptions) -> None:
     limits = TcpLimits(ic_timeout=options.ic_timeout, connect_timeout=options.connect_timeout,
                        max_connections=options.max_connections,
                        max_connections_per_listener=options.max_connections_per_listener,
-                       h2c_global_budget=options.h2c_budget)
+                       h2c_global_budget=options.h2c_budget, poll_us=options.poll_us)
     try:
         TcpPort.of(target).configure(limits, raise_fd_limit=True)
     except ValueError as e:
@@ -212,12 +218,16 @@ class Daemon:
         self.options = options
         if options.workers < 0:
             raise DaemonError(f"--workers {options.workers}: give 0 (one process) or a positive number of workers")
+        if options.tcp_engine not in TCP_ENGINES:
+            raise DaemonError(f"--tcp-engine {options.tcp_engine!r}: choose one of {', '.join(TCP_ENGINES)}")
+        if options.poll_us and options.tcp_engine != "batch":
+            raise DaemonError(f"--poll-us {options.poll_us} needs the batch engine (--tcp-engine batch)")
         if options.workers:
             from target.workers import PooledTarget
 
-            self.target: Target = PooledTarget(options.workers)
+            self.target: Target = PooledTarget(options.workers, tcp_engine=options.tcp_engine)
         else:
-            self.target = Target()
+            self.target = Target(transports={"tcp": TCP_ENGINES[options.tcp_engine]})
         configure_tcp_port(self.target, options)
         self.target.auth_timeout = options.auth_timeout
         from target.backends import BackendError

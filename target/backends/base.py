@@ -89,6 +89,22 @@ class Backend(ABC):
     async def write(self, offset: int, data: bytes | bytearray | memoryview, *, fua: bool = False) -> None:
         """Write ``data`` at ``offset``; with ``fua`` it is durable when this returns."""
 
+    # Synchronous fast paths for a transport that executes commands inline (the batch engine): a
+    # backend that can answer without waiting (RAM, a file's page cache) does so here; anything
+    # else says "not now" and the caller awaits ``read`` / ``write``, which always complete.
+
+    def read_nowait(self, offset: int, length: int) -> memoryview | bytes | None:
+        """``length`` bytes at ``offset`` if they are at hand without waiting, else None (then
+        await ``read``). Same range checks and errors as ``read``, and the same lifetime rule: the
+        result is the caller's until it drops every reference to it."""
+        return None
+
+    def write_nowait(self, offset: int, data: bytes | bytearray | memoryview, *, fua: bool = False) -> bool:
+        """Write ``data`` at once if that cannot wait for long, and say so; False: nothing durable
+        was promised and the caller awaits ``write`` with the same arguments (which may write
+        again what a partial attempt wrote, the same bytes)."""
+        return False
+
     @abstractmethod
     async def flush(self) -> None:
         """Make every completed write durable."""

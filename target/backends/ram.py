@@ -63,6 +63,25 @@ class MappedRam(Backend):
         # A live view, not a copy: the transport sends it straight from the RAM disk.
         return self._view[offset : offset + length]
 
+    def memory_view(self) -> memoryview | None:
+        """The whole disk as one view (None once closed), for a caller that checked the range itself
+        against ``size`` and slices it (the batch engine's reads: one slice, no call per command).
+        Valid until the next resize or close; the caller drops its slices when it has sent them."""
+        return None if self._closed else self._view
+
+    def read_nowait(self, offset: int, length: int) -> memoryview:
+        # Memory never waits: the batch engine (target/transports/tcp_batch.py) runs reads inline and
+        # sends this view of the disk itself.
+        self._check_open()
+        self._check_range(offset, length)
+        return self._view[offset : offset + length]
+
+    def write_nowait(self, offset: int, data: bytes | bytearray | memoryview, *, fua: bool = False) -> bool:
+        self._check_open()
+        self._check_write_range(offset, len(data))
+        self._view[offset : offset + len(data)] = data
+        return True
+
     async def write(self, offset: int, data: bytes | bytearray | memoryview, *, fua: bool = False) -> None:
         self._check_open()
         self._check_write_range(offset, len(data))

@@ -36,7 +36,7 @@ class ListenerFactory(Protocol):
 TransportEntry = ListenerFactory | str   # a factory, or "module:attr" naming one
 
 STANDARD_TRANSPORTS: Mapping[str, TransportEntry] = {
-    "tcp": "target.transports.tcp:TcpListener",
+    "tcp": "target.transports.tcp_batch:BatchTcpListener",   # the stream engine: tcp:TcpListener
     "rdma": "target.transports.rdma:RdmaListener",
 }
 

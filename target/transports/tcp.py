@@ -119,6 +119,7 @@ class TcpLimits:
     max_connections: int = defaults.TCP_MAX_CONNECTIONS     # across all listeners (and worker processes)
     max_connections_per_listener: int = defaults.TCP_MAX_CONNECTIONS_PER_LISTENER
     h2c_global_budget: int = defaults.TCP_H2C_GLOBAL_BUDGET  # R2T'd bytes of all connections of this process
+    poll_us: int = defaults.POLL_US   # batch engine: µs of busy receives after a batch before sleeping (--poll-us)
 
     def check(self) -> None:
         """Raise ValueError naming the option whose value cannot work."""
@@ -129,6 +130,8 @@ class TcpLimits:
                             ("--max-connections-per-listener", self.max_connections_per_listener)):
             if count < 1:
                 raise ValueError(f"{name} {count}: give at least 1 connection")
+        if self.poll_us < 0:
+            raise ValueError(f"--poll-us {self.poll_us}: give 0 (no polling) or a positive number of microseconds")
         if self.h2c_global_budget < 1:
             # Any positive budget works: one write always goes when none holds any (a budget below
             # one transfer serializes the writes, it never stops them).

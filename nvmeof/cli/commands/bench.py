@@ -261,6 +261,15 @@ def format_normal(report: Any) -> str:
               help="I/O queues per job connection.")
 @click.option("-Q", "--queue-size", "queue_size", type=click.IntRange(2, 65536), default=defaults.MAX_QUEUE_SIZE,
               help="I/O queue size.")
+@click.option("--poll-us", "poll_us", type=click.IntRange(0, 1_000_000), default=defaults.POLL_US,
+              help="Hybrid polling: after a batch, busy-try non-blocking receives this many µs before sleeping "
+                   "(0 = off; its CPU shows in the CPU-per-I/O figures).")
+@click.option("--tcp-engine", "tcp_engine", type=click.Choice(["batch", "stream"]), default=defaults.HOST_TCP_ENGINE,
+              help="Host NVMe/TCP queue implementation: batch (one socket, cid slots, one sendmsg per wake-up) or "
+                   "stream (the asyncio protocol path, for A/B).")
+@click.option("--disable-sqflow", "disable_sqflow", is_flag=True,
+              help="Connect with SQ flow control disabled (nvme-cli --disable-sqflow): the target may end a "
+                   "successful read with a C2HData SUCCESS flag instead of a CapsuleResp.")
 @dhchap_options
 def bench(**opts: Any) -> None:
     """Measure a namespace the way fio does, through the Python initiator.
@@ -292,11 +301,16 @@ def bench(**opts: Any) -> None:
         spec.validate()
     except BenchError as e:
         raise click.UsageError(str(e)) from None
+    if opts["poll_us"] and (opts["tcp_engine"] != "batch" or opts["transport"] != "tcp"):
+        raise click.UsageError(f"--poll-us {opts['poll_us']}: poll_us=N needs the TCP batch engine "
+                               f"(--transport tcp --tcp-engine batch), not --transport {opts['transport']} "
+                               f"--tcp-engine {opts['tcp_engine']}")
     cspec = ConnectSpec(
         transport=opts["transport"], traddr=opts["traddr"], trsvcid=opts["trsvcid"], subnqn=opts["nqn"],
         hostnqn=opts["hostnqn"], hdr_digest=opts["hdr_digest"], data_digest=opts["data_digest"],
         nr_io_queues=opts["nr_io_queues"], queue_size=opts["queue_size"],
         dhchap_secret=opts["dhchap_secret"], dhchap_ctrl_secret=opts["dhchap_ctrl_secret"],
+        engine=opts["tcp_engine"], poll_us=opts["poll_us"], disable_sqflow=opts["disable_sqflow"],
     )
     show = opts["eta"] == "always" or (opts["eta"] == "auto" and sys.stderr.isatty())
     progress = None

@@ -1,0 +1,665 @@
+"""The batch engine of a host NVMe/TCP queue (``connect(..., engine="batch")``, the default over TCP).
+
+:class:`BatchQueue` is a :class:`initiator.queue.HostQueue` that owns its socket instead of an asyncio
+transport, the way SPDK's initiator (lib/nvme/nvme_tcp.c) drives a qpair from its poller:
+
+- one wake-up reads everything available with ``recv_into`` into one preallocated buffer, parses every
+  complete PDU, and sends what the handlers queued (new commands, H2CData, a TermReq) in one ``sendmsg``
+  of a list of buffers (capsule headers and views of the caller's data, never joined);
+- commands started with :meth:`BatchQueue.start` use command slots indexed by cid, allocated once (SPDK's
+  ``struct nvme_tcp_req`` array): no Future, Task or dict per command, the capsule PDU is packed with one
+  precompiled ``struct`` into the cid's own reused 72-byte buffer, and the completion is a callback;
+- the CapsuleResp and C2HData of those commands are parsed here from their fixed headers; C2HData goes
+  straight into the caller's buffer (a payload missing at least ``TCP_DIRECT_PLACEMENT_MIN`` bytes is
+  received into it directly);
+- every other PDU (ICResp, R2T, TermReq, anything for a :meth:`submit` command, anything malformed) goes
+  to the sans-IO ``TcpConnection``, which checks and parses it exactly as on the stream path. With header
+  or data digests the slot commands go through ``TcpConnection`` too (it checks the digests);
+- hybrid polling (``poll_us``): after a batch that sent commands, keep trying a non-blocking receive for
+  up to ``poll_us`` µs before sleeping in the selector (SPDK pollers, the kernel's busy-poll).
+
+The fast parser makes the checks ``TcpConnection`` makes for these PDUs (nvme_tcp_handle_c2h_data,
+nvme_tcp_process_nvme_cqe): a PDU whose header is not exactly the expected layout is handed to
+``TcpConnection``, which reports the framing error; a C2HData of a slot command at the wrong offset, too
+long, or with SUCCESS but not LAST fails the queue with the same FES/FEI and H2CTermReq.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import struct
+import time
+from collections.abc import Callable
+from typing import Any
+
+from initiator.queue import CommandTimeout, HostQueue, TransportError
+from nvmeof import defaults
+from nvmeof.spec.nvme import (
+    SGL_ID_INCAPSULE,
+    SGL_ID_TRANSPORT,
+    SQE_FLAGS_PSDT_SGL,
+    Command,
+    Completion,
+    Direction,
+)
+from nvmeof.spec.tcp import (
+    CAPSULE_CMD_HEADER_SIZE,
+    CAPSULE_RESP_SIZE,
+    DATA_LAST,
+    DATA_PDU_HEADER_SIZE,
+    DATA_SUCCESS,
+    OFF_DATAL,
+    OFF_DATAO,
+    OFF_FLAGS,
+    FatalErrorStatus,
+    PduType,
+)
+from nvmeof.status import NvmeError, Status
+
+log = logging.getLogger(__name__)
+
+RECV_BUFFER_SIZE = 512 * 1024
+COMPACT_BELOW = 64 * 1024       # free room at the buffer's end under which the unparsed tail moves to the front
+SENDMSG_MAX_BUFFERS = 512       # below IOV_MAX (1024)
+POLL_MAX_BATCHES = 256          # batches one poll may handle before it yields to the event loop
+
+Callback = Callable[[Any, BaseException | None], None]
+"""callback(token, error): error None on success, NvmeError for a failed status, TransportError when the
+queue broke."""
+
+# The CapsuleCmd PDU as one layout: common header, then the SQE (nvmeof.spec.nvme._SQE with the SGL Data
+# Block descriptor of Command.make_sgl unfolded). tests/test_engine.py checks it against Command.to_bytes.
+_CMD_PDU = struct.Struct("<BBBBI" "BBHIIIQ" "QI3xB" "IIIIII")
+assert _CMD_PDU.size == CAPSULE_CMD_HEADER_SIZE
+_CMD = PduType.CAPSULE_CMD.value
+_C2H = PduType.C2H_DATA.value
+_CMD_HLEN = CAPSULE_CMD_HEADER_SIZE
+_RSP_LEN = CAPSULE_RESP_SIZE
+_DATA_HLEN = DATA_PDU_HEADER_SIZE
+# A CapsuleResp without header digest, as one little-endian integer: type, flags 0, hlen, pdo 0, plen.
+_RSP_KEY = struct.unpack("<Q", struct.pack("<BBBBI", PduType.CAPSULE_RESP.value, 0, _RSP_LEN, 0, _RSP_LEN))[0]
+# A C2HData without digests: type, flags other than LAST and SUCCESS clear, hlen, pdo = hlen.
+_C2H_MASK = 0xFFFFFFFF & ~((DATA_LAST | DATA_SUCCESS) << 8)
+_C2H_KEY = _C2H | (_DATA_HLEN << 16) | (_DATA_HLEN << 24)
+_unpack_le64 = struct.Struct("<Q").unpack_from
+_unpack_le32 = struct.Struct("<I").unpack_from
+_unpack_cid_status = struct.Struct("<HH").unpack_from
+_unpack_data_hdr = struct.Struct("<BBBBIHHII4x").unpack_from
+_DIRECT_MIN = defaults.TCP_DIRECT_PLACEMENT_MIN
+_M32 = 0xFFFFFFFF
+
+
+class BatchQueue(HostQueue):
+    """A HostQueue over its own non-blocking socket, with cid-indexed command slots (see the module doc).
+
+    :meth:`submit` works as on HostQueue (a Future per command: admin commands, the public I/O API);
+    :meth:`start` is the batch path. Open it with :func:`open_batch_queue`.
+    """
+
+    def __init__(self, qid: int, *, poll_us: int = defaults.POLL_US, **kwargs: Any) -> None:
+        super().__init__(qid, **kwargs)
+        if poll_us < 0:
+            raise ValueError(f"poll_us must be >= 0 (0 = no polling), got {poll_us}")
+        self.poll_us = poll_us
+        self._recv = memoryview(bytearray(0))   # HostQueue's asyncio receive buffer: unused here
+        self._sock: socket.socket | None = None
+        self._fd = -1
+        self._rbuf = bytearray(RECV_BUFFER_SIZE)
+        self._rmv = memoryview(self._rbuf)
+        self._rstart = 0          # unparsed received bytes are _rbuf[_rstart:_rend]
+        self._rend = 0
+        self._debt = 0            # bytes of a PDU TcpConnection is receiving that are still to come
+        self._direct: memoryview | None = None   # rest of a slot's C2HData payload, received in place
+        self._direct_cid = 0
+        self._direct_flags = 0
+        self._wq: list[Any] = []     # slot PDUs queued for the next flush
+        self._wpend: list[Any] = []  # what a short sendmsg left, sent when the socket is writable
+        self._sends = 0              # sendmsg calls so far (the poller continues after a batch that sent)
+        self._fast = False           # slot PDUs parsed here: READY without digests
+        self._max_data = self._conn.max_data
+        self._polling = False
+        self._closing = False
+        depth = self.queue_size - 1
+        # Command slots by cid, allocated once. _cb[cid] is None when the cid is no slot command.
+        self._cb: list[Callback | None] = [None] * depth
+        self._tok: list[Any] = [None] * depth
+        self._dbuf: list[memoryview | None] = [None] * depth  # read: destination; write: source
+        self._dnext = [0] * depth        # read: where the next C2HData must start
+        self._dend = [0] * depth         # read: the buffer length
+        self._via = [False] * depth      # sent through TcpConnection (digests, R2T writes)
+        self._serr: list[NvmeError | None] = [None] * depth
+        self._stamp = [0] * depth        # the timeout tick a slot command started in
+        self._tick = 0
+        self._pdu = [bytearray(_CMD_HLEN) for _ in range(depth)]
+
+    # ---- opening -------------------------------------------------------------------------------
+
+    def attach(self, sock: socket.socket) -> None:
+        """Take over a connected socket (non-blocking from now on) and start reading it."""
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._closed_future = loop.create_future()
+        sock.setblocking(False)
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock = sock
+        self._fd = sock.fileno()
+        loop.add_reader(self._fd, self._on_readable)
+
+    async def initialize(self, timeout: float | None) -> None:
+        await super().initialize(timeout)
+        hdgst, ddgst = self._conn.hdgst, self._conn.ddgst
+        self._fast = not hdgst and not ddgst
+        self._max_data = self._conn.max_data
+
+    @property
+    def inflight(self) -> int:
+        # every cid not free is a submit() command (in _pending, cancelled ones included) or a slot
+        return len(self._cb) - len(self._free_cids)
+
+    @property
+    def _slots_inflight(self) -> int:
+        return len(self._cb) - len(self._free_cids) - len(self._pending)
+
+    @property
+    def sockname(self) -> Any:
+        return self._sock.getsockname() if self._sock is not None else None
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free_cids)
+
+    # ---- the batch path ------------------------------------------------------------------------
+
+    def start(self, opcode: int, nsid: int, slba: int, nlb: int, buf: memoryview, write: bool,
+              callback: Callback, token: Any) -> None:
+        """Queue one Read/Write-like LBA command on a free cid; ``callback(token, error)`` runs once it is
+        done. ``buf`` is a byte memoryview of exactly the transfer (the destination of a read, the source
+        of a write). Sent at the end of this wake-up (or by :meth:`kick`). IndexError when no cid is free
+        (the caller keeps at most ``queue_size - 1`` in flight), the TransportError when broken."""
+        if self._error is not None:
+            raise self._error
+        cid = self._free_cids.pop()
+        n = len(buf)
+        self._cb[cid] = callback
+        self._tok[cid] = token
+        # Timeouts without a clock read per command: the cid is stamped with the current tick of a timer
+        # that ticks every timeout/2 while slots are in flight; one stamped two ticks ago has waited at
+        # least the timeout (at most 1.5 times it) and breaks the queue (see _check_timeouts).
+        self._stamp[cid] = self._tick
+        if self._timer is None and self.timeout is not None:
+            assert self._loop is not None
+            self._arm_timer(self._loop.time() + self.timeout / 2)
+        if self._fast and (not write or n <= self.incapsule_size):
+            self._via[cid] = False
+            pdu = self._pdu[cid]
+            if write:
+                self._dbuf[cid] = None
+                self._dend[cid] = 0
+                _CMD_PDU.pack_into(pdu, 0, _CMD, 0, _CMD_HLEN, _CMD_HLEN, _CMD_HLEN + n, opcode, SQE_FLAGS_PSDT_SGL,
+                                   cid, nsid, 0, 0, 0, 0, n, SGL_ID_INCAPSULE, slba & _M32, slba >> 32, nlb - 1,
+                                   0, 0, 0)
+                self._wq += (pdu, buf)
+            else:
+                self._dbuf[cid] = buf
+                self._dnext[cid] = 0
+                self._dend[cid] = n
+                _CMD_PDU.pack_into(pdu, 0, _CMD, 0, _CMD_HLEN, 0, _CMD_HLEN, opcode, SQE_FLAGS_PSDT_SGL, cid, nsid,
+                                   0, 0, 0, 0, n, SGL_ID_TRANSPORT, slba & _M32, slba >> 32, nlb - 1, 0, 0, 0)
+                self._wq.append(pdu)
+            self.commands_submitted += 1
+            return
+        # Digests or an R2T write: TcpConnection builds, registers and checks it; the events come back
+        # through _on_response / _on_c2h_data / _on_r2t below.
+        self._via[cid] = True
+        self._serr[cid] = None
+        self._dbuf[cid] = buf
+        cmd = Command(opcode, cid=cid, nsid=nsid, cdw10=slba & _M32, cdw11=slba >> 32, cdw12=nlb - 1)
+        if write and n <= self.incapsule_size:
+            cmd.dptr = Command.make_sgl(SGL_ID_INCAPSULE, 0, n)
+            self._conn.send_command(cmd.to_bytes(), buf)
+        else:
+            cmd.dptr = Command.make_sgl(SGL_ID_TRANSPORT, 0, n)
+            self._conn.send_command(cmd.to_bytes(), None, direction=Direction.H2C if write else Direction.C2H,
+                                    data_len=n)
+        self.commands_submitted += 1
+
+    def kick(self) -> None:
+        """Send what :meth:`start` queued outside a wake-up of this queue (then poll, with poll_us)."""
+        self._flush()
+        if self.poll_us:
+            self._poll()
+
+    def _retire_slot(self, cid: int) -> tuple[Callback, Any]:
+        cb, tok = self._cb[cid], self._tok[cid]
+        assert cb is not None
+        self._cb[cid] = None
+        self._tok[cid] = None
+        self._dbuf[cid] = None
+        self._free_cids.append(cid)
+        if self._cid_waiters:
+            self._wake_cid_waiter()
+        return cb, tok
+
+    def _slot_done(self, cid: int, cqe: Completion | None) -> None:
+        """Complete slot ``cid``: ``cqe`` None is a C2HData SUCCESS (no CapsuleResp)."""
+        err: NvmeError | None = self._serr[cid] if self._via[cid] else None
+        if err is None and cqe is not None and cqe.status_code != Status.SUCCESS:
+            err = NvmeError(cqe.status_code, f"{self.name} cid {cid}", dnr=cqe.dnr, more=cqe.more, result=cqe.dw0)
+        cb, tok = self._retire_slot(cid)
+        cb(tok, err)
+
+    # ---- receive -------------------------------------------------------------------------------
+
+    def _on_readable(self) -> None:
+        if self._error is not None:
+            return
+        try:
+            if self._receive():
+                self._process()
+                if self.poll_us and self._error is None:
+                    self._poll()
+        except Exception as exc:
+            # A bug here (or in a slot callback) must not leave the commands in flight hanging.
+            log.exception("%s: batch engine failure", self.name)
+            self._break(TransportError(self.name, f"batch engine failure: {exc!r}"))
+
+    def _receive(self) -> bool:
+        """One non-blocking receive; False when nothing came (or the connection is gone)."""
+        sock = self._sock
+        if sock is None:
+            return False
+        direct = self._direct
+        try:
+            if direct is not None:
+                n = sock.recv_into(direct)
+                if n:
+                    self._direct_in(n)
+                    return True
+            elif self._debt and self._rstart == self._rend and self._conn.direct_buffer() is not None:
+                dest = self._conn.direct_buffer()
+                assert dest is not None
+                n = sock.recv_into(dest[:self._debt])
+                if n:
+                    self._debt -= n
+                    self._on_events(self._conn.direct_received(n))
+                    return True
+            else:
+                end = self._rend
+                if end == self._rstart:
+                    self._rstart = self._rend = end = 0
+                elif len(self._rbuf) - end < COMPACT_BELOW:
+                    rest = bytes(self._rmv[self._rstart:end])
+                    end = len(rest)
+                    self._rbuf[:end] = rest
+                    self._rstart, self._rend = 0, end
+                n = sock.recv_into(self._rmv[end:])
+                if n:
+                    self._rend = end + n
+                    return True
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError as exc:
+            self.connection_lost(exc)
+            return False
+        self.connection_lost(None)
+        return False
+
+    def _direct_in(self, n: int) -> None:
+        """``n`` bytes of a slot's C2HData payload arrived in place."""
+        assert self._direct is not None
+        if n < len(self._direct):
+            self._direct = self._direct[n:]
+            return
+        self._direct = None
+        if self._direct_flags & DATA_SUCCESS:
+            self._slot_done(self._direct_cid, None)
+        self._flush()
+
+    def _process(self) -> None:
+        """Parse every complete PDU received, then send what their handlers queued."""
+        mv = self._rmv
+        pos, end = self._rstart, self._rend
+        conn = self._conn
+        fast = self._fast
+        cbs = self._cb
+        via = self._via
+        free = self._free_cids
+        depth = len(cbs)
+        dbuf, dnext, dend, toks = self._dbuf, self._dnext, self._dend, self._tok
+        max_data = self._max_data
+        waiters = self._cid_waiters
+        unpack_key, unpack_cs, unpack_data = _unpack_le64, _unpack_cid_status, _unpack_data_hdr
+        rsp_key, c2h_mask, c2h_key = _RSP_KEY, _C2H_MASK, _C2H_KEY
+        while pos < end:
+            debt = self._debt
+            if debt:
+                give = debt if debt < end - pos else end - pos
+                self._debt = debt - give
+                events = conn.receive_data(mv[pos:pos + give])
+                pos += give
+                if events:
+                    self._on_events(events)
+                    if self._error is not None:
+                        break
+                continue
+            avail = end - pos
+            if avail < 8:
+                break
+            if fast:
+                key = unpack_key(mv, pos)[0]
+                if key == rsp_key:
+                    if avail < _RSP_LEN:
+                        break
+                    cid, status = unpack_cs(mv, pos + 20)
+                    if cid < depth and not via[cid]:
+                        cb = cbs[cid]
+                        if cb is not None:
+                            pos += _RSP_LEN
+                            if status & 0xFFFE:
+                                self._slot_done(cid, Completion.from_bytes(mv[pos - _RSP_LEN + 8:pos]))
+                            else:
+                                # _retire_slot, inlined: the commonest completion
+                                tok = toks[cid]
+                                cbs[cid] = toks[cid] = dbuf[cid] = None
+                                free.append(cid)
+                                if waiters:
+                                    self._wake_cid_waiter()
+                                cb(tok, None)
+                            if self._error is not None:
+                                break
+                            continue
+                elif key & c2h_mask == c2h_key:
+                    if avail < _DATA_HLEN:
+                        break
+                    _t, flags, _h, _p, plen, cid, _tt, datao, datal = unpack_data(mv, pos)
+                    if cid < depth and cbs[cid] is not None and not via[cid]:
+                        dest = dbuf[cid]
+                        stop = datao + datal
+                        if (dest is None or datao != dnext[cid] or stop > dend[cid] or plen != _DATA_HLEN + datal
+                                or not 0 < datal <= max_data or flags == DATA_SUCCESS):
+                            self._bad_c2h(mv, pos, avail, flags, plen, cid, datao, datal)
+                            break
+                        data = pos + _DATA_HLEN
+                        if avail >= plen:
+                            dest[datao:stop] = mv[data:pos + plen]
+                            dnext[cid] = stop
+                            pos += plen
+                            if flags & DATA_SUCCESS:
+                                cb, tok = self._retire_slot(cid)
+                                cb(tok, None)
+                                if self._error is not None:
+                                    break
+                            continue
+                        have = avail - _DATA_HLEN
+                        if datal - have >= _DIRECT_MIN:
+                            dest[datao:datao + have] = mv[data:end]
+                            self._direct = dest[datao + have:stop]
+                            self._direct_cid = cid
+                            self._direct_flags = flags
+                            dnext[cid] = stop
+                            pos = end
+                        break   # the rest of the PDU is still to come
+            # Not a slot PDU: TcpConnection takes it (all of it, or what is here and the rest as it comes).
+            plen = _unpack_le32(mv, pos + 4)[0]
+            need = plen if plen > 8 else 8
+            give = need if need < avail else avail
+            self._debt = need - give
+            events = conn.receive_data(mv[pos:pos + give])
+            pos += give
+            if events:
+                self._on_events(events)
+                if self._error is not None:
+                    break
+        if pos >= end:
+            pos = end = 0
+        self._rstart, self._rend = pos, end
+        if self._error is None:
+            self._flush()
+
+    def _bad_c2h(self, mv: memoryview, pos: int, avail: int, flags: int, plen: int, cid: int, datao: int,
+                 datal: int) -> None:
+        """The checks of TcpConnection._check_data_header for a slot's C2HData; fail the queue like it."""
+        fes, fei = FatalErrorStatus.INVALID_HEADER_FIELD, OFF_DATAL
+        if datal == 0:
+            reason = "C2H_DATA with datal 0"
+        elif datal > self._max_data:
+            fes, fei = FatalErrorStatus.DATA_LIMIT_EXCEEDED, 0
+            reason = f"C2H_DATA datal {datal} exceeds max_data {self._max_data}"
+        elif plen != _DATA_HLEN + datal:
+            reason = f"C2H_DATA datal {datal} disagrees with plen {plen} (pdo {_DATA_HLEN}, data digest 0)"
+        elif flags & DATA_SUCCESS and not flags & DATA_LAST:
+            fei = OFF_FLAGS
+            reason = "C2H_DATA with SUCCESS but not LAST"
+        elif self._dbuf[cid] is None:
+            fei = 8   # OFF_CCCID
+            reason = f"C2HData for cid {cid}, a command that reads no data"
+        else:
+            fes = FatalErrorStatus.DATA_OUT_OF_RANGE
+            expected, end = self._dnext[cid], self._dend[cid]
+            fei = OFF_DATAO if datao != expected else OFF_DATAL
+            reason = (f"C2HData for cid {cid} at offset {datao} length {datal}: expected offset {expected} "
+                      f"within a {end}-byte buffer")
+        self._conn.send_term_req(fes, fei, bytes(mv[pos:pos + min(avail, _DATA_HLEN)]))
+        self._flush()
+        self._break(TransportError(self.name, f"protocol error from controller: {reason}"))
+
+    # ---- slot commands through TcpConnection (digests, R2T writes) ----------------------------
+
+    def _is_slot(self, cid: int) -> bool:
+        return cid < len(self._cb) and self._cb[cid] is not None
+
+    def _on_response(self, raw: memoryview) -> None:
+        cid = raw[12] | raw[13] << 8
+        if self._is_slot(cid):
+            self._slot_done(cid, Completion.from_bytes(raw))
+        else:
+            super()._on_response(raw)
+
+    def _place(self, cccid: int, ttag: int, datao: int, datal: int) -> memoryview | None:
+        if self._is_slot(cccid):
+            buf = self._dbuf[cccid]
+            return None if buf is None else buf[datao:datao + datal]
+        return super()._place(cccid, ttag, datao, datal)
+
+    def _on_c2h_data(self, ev: Any) -> None:
+        cid = ev.cccid
+        if not self._is_slot(cid):
+            super()._on_c2h_data(ev)
+            return
+        buf = self._dbuf[cid]
+        assert buf is not None
+        if not ev.placed:
+            buf[ev.offset:ev.offset + len(ev.data)] = ev.data
+        if not ev.digest_ok and self._serr[cid] is None:
+            self._serr[cid] = NvmeError(Status.DATA_XFER_ERROR, f"{self.name} cid {cid}: data digest mismatch "
+                                        f"in C2HData at offset {ev.offset}", dnr=False)
+        if ev.success:
+            self._slot_done(cid, None)
+
+    def _on_r2t(self, ev: Any) -> None:
+        cid = ev.cccid
+        if not self._is_slot(cid):
+            super()._on_r2t(ev)
+            return
+        data = self._dbuf[cid]
+        assert data is not None
+        offset, end = ev.offset, ev.offset + ev.length
+        while offset < end:
+            n = min(self.maxh2cdata, end - offset)
+            self._conn.send_h2c_data(cid, ev.ttag, offset, data[offset:offset + n], offset + n == end)
+            offset += n
+
+    # ---- polling -------------------------------------------------------------------------------
+
+    def _flush_soon(self) -> None:
+        super()._flush_soon()
+        if self.poll_us and not self._flush_scheduled:
+            self._poll()   # a lone submit(): its answer may come within the window
+
+    def _poll(self) -> None:
+        """Busy-try non-blocking receives for up to poll_us µs; a batch that sent new commands opens a new
+        window (the bench), one that only completed commands ends it (their callers run next)."""
+        if self._polling or self._error is not None:
+            return
+        self._polling = True
+        try:
+            clock = time.perf_counter_ns
+            sched_yield = os.sched_yield
+            window = self.poll_us * 1000
+            deadline = clock() + window
+            batches = 0
+            while self._error is None and self.inflight:
+                if self._receive():
+                    sends = self._sends
+                    self._process()
+                    batches += 1
+                    if self._sends == sends or batches >= POLL_MAX_BATCHES:
+                        return
+                    deadline = clock() + window
+                elif clock() >= deadline:
+                    return
+                else:
+                    # Let a runnable peer (the target on a shared core) go first: on an idle core this
+                    # returns at once, on a busy one the spin would only delay the answer it waits for.
+                    sched_yield()
+        finally:
+            self._polling = False
+
+    # ---- send ----------------------------------------------------------------------------------
+
+    def _flush(self) -> None:
+        out = self._wq
+        more = self._conn.data_to_send()
+        if more:
+            out += more     # after the slot PDUs: a TermReq stays last
+        if not out:
+            return
+        self._wq = []
+        if self._sock is None or self._closing:
+            return
+        if self._wpend:
+            self._wpend += out
+            return
+        self._send(out)
+
+    def _send(self, bufs: list[Any]) -> None:
+        sock = self._sock
+        assert sock is not None
+        while bufs:
+            chunk = bufs if len(bufs) <= SENDMSG_MAX_BUFFERS else bufs[:SENDMSG_MAX_BUFFERS]
+            try:
+                sent = sock.sendmsg(chunk)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as exc:
+                self.connection_lost(exc)
+                return
+            self._sends += 1
+            if sent == sum(map(len, chunk)):
+                bufs = bufs[len(chunk):]
+                continue
+            i = 0
+            while sent >= len(chunk[i]):
+                sent -= len(chunk[i])
+                i += 1
+            # A short send: the rest waits for the socket to be writable, in order.
+            rest = memoryview(chunk[i]).cast("B")[sent:] if sent else chunk[i]
+            self._wpend = [rest, *chunk[i + 1:], *bufs[len(chunk):]]
+            self._write_paused = True
+            assert self._loop is not None
+            self._loop.add_writer(self._fd, self._on_writable)
+            return
+
+    def _on_writable(self) -> None:
+        assert self._loop is not None
+        pending, self._wpend = self._wpend, []
+        self._loop.remove_writer(self._fd)
+        if self._sock is None or self._closing:
+            return
+        self._send(pending)
+        if not self._wpend:
+            self._write_paused = False
+            self._wake_drain_waiters()
+
+    # ---- timeouts and teardown -----------------------------------------------------------------
+
+    def _check_timeouts(self) -> None:
+        """The queue's one timer fired: the submit() commands (HostQueue), then a tick for the slots."""
+        super()._check_timeouts()
+        if self._error is not None or not self._slots_inflight or self.timeout is None:
+            return
+        self._tick += 1
+        old = self._tick - 2
+        for cid, cb in enumerate(self._cb):
+            if cb is not None and self._stamp[cid] <= old:
+                self._break(CommandTimeout(self.name, f"cid {cid} got no completion in {self.timeout} s; the "
+                                                      "queue is torn down"))
+                return
+        assert self._loop is not None
+        tick_at = self._loop.time() + self.timeout / 2
+        if self._timer is None or tick_at < self._timer_at:
+            self._arm_timer(tick_at)
+
+    def _break(self, err: TransportError, *, close: bool = True) -> None:
+        if self._error is not None:
+            return
+        super()._break(err, close=close)
+        for cid, cb in enumerate(self._cb):
+            if cb is not None:
+                cb, tok = self._retire_slot(cid)
+                try:
+                    cb(tok, err)
+                except Exception:  # one failing callback must not keep the others waiting
+                    log.exception("%s: slot callback failed while the queue broke", self.name)
+        self._close_socket()
+
+    def _close_socket(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        sock, self._sock = self._sock, None
+        if sock is not None and self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._fd)
+            if self._wpend:
+                self._loop.remove_writer(self._fd)
+        self._wpend = []
+        if sock is not None:
+            sock.close()
+        if self._closed_future is not None and not self._closed_future.done():
+            self._closed_future.set_result(None)
+
+
+async def open_batch_queue(queue: BatchQueue, host: str, port: int, timeout: float | None) -> BatchQueue:
+    """Connect ``queue`` to ``host:port`` over its own socket and run the IC exchange."""
+    loop = asyncio.get_running_loop()
+
+    async def connect() -> socket.socket:
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
+        last: OSError | None = None
+        for family, kind, proto, _name, addr in infos:
+            sock = socket.socket(family, kind, proto)
+            sock.setblocking(False)
+            try:
+                await loop.sock_connect(sock, addr)
+                return sock
+            except OSError as exc:
+                sock.close()
+                last = exc
+            except BaseException:
+                sock.close()
+                raise
+        raise last or OSError(f"no address for {host}:{port}")
+
+    try:
+        sock = await asyncio.wait_for(connect(), timeout)
+    except TimeoutError:
+        raise TransportError(queue.name, f"TCP connect timed out after {timeout} s") from None
+    except OSError as exc:
+        raise TransportError(queue.name, f"cannot connect: {exc.strerror or exc}") from exc
+    queue.attach(sock)
+    await queue.initialize(timeout)
+    return queue

@@ -1,0 +1,827 @@
+"""NVMe/TCP batch engine: the target's TCP transport with commands run per received batch, not per event.
+
+The stream engine (target/transports/tcp.py) turns every PDU into an event, a ``Request`` and a run
+through the command lifecycle. That general path stays, unchanged, for everything; this engine puts a
+fast path in front of it for the commands that dominate a data plane and can finish at once:
+
+- per wake-up, one ``recv_into`` into the connection's preallocated receive buffer; every complete
+  CapsuleCmd of the batch is looked at with one precompiled ``struct`` layout (``CMD_FAST``; the
+  construct definitions in nvmeof/spec stay the source of truth, tests/test_tcp_batch.py proves the
+  layouts equal);
+- a Read, or a Write with in-capsule data, of an enabled namespace whose backend answers without
+  waiting (``Backend.read_nowait`` / ``write_nowait``: the RAM disk, a file's page cache) runs inline:
+  no Request, no coroutine, no Task, no Future, no closure, no dict per command. Its C2HData header
+  and CapsuleResp live in a 48-byte slot of the queue (layout ``REPLY_FAST``), made once per CID
+  (SPDK's request pools); while a CID keeps moving the same length only its SQHD is written again.
+  A RAM disk's read goes out as a view of the disk's memory (``Backend.memory_view``: no copy, no
+  call per command);
+- all replies of the wake-up leave in one ``writelines``, which `SocketTransport` turns into one
+  ``socket.sendmsg`` with the list of buffers;
+- the H2CData of a larger (R2T) Write to a RAM disk is received straight into the disk's memory
+  (the sans-IO ``place`` hook, ``_place``).
+
+Anything else (ICReq, Fabrics and admin commands, a queue that is not connected, enabled or
+authenticated yet, any command that fails a check, R2T writes and their H2CData, TermReq, a
+backend that would wait, and every connection with header or data digests) goes, from the first
+PDU the fast path does not take, through the stream engine's sans-IO ``TcpConnection`` and the
+lifecycle, so the bytes on the wire are the stream engine's: the fast path makes exactly the
+C2HData/CapsuleResp bytes ``queue_response`` makes (tests compare both engines byte for byte).
+A partial CapsuleCmd at the end of a read stays at the start of the receive buffer and completes
+with the next one (nothing is handed to the sans-IO layer that the fast path might still take).
+
+`SocketTransport` is the engine's own asyncio transport on a non-blocking socket, driven by
+``loop.add_reader``/``add_writer`` (any loop, uvloop included): receives into the protocol's
+buffer (BufferedProtocol), ``sendmsg`` of buffer lists without joining them, a backlog of views
+kept when the socket is full (pause/resume_writing at high/low water marks) and, with
+``poll_us`` (``nvmeof serve --poll-us N``), hybrid polling: after a batch it keeps trying
+non-blocking receives for up to N µs before going back to sleep in the selector (SPDK's pollers,
+the kernel's busy-poll), bounded per callback so other connections and timers still run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import errno
+import itertools
+import logging
+import os
+import select
+import socket
+import struct
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from nvmeof import defaults
+from nvmeof.spec import tcp as spec
+from nvmeof.spec.nvme import RW_FUA, SGL_ID_INCAPSULE, SGL_ID_TRANSPORT, SQE_FLAGS_PSDT_SGL, IoOpcode
+from target.core import PSDT_MASK
+from target.model import LATENCY_SHIFT
+from target.transports.tcp import RECV_BUFFER_MAX, RECV_BUFFER_MIN, TargetConnection, TcpListener
+
+if TYPE_CHECKING:
+    from target.core import Target
+    from target.model import Listener
+
+log = logging.getLogger(__name__)
+
+# --- precompiled layouts (construct definitions: nvmeof/spec/tcp.py CapsuleCmdHeader, DataPduHeader,
+# CapsuleResp; nvmeof/spec/nvme.py SQE, CQE) ------------------------------------------------------
+
+# A whole CapsuleCmd header from its first byte: the common header as one integer (compared with the
+# connection's ``fast_command_key``), then opcode, flags, cid, nsid, the SGL's length and identifier,
+# SLBA (CDW10 | CDW11 << 32) and CDW12.
+CMD_FAST = struct.Struct("<QBBHI24xI3xBQI")
+# The common header of a CapsuleCmd with in-capsule data: type, flags, hlen, pdo, plen.
+COMMON_FAST = struct.Struct("<BBBBI")
+# One slot: a C2HData header (type, flags, hlen, pdo, plen, cccid, ttag, datao, datal) followed by a
+# CapsuleResp (type, flags, hlen, pdo, plen, then the CQE: dw0, dw1, sqhd, sqid, cid, status).
+REPLY_FAST = struct.Struct("<BBBBIHHII4xBBBBIIIHHHH")
+RESP_FAST = struct.Struct("<BBBBIIIHHHH")
+SLOT_SIZE = REPLY_FAST.size   # 48
+
+_unpack_cmd = CMD_FAST.unpack_from
+_unpack_common = COMMON_FAST.unpack_from
+_unpack_u32 = struct.Struct("<I").unpack_from
+_pack_resp = RESP_FAST.pack_into
+_pack_c2h = spec.DATA_PDU_HDR.pack_into
+_pack_sqhd = struct.Struct("<H").pack_into
+_SLOT_SQHD = spec.DATA_PDU_HEADER_SIZE + 16   # the CapsuleResp's CQE SQHD (CQE bytes 8-9) in a slot
+
+_CMD = spec.PduType.CAPSULE_CMD.value
+_C2H = spec.PduType.C2H_DATA.value
+_RSP = spec.PduType.CAPSULE_RESP.value
+_CMD_HLEN = spec.CAPSULE_CMD_HEADER_SIZE
+_DATA_HLEN = spec.DATA_PDU_HEADER_SIZE
+_RSP_LEN = spec.CAPSULE_RESP_SIZE
+_LAST = spec.DATA_LAST
+_LAST_SUCCESS = spec.DATA_LAST | spec.DATA_SUCCESS
+_READ = IoOpcode.READ.value
+_WRITE = IoOpcode.WRITE.value
+_SGL_FLAGS = SQE_FLAGS_PSDT_SGL
+_MAX_TRANSFER = defaults.MAX_TRANSFER
+_SQHD_DISABLED = 0xFFFF
+_NO_OFFSET = bytes(8)
+_perf_ns = time.perf_counter_ns
+
+
+class _Slot:
+    """The reply bytes of one CID, made the first time the CID is used on the queue: a C2HData header
+    and a CapsuleResp, and a view of each (what the write list carries). Everything but SQHD stays
+    as packed while the CID keeps moving the same length, so most commands write two bytes here."""
+
+    __slots__ = ("buf", "hdr", "length", "resp")
+
+    def __init__(self, cid: int, qid: int, flow_off: bool) -> None:
+        self.buf = bytearray(SLOT_SIZE)
+        view = memoryview(self.buf)
+        self.hdr = view[:_DATA_HLEN]
+        self.resp = view[_DATA_HLEN:]
+        self.length = -1   # what the C2HData header describes; -1: not packed yet
+        _pack_resp(self.buf, _DATA_HLEN, _RSP, 0, _RSP_LEN, 0, _RSP_LEN, 0, 0, _SQHD_DISABLED if flow_off else 0,
+                   qid, cid, 0)
+
+    def pack_c2h(self, cid: int, length: int, flow_off: bool) -> None:
+        # SUCCESS stands in for the CapsuleResp only without SQ flow control (TargetConnection.queue_response)
+        _pack_c2h(self.buf, 0, _C2H, _LAST_SUCCESS if flow_off else _LAST, _DATA_HLEN, _DATA_HLEN,
+                  _DATA_HLEN + length, cid, 0, 0, length)
+        self.length = length
+
+
+def _disk_destination(req: Any) -> memoryview | None:
+    """Where a Write's data belongs in its namespace's memory (a RAM disk), if it has one."""
+    ns = req.ns
+    if req.cmd.opcode != _WRITE or ns is None or not ns.writable:
+        return None
+    memory_view = getattr(ns.backend, "memory_view", None)
+    disk = memory_view() if memory_view is not None else None
+    if disk is None:
+        return None
+    offset = req.cmd.slba << ns.lba_shift
+    if offset + req.data_len > len(disk):
+        return None   # resized meanwhile: the write's own checks report it
+    return disk[offset:offset + req.data_len]
+
+
+class BatchMixin:
+    """The batch fast path in front of a TargetConnection (see the module docstring); mixed into the
+    connection classes of this process, of ``--workers`` (main and worker processes) and of tests."""
+
+    # The stream engine's state this mixin reads (TargetConnection sets them).
+    conn: Any
+    queue: Any
+    transport: Any
+    _recv: memoryview
+    _recv_direct: bool
+    _closed: bool
+    _deadline: Any
+
+    def _batch_init(self) -> None:
+        self._carry = 0                       # bytes of a partial CapsuleCmd kept at the start of _recv
+        self._slots: dict[int, _Slot] = {}    # cid -> its reply slot, made once
+        self._fast_sgl = SGL_ID_TRANSPORT if SGL_ID_TRANSPORT in self.queue.ops.sgl_types else -1
+        self.fast_commands = 0                # commands the fast path completed (tests, diagnostics)
+
+    # --- BufferedProtocol -----------------------------------------------------------------------
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        buf = super().get_buffer(sizehint)   # type: ignore[misc]
+        carry = self._carry
+        # A carry exists only while the sans-IO connection holds nothing (no payload being placed), so
+        # ``buf`` is the receive buffer: the next read goes behind the carried bytes.
+        return buf[carry:] if carry else buf
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._recv_direct:
+            super().buffer_updated(nbytes)   # type: ignore[misc]
+            return
+        buf = self._recv
+        size = len(buf)
+        total = self._carry + nbytes
+        self._carry = 0
+        if total == size:
+            if size < RECV_BUFFER_MAX:
+                # The read filled the buffer, so more is waiting: take it in fewer, larger reads.
+                self._recv = memoryview(bytearray(min(size * 4, RECV_BUFFER_MAX)))
+        elif size > RECV_BUFFER_MIN and total < RECV_BUFFER_MIN:
+            self._recv = memoryview(bytearray(RECV_BUFFER_MIN))
+        self._receive(buf[:total])
+
+    def data_received(self, data: bytes | memoryview) -> None:
+        """Bytes handed over without get_buffer (a transport that is not buffered)."""
+        if self._carry:
+            joined = bytes(self._recv[:self._carry]) + bytes(data)
+            self._carry = 0
+            data = joined
+        mv = data if isinstance(data, memoryview) else memoryview(data)
+        self._receive(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv)
+
+    # --- H2CData straight into a RAM disk ---------------------------------------------------------
+
+    def _place(self, cccid: int, ttag: int, datao: int, datal: int) -> memoryview | None:
+        """A Write's H2CData payloads go straight into the RAM disk's memory where its data lands
+        (nvmet's bdev path DMAs into the page the same way); its execute then copies nothing new.
+        A write that fails part way leaves its blocks undefined, as NVMe allows."""
+        pending = self._h2c.get(ttag)   # type: ignore[attr-defined]
+        if pending is not None and pending.buf is None and datao == 0:
+            pending.buf = _disk_destination(pending.req)
+        return super()._place(cccid, ttag, datao, datal)   # type: ignore[misc]
+
+    # --- the fast path --------------------------------------------------------------------------
+
+    def _receive(self, mv: memoryview) -> None:
+        end = len(mv)
+        pos = 0
+        while not self._closed:
+            if self._fast_ready():
+                pos = self._fast(mv, pos)
+            rest = end - pos
+            if not rest or self._closed or self._fast_tail(mv, pos, rest):
+                return
+            # One whole PDU the fast path did not take goes through the stream engine, then the fast
+            # path goes on; a PDU cut by the end of the read (or anything while the sans-IO layer
+            # holds bytes) goes there with everything after it.
+            if rest >= 8 and self.conn.idle_ready():
+                plen = _unpack_u32(mv, pos + 4)[0]
+                if 8 <= plen <= rest:
+                    self._stream(mv[pos:pos + plen])
+                    pos += plen
+                    continue
+            self._stream(mv[pos:] if pos else mv)
+            return
+
+    def _stream(self, data: memoryview) -> None:
+        """Bytes for the stream engine: the data_received of the connection class this is mixed into."""
+        super().data_received(data)   # type: ignore[misc]
+
+    def _fast_ready(self) -> bool:
+        """The queue may take the fast path now: an I/O queue of an enabled, authenticated controller,
+        past its Connect, no digests, and the sans-IO connection at a PDU boundary with nothing held."""
+        queue = self.queue
+        ctrl = queue.ctrl
+        if ctrl is None or not queue.qid or self._deadline is not None:
+            return False
+        conn = self.conn
+        if conn.hdgst or conn.ddgst or not conn.idle_ready():
+            return False
+        auth = queue.auth
+        return (auth is None or auth.authenticated) and bool(ctrl.enabled)
+
+    def _fast_tail(self, mv: memoryview, pos: int, rest: int) -> bool:
+        """Keep a CapsuleCmd the fast path may take, cut by the end of this read, at the start of the
+        receive buffer (where the next read appends); False hands the rest to the sans-IO connection."""
+        if not self._fast_ready():
+            return False
+        if rest >= 8:
+            ptype, flags, hlen, pdo, plen = _unpack_common(mv, pos)
+            if ptype != _CMD or flags or hlen != _CMD_HLEN or rest >= plen:
+                return False
+            if not ((pdo == 0 and plen == _CMD_HLEN) or (pdo == _CMD_HLEN and plen <= self.queue.max_incapsule + pdo)):
+                return False
+            if plen >= len(self._recv):
+                return False
+        elif mv[pos] != _CMD:
+            return False
+        self._recv[:rest] = mv[pos:pos + rest]
+        self._carry = rest
+        return True
+
+    def _fast(self, mv: memoryview, pos: int) -> int:
+        """Run the commands of ``mv`` from ``pos`` on that the fast path can finish; return where it stopped."""
+        start = _perf_ns()
+        queue = self.queue
+        ctrl = queue.ctrl
+        ctrl.keep_alive()   # nvmet: any command counts (once per batch is the same)
+        namespaces = ctrl.subsystem.namespaces
+        key = self.conn.fast_command_key
+        fast_sgl = self._fast_sgl
+        max_incapsule = queue.max_incapsule
+        slots = self._slots
+        qid = queue.qid
+        flow_off = queue.sqflow_disabled
+        sqsize = queue.sqsize + 1
+        sqhd = queue.sqhd
+        out: list[Any] = []
+        append = out.append
+        last_nsid = -1
+        ns: Any = None
+        disk: memoryview | None = None
+        read_nowait: Any = None
+        write_nowait: Any = None
+        shift = nsze = 0
+        writable = False
+        end = len(mv)
+        reads = writes = read_bytes = write_bytes = 0
+        done_reads = done_writes = done_read_bytes = 0   # of the namespaces counted before the current one
+        wrap = sqsize if sqsize > 1 else 0x10000   # SQHD wraps at the queue size (nvmet_update_sq_head)
+        while end - pos >= _CMD_HLEN:
+            head, opcode, flags, cid, nsid, sgl_len, sgl_id, slba, cdw12 = _unpack_cmd(mv, pos)
+            # The hot lane: a RAM-disk read of the namespace and length this CID had last time. Every
+            # check of the general path below, in the fewest steps; anything else goes there.
+            if (head == key and opcode == _READ and nsid == last_nsid and disk is not None and sgl_id == fast_sgl
+                    and flags & PSDT_MASK == _SGL_FLAGS):
+                nlb = (cdw12 & 0xFFFF) + 1
+                length = nlb << shift
+                slot = slots.get(cid)
+                if slot is not None and slot.length == length and slba + nlb <= nsze and sgl_len == length:
+                    offset = slba << shift
+                    pos += _CMD_HLEN
+                    reads += 1
+                    read_bytes += length
+                    if flow_off:
+                        out += (slot.hdr, disk[offset:offset + length])
+                    else:
+                        sqhd += 1
+                        if sqhd == wrap:
+                            sqhd = 0
+                        _pack_sqhd(slot.buf, _SLOT_SQHD, sqhd)
+                        out += (slot.hdr, disk[offset:offset + length], slot.resp)
+                    continue
+            if head == key:
+                plen = _CMD_HLEN
+                if opcode != _READ or sgl_id != fast_sgl:
+                    break
+            else:
+                ptype, pflags, hlen, pdo, plen = _unpack_common(mv, pos)
+                if (ptype != _CMD or pflags or hlen != _CMD_HLEN or pdo != _CMD_HLEN or opcode != _WRITE
+                        or sgl_id != SGL_ID_INCAPSULE or plen - _CMD_HLEN > max_incapsule or end - pos < plen):
+                    break
+            if flags & PSDT_MASK != _SGL_FLAGS:
+                break
+            if nsid != last_nsid:
+                if last_nsid != -1:
+                    self._count(ns, reads, read_bytes, writes, write_bytes, start)
+                    done_reads += reads
+                    done_writes += writes
+                    done_read_bytes += read_bytes
+                    reads = writes = read_bytes = write_bytes = 0
+                    start = _perf_ns()
+                ns = namespaces.get(nsid)
+                if ns is None or not ns.enabled:
+                    break
+                backend = ns.backend
+                memory_view = getattr(backend, "memory_view", None)
+                disk = memory_view() if memory_view is not None else None
+                read_nowait = backend.read_nowait
+                write_nowait = backend.write_nowait
+                shift = ns.lba_shift
+                nsze = ns.nsze
+                writable = ns.writable
+                last_nsid = nsid
+            nlb = (cdw12 & 0xFFFF) + 1
+            length = nlb << shift
+            if slba + nlb > nsze or length > _MAX_TRANSFER or sgl_len != length:
+                break
+            if opcode == _READ:
+                if disk is not None:
+                    offset = slba << shift
+                    data = disk[offset:offset + length]   # in range: checked against NSZE above
+                else:
+                    try:
+                        data = read_nowait(slba << shift, length)
+                    except Exception:   # the stream path runs it again and reports the error
+                        break
+                    if data is None or len(data) != length:
+                        break
+                reads += 1
+                read_bytes += length
+            else:
+                if not writable or plen - _CMD_HLEN != length or mv[pos + 32:pos + 40] != _NO_OFFSET:
+                    break   # the SGL's offset must be 0 (ICDOFF); anything odd: the stream path says why
+                try:
+                    if not write_nowait(slba << shift, mv[pos + _CMD_HLEN:pos + plen], fua=bool(cdw12 & RW_FUA)):
+                        break
+                except Exception:
+                    break
+                writes += 1
+                write_bytes += length
+            pos += plen
+            slot = slots.get(cid)
+            if slot is None:
+                slot = slots[cid] = _Slot(cid, qid, flow_off)
+            # TargetQueue.complete (nvmet_update_sq_head), then TargetConnection.queue_response
+            if opcode == _READ:
+                if slot.length != length:
+                    slot.pack_c2h(cid, length, flow_off)
+                append(slot.hdr)
+                append(data)
+                if flow_off:
+                    continue   # C2HData with SUCCESS: no CapsuleResp
+            if not flow_off:
+                sqhd += 1
+                if sqhd == wrap:
+                    sqhd = 0
+                _pack_sqhd(slot.buf, _SLOT_SQHD, sqhd)
+            append(slot.resp)
+        if last_nsid != -1 and ns is not None and (reads or writes):
+            self._count(ns, reads, read_bytes, writes, write_bytes, start)
+        if out:
+            if not flow_off:
+                queue.sqhd = sqhd
+            reads += done_reads
+            writes += done_writes
+            self.fast_commands += reads + writes
+            transport = self.transport
+            if transport is not None:
+                send_batch = getattr(transport, "send_batch", None)
+                if send_batch is not None:
+                    # per read: C2HData header, data and (with SQ flow control) CapsuleResp; per write: CapsuleResp
+                    wire = read_bytes + done_read_bytes + (reads + writes) * _RSP_LEN
+                    send_batch(out, wire if flow_off else wire + reads * _RSP_LEN)
+                else:
+                    transport.writelines(out)
+        return pos
+
+    def _count(self, ns: Any, reads: int, read_bytes: int, writes: int, write_bytes: int, start: int) -> None:
+        """The namespace's and the host's counters for one batch of one namespace (target/io.py counts
+        per command): each command's latency is the batch's inline time shared out equally."""
+        done = reads + writes
+        if not done:
+            return
+        each = (_perf_ns() - start) // done
+        bucket = (each >> LATENCY_SHIFT).bit_length()
+        host = self.queue.ctrl.host_stats
+        for stats in (ns.stats, host):
+            if reads:
+                stats.reads += reads
+                stats.read_bytes += read_bytes
+                stats.read_latency_ns += each * reads
+                stats.read_hist[bucket] += reads
+            if writes:
+                stats.writes += writes
+                stats.write_bytes += write_bytes
+                stats.write_latency_ns += each * writes
+                stats.write_hist[bucket] += writes
+
+
+# --- the socket transport -----------------------------------------------------------------------
+
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
+_TRY_AGAIN = (BlockingIOError, InterruptedError)
+
+
+class SocketTransport(asyncio.Transport):
+    """A non-blocking TCP socket as an asyncio transport for a BufferedProtocol (see the module
+    docstring). Closing flushes the backlog first; ``abort`` drops it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, protocol: Any, *,
+                 poll_us: int = 0) -> None:
+        super().__init__()
+        self._loop = loop
+        self._sock = sock
+        self._fd = sock.fileno()
+        self._protocol = protocol
+        self._poll_ns = max(0, poll_us) * 1000
+        self._slice_ns = max(self._poll_ns, defaults.TCP_POLL_SLICE_US * 1000)
+        if self._poll_ns:
+            self._poller = select.poll()
+            self._poller.register(self._fd, select.POLLIN)
+        self._backlog: collections.deque[memoryview] = collections.deque()
+        self._backlog_bytes = 0
+        self._high = defaults.TCP_WRITE_HIGH_WATER
+        self._low = defaults.TCP_WRITE_LOW_WATER
+        self._write_paused = False
+        self._reading = False
+        self._closing = False
+        self._lost = False
+        self._extra: dict[str, Any] = {"socket": sock}
+        with contextlib.suppress(OSError):
+            self._extra["peername"] = sock.getpeername()
+        with contextlib.suppress(OSError):
+            self._extra["sockname"] = sock.getsockname()
+        sock.setblocking(False)
+        protocol.connection_made(self)
+        if not self._closing:
+            self.resume_reading()
+
+    # --- BaseTransport ------------------------------------------------------------------------------
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self._extra.get(name, default)
+
+    def is_closing(self) -> bool:
+        return self._closing
+
+    def close(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        self._stop_reading()
+        if not self._backlog:
+            self._release_fd()
+            self._loop.call_soon(self._connection_lost, None)
+
+    def abort(self) -> None:
+        self._force_close(None)
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self._protocol = protocol
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        return self._protocol
+
+    # --- reading ------------------------------------------------------------------------------------
+
+    def is_reading(self) -> bool:
+        return self._reading
+
+    def pause_reading(self) -> None:
+        self._stop_reading()
+
+    def resume_reading(self) -> None:
+        if self._reading or self._closing:
+            return
+        self._reading = True
+        self._loop.add_reader(self._fd, self._read_ready)
+
+    def _stop_reading(self) -> None:
+        if self._reading:
+            self._reading = False
+            self._loop.remove_reader(self._fd)
+
+    def _read_ready(self) -> None:
+        if not self._recv_once() or not self._poll_ns:
+            return
+        # Hybrid polling: more may come within poll_us; a receive that finds it saves the sleep and
+        # wake-up of the selector. Bounded per callback: other connections and timers must run.
+        # poll(0) asks without the exception a non-blocking recv raises when nothing is there (4x cheaper).
+        ready = self._poller.poll
+        now = _perf_ns()
+        stop = now + self._slice_ns
+        deadline = now + self._poll_ns
+        while self._reading and now < deadline and now < stop:
+            if ready(0) and self._recv_once():
+                deadline = _perf_ns() + self._poll_ns
+            now = _perf_ns()
+
+    def _recv_once(self) -> bool:
+        """One non-blocking receive into the protocol's buffer; False when nothing came."""
+        protocol = self._protocol
+        try:
+            buf = protocol.get_buffer(-1)
+            n = self._sock.recv_into(buf)
+        except _TRY_AGAIN:
+            return False
+        except OSError as exc:
+            self._force_close(exc)
+            return False
+        if not n:
+            self._stop_reading()
+            if not protocol.eof_received():
+                self.close()
+            return False
+        protocol.buffer_updated(n)
+        return True
+
+    # --- writing ------------------------------------------------------------------------------------
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.writelines((data,))
+
+    def send_batch(self, bufs: list[Any], nbytes: int) -> None:
+        """``writelines`` of a list whose total size the caller knows (the batch engine's replies): one
+        sendmsg, and nothing to count unless the socket took less."""
+        if self._closing or self._lost:
+            return
+        if not self._backlog and len(bufs) <= _IOV_MAX:
+            try:
+                sent = self._sock.sendmsg(bufs)
+            except _TRY_AGAIN:
+                sent = 0
+            except OSError as exc:
+                self._force_close(exc)
+                return
+            if sent == nbytes:
+                return
+            self._queue_after(bufs, sent)
+            return
+        self.writelines(bufs)
+
+    def _queue_after(self, bufs: list[Any], sent: int) -> None:
+        """Queue what follows the first ``sent`` bytes of ``bufs``."""
+        for i, buf in enumerate(bufs):
+            size = buf.nbytes if type(buf) is memoryview else len(buf)
+            if sent < size:
+                self._queue(bufs[i:], sent)
+                return
+            sent -= size
+
+    def writelines(self, list_of_data: Iterable[bytes | bytearray | memoryview]) -> None:
+        if self._closing or self._lost:
+            return
+        bufs = list_of_data if isinstance(list_of_data, list) else list(list_of_data)
+        if self._backlog:
+            self._queue(bufs, 0)
+            return
+        count = len(bufs)
+        start = 0
+        while start < count:
+            chunk = bufs if not start and count <= _IOV_MAX else bufs[start:start + _IOV_MAX]
+            try:
+                sent = self._sock.sendmsg(chunk)
+            except _TRY_AGAIN:
+                sent = 0
+            except OSError as exc:
+                self._force_close(exc)
+                return
+            # Skip the buffers that went whole; queue the rest from the first one that did not.
+            whole = 0
+            for buf in chunk:
+                size = buf.nbytes if type(buf) is memoryview else len(buf)
+                if sent < size:
+                    break
+                sent -= size
+                whole += 1
+            start += whole
+            if whole < len(chunk):
+                self._queue(bufs[start:], sent)
+                return
+
+    def _queue(self, bufs: list[Any], skip: int) -> None:
+        """Keep what the socket did not take (views, no copy: a backend's result is ours to hold)."""
+        backlog = self._backlog
+        was_empty = not backlog
+        for i, buf in enumerate(bufs):
+            view = memoryview(buf).cast("B") if not isinstance(buf, memoryview) or buf.format != "B" else buf
+            if i == 0 and skip:
+                view = view[skip:]
+            if len(view):
+                backlog.append(view)
+                self._backlog_bytes += len(view)
+        if was_empty and backlog:
+            self._loop.add_writer(self._fd, self._write_ready)
+        if not self._write_paused and self._backlog_bytes > self._high:
+            self._write_paused = True
+            with contextlib.suppress(Exception):
+                self._protocol.pause_writing()
+
+    def _write_ready(self) -> None:
+        backlog = self._backlog
+        while backlog:
+            chunk = list(itertools.islice(backlog, _IOV_MAX))
+            try:
+                sent = self._sock.sendmsg(chunk)
+            except _TRY_AGAIN:
+                return
+            except OSError as exc:
+                self._force_close(exc)
+                return
+            self._backlog_bytes -= sent
+            for _ in range(len(chunk)):
+                head = backlog[0]
+                if sent < len(head):
+                    backlog[0] = head[sent:]
+                    return   # the socket is full again: wait for the next writable
+                sent -= len(head)
+                backlog.popleft()
+        self._loop.remove_writer(self._fd)
+        if self._write_paused and self._backlog_bytes <= self._low:
+            self._write_paused = False
+            with contextlib.suppress(Exception):
+                self._protocol.resume_writing()
+        if self._closing:
+            self._release_fd()
+            self._connection_lost(None)
+
+    def get_write_buffer_size(self) -> int:
+        return self._backlog_bytes
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return self._low, self._high
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        self._high = defaults.TCP_WRITE_HIGH_WATER if high is None else high
+        self._low = self._high // 4 if low is None else low
+
+    def can_write_eof(self) -> bool:
+        return False
+
+    def write_eof(self) -> None:
+        raise NotImplementedError("NVMe/TCP never half-closes")
+
+    # --- teardown -----------------------------------------------------------------------------------
+
+    def _force_close(self, exc: Exception | None) -> None:
+        if self._lost:
+            return
+        self._closing = True
+        self._stop_reading()
+        if self._backlog:
+            self._backlog.clear()
+            self._backlog_bytes = 0
+            self._loop.remove_writer(self._fd)
+        self._release_fd()
+        self._loop.call_soon(self._connection_lost, exc)
+
+    def _release_fd(self) -> None:
+        """Close the descriptor now, not at connection_lost: a listener evicting or refusing connections
+        while it accepts a burst must get their descriptors back at once (RLIMIT_NOFILE)."""
+        self._sock.close()
+
+    def _connection_lost(self, exc: Exception | None) -> None:
+        if self._lost:
+            return
+        self._lost = True
+        if self._backlog:
+            self._backlog.clear()
+            self._loop.remove_writer(self._fd)
+        try:
+            self._protocol.connection_lost(exc)
+        finally:
+            self._sock.close()
+            self._protocol = None
+
+
+# --- connections and the listener ---------------------------------------------------------------
+
+
+class BatchConnection(BatchMixin, TargetConnection):
+    """The controller end of one NVMe/TCP queue on the batch engine."""
+
+    def __init__(self, target: Target, listener: Listener | None = None, *, on_lost: Any = None) -> None:
+        TargetConnection.__init__(self, target, listener, on_lost=on_lost)
+        self._batch_init()
+
+
+def attach_socket(conn: Any, sock: socket.socket, poll_us: int) -> SocketTransport:
+    """Serve an accepted (or handed-over) socket with ``conn`` on the running loop."""
+    return SocketTransport(asyncio.get_running_loop(), sock, conn, poll_us=poll_us)
+
+
+class BatchTcpListener(TcpListener):
+    """Accepts NVMe/TCP connections itself (``loop.add_reader`` on the listening sockets) and serves
+    each on a `SocketTransport` with a batch connection, within the port's caps."""
+
+    connection_class: type[TargetConnection] = BatchConnection   # type: ignore[assignment]
+
+    def __init__(self, target: Target, listener: Listener) -> None:
+        super().__init__(target, listener)
+        self._socks: list[socket.socket] = []
+        self._accept_paused: asyncio.TimerHandle | None = None
+
+    @property
+    def port(self) -> int:
+        if not self._socks:
+            return self.listener.trsvcid
+        return int(self._socks[0].getsockname()[1])
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.port_state.check_fds()
+        host = self.listener.traddr or None
+        try:
+            infos = await loop.getaddrinfo(host, self.listener.trsvcid, family=socket.AF_UNSPEC,
+                                           type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+            seen: set[Any] = set()
+            for family, kind, proto, _name, addr in infos:
+                if (family, addr) in seen:
+                    continue
+                seen.add((family, addr))
+                sock = socket.socket(family, kind, proto)
+                self._socks.append(sock)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)   # as asyncio's create_server
+                sock.bind(addr)
+                sock.listen(defaults.TCP_LISTEN_BACKLOG)
+                sock.setblocking(False)
+        except OSError as exc:
+            self._close_socks()
+            raise OSError(exc.errno, f"cannot listen on {self.listener.id}: {exc.strerror or exc}") from exc
+        for sock in self._socks:
+            loop.add_reader(sock.fileno(), self._accept, sock)
+        log.info("NVMe/TCP listening on %s:%d%s (batch engine%s)", self.listener.traddr, self.port,
+                 " (discovery)" if self.listener.discovery else "",
+                 f", polling {self.port_state.limits.poll_us} µs" if self.port_state.limits.poll_us else "")
+
+    def _accept(self, lsock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        for _ in range(defaults.TCP_LISTEN_BACKLOG):
+            try:
+                sock, _addr = lsock.accept()
+            except _TRY_AGAIN:
+                return
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    # Out of descriptors or memory: stop accepting for a second (asyncio does the same).
+                    log.warning("NVMe/TCP listener %s cannot accept: %s; retrying in 1 s", self.listener.id, exc)
+                    self._pause_accepting(loop)
+                return
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                attach_socket(self._factory(), sock, self.port_state.limits.poll_us)
+            except Exception:
+                log.exception("NVMe/TCP listener %s: cannot serve an accepted connection", self.listener.id)
+                sock.close()
+
+    def _pause_accepting(self, loop: asyncio.AbstractEventLoop) -> None:
+        for sock in self._socks:
+            loop.remove_reader(sock.fileno())
+
+        def resume() -> None:
+            self._accept_paused = None
+            for sock in self._socks:
+                loop.add_reader(sock.fileno(), self._accept, sock)
+
+        self._accept_paused = loop.call_later(1.0, resume)
+
+    def _close_socks(self) -> None:
+        with contextlib.suppress(RuntimeError):
+            loop = asyncio.get_running_loop()
+            for sock in self._socks:
+                with contextlib.suppress(Exception):
+                    loop.remove_reader(sock.fileno())
+        for sock in self._socks:
+            sock.close()
+        self._socks = []
+
+    async def stop(self) -> None:
+        if self._accept_paused is not None:
+            self._accept_paused.cancel()
+            self._accept_paused = None
+        self._close_socks()
+        for conn in list(self.connections):
+            conn.abort()
+        self.connections.clear()

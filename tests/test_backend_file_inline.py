@@ -1,0 +1,239 @@
+"""File backend data path (issue 12): page-cache hits served on the event loop, everything that may
+wait on the thread pool, pooled read buffers that are never reused while referenced. Which path a
+call took is counted (``io_counts``), never timed."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+
+from target.backends import FileBackend
+from target.backends import file as filemod
+from target.backends.buffers import BufferPool
+
+MiB = 1 << 20
+NOWAIT = getattr(os, "RWF_NOWAIT", None)
+needs_nowait = pytest.mark.skipif(NOWAIT is None, reason="this Python has no os.RWF_NOWAIT")
+
+
+@pytest.fixture
+def disk(tmp_path):
+    """A 4 MiB file with known contents, written through the page cache (so it is cached)."""
+    path = tmp_path / "disk.img"
+    data = os.urandom(4 * MiB)
+    path.write_bytes(data)
+    f = FileBackend(path)
+    if not f._nowait_read:
+        f.close()
+        pytest.skip("this file system does not take RWF_NOWAIT reads (tmpfs)")
+    yield f, data
+    f.close()
+
+
+def _nowait_spy(monkeypatch, *, read_errno=None, read_short=None, write_errno=None):
+    """os.preadv/os.pwritev wrapped: every call is recorded; RWF_NOWAIT reads may be made to fail with
+    ``read_errno`` or to return only ``read_short`` bytes, RWF_NOWAIT writes to fail with ``write_errno``."""
+    calls: list[tuple[str, int]] = []
+    real_preadv, real_pwritev = os.preadv, os.pwritev
+
+    def preadv(fd, buffers, offset, flags=0):
+        calls.append(("preadv", flags))
+        if flags and read_short is not None:
+            return real_preadv(fd, [memoryview(buffers[0])[:read_short]], offset)
+        if flags and read_errno is not None:
+            raise OSError(read_errno, os.strerror(read_errno))
+        return real_preadv(fd, buffers, offset, flags)
+
+    def pwritev(fd, buffers, offset, flags=0):
+        calls.append(("pwritev", flags))
+        if flags == NOWAIT and write_errno is not None:
+            raise OSError(write_errno, os.strerror(write_errno))
+        return real_pwritev(fd, buffers, offset, flags)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    monkeypatch.setattr(os, "pwritev", pwritev)
+    return calls
+
+
+# --- the buffer pool ---------------------------------------------------------------------------------
+
+
+def test_pool_reuses_an_idle_buffer_and_never_one_still_referenced():
+    pool = BufferPool(4096, 2)
+    a = pool.take(100)
+    b = pool.take(4096)
+    assert len(a) == 100 and len(b) == 4096 and a.obj is not b.obj and len(pool) == 2
+    held = a[10:20]            # a slice of a view keeps the buffer busy too
+    del a
+    c = pool.take(10)          # both pooled buffers are referenced: a one-off
+    assert c.obj is not held.obj and c.obj is not b.obj and pool.misses == 1
+    del b, c
+    d = pool.take(50)
+    assert d.obj is not held.obj and len(pool) == 2 and pool.misses == 1
+    first = id(held.obj)
+    del held
+    e = pool.take(50)
+    assert id(e.obj) == first  # back once the last view of it went
+    big = pool.take(8192)      # longer than a pooled buffer: a one-off
+    assert len(big) == 8192 and pool.misses == 2 and len(pool) == 2
+
+
+async def test_a_read_result_is_not_overwritten_while_held(disk):
+    f, data = disk
+    first = await f.read(0, 4096)
+    second = await f.read(8192, 4096)
+    assert bytes(first) == data[:4096] and bytes(second) == data[8192:12288]
+    assert first.obj is not second.obj
+    del first, second
+    for i in range(20):        # sequential reads that drop their result reuse the pool
+        assert bytes(await f.read(i * 4096, 4096)) == data[i * 4096:(i + 1) * 4096]
+    assert f.io_counts()["pool_buffers"] <= 3 and f.io_counts()["pool_misses"] == 0
+
+
+# --- reads -------------------------------------------------------------------------------------------
+
+
+@needs_nowait
+async def test_a_page_cache_hit_is_served_inline(disk):
+    f, data = disk
+    assert bytes(await f.read(MiB, 4096)) == data[MiB:MiB + 4096]
+    assert bytes(await f.read(2 * MiB, 128 * 1024)) == data[2 * MiB:2 * MiB + 128 * 1024]
+    buf = memoryview(bytearray(4096))
+    await f.read_into(3 * MiB, buf)
+    assert bytes(buf) == data[3 * MiB:3 * MiB + 4096]
+    got = f.read_nowait(512, 1024)
+    assert got is not None and bytes(got) == data[512:1536]
+    assert f.io_counts()["inline"] == 4 and f.io_counts()["thread"] == 0
+
+
+@needs_nowait
+async def test_eagain_goes_to_the_thread_pool(disk, monkeypatch):
+    f, data = disk
+    calls = _nowait_spy(monkeypatch, read_errno=errno.EAGAIN)
+    assert bytes(await f.read(4096, 4096)) == data[4096:8192]
+    assert calls == [("preadv", NOWAIT), ("preadv", 0)]
+    assert f.io_counts()["inline"] == 0 and f.io_counts()["thread"] == 1
+    assert f.read_nowait(4096, 4096) is None           # the engine then awaits read()
+    assert f._nowait_read                              # EAGAIN is "not now", not "never"
+
+
+@needs_nowait
+async def test_a_short_nowait_read_finishes_on_the_thread_pool(disk, monkeypatch):
+    f, data = disk
+    calls = _nowait_spy(monkeypatch, read_short=1000)
+    assert bytes(await f.read(10_000, 4096)) == data[10_000:14_096]
+    assert calls == [("preadv", NOWAIT), ("preadv", 0)] and f.io_counts()["thread"] == 1
+
+
+@needs_nowait
+async def test_a_cold_read_takes_the_thread_path(tmp_path):
+    path = tmp_path / "cold.img"
+    data = os.urandom(8 * MiB)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.pwrite(fd, data, 0)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)   # clean pages leave the page cache
+        try:
+            os.preadv(fd, [bytearray(4096)], 6 * MiB, NOWAIT)
+            pytest.skip("the page cache kept the file after POSIX_FADV_DONTNEED")
+        except BlockingIOError:
+            pass
+    finally:
+        os.close(fd)
+    f = FileBackend(path)
+    try:
+        assert bytes(await f.read(2 * MiB, 4096)) == data[2 * MiB:2 * MiB + 4096]
+        assert f.io_counts()["thread"] == 1 and f.io_counts()["inline"] == 0
+        assert bytes(await f.read(2 * MiB, 4096)) == data[2 * MiB:2 * MiB + 4096]   # cached now
+        assert f.io_counts()["thread"] == 1 and f.io_counts()["inline"] == 1
+    finally:
+        f.close()
+
+
+async def test_without_rwf_nowait_every_read_takes_the_thread_path(tmp_path, monkeypatch):
+    monkeypatch.setattr(filemod, "_RWF_NOWAIT", None)
+    path = tmp_path / "old.img"
+    data = os.urandom(MiB)
+    path.write_bytes(data)
+    f = FileBackend(path)
+    try:
+        calls = _nowait_spy(monkeypatch)
+        assert bytes(await f.read(4096, 8192)) == data[4096:12288]
+        assert f.read_nowait(0, 4096) is None
+        buf = memoryview(bytearray(100))
+        await f.read_into(7, buf)
+        assert bytes(buf) == data[7:107]
+        assert all(flags == 0 for _, flags in calls)
+        assert f.io_counts()["thread"] == 2 and f.io_counts()["inline"] == 0
+        # writes: small page-aligned ones still inline (buffered copy), the rest on the thread pool
+        await f.write(8192, b"\x11" * 4096)
+        await f.write(100, b"\x22" * 512)
+        await f.write(0, b"\x33" * (128 * 1024), fua=False)
+        assert f.io_counts()["inline"] == 1 and f.io_counts()["thread"] == 4
+        assert bytes(await f.read(0, 128 * 1024)) == b"\x33" * (128 * 1024)
+    finally:
+        f.close()
+
+
+async def test_an_unsupported_nowait_read_is_remembered(disk, monkeypatch):
+    f, data = disk
+    calls = _nowait_spy(monkeypatch, read_errno=errno.EOPNOTSUPP)
+    assert bytes(await f.read(0, 4096)) == data[:4096]
+    assert bytes(await f.read(4096, 4096)) == data[4096:8192]
+    assert [c for c in calls if c[1]] == [("preadv", NOWAIT)] and not f._nowait_read
+    assert f.io_counts()["thread"] == 2
+
+
+# --- writes ------------------------------------------------------------------------------------------
+
+
+async def test_writes_inline_and_on_the_thread_pool(tmp_path, monkeypatch):
+    path = tmp_path / "w.img"
+    f = FileBackend(path, size=4 * MiB, create=True)
+    try:
+        calls = _nowait_spy(monkeypatch)
+        assert f.write_nowait(4096, b"\x44" * 4096)
+        await f.write(8192, b"\x55" * 4096)
+        assert f.io_counts() == {**f.io_counts(), "inline": 2, "thread": 0}
+        assert not f.write_nowait(0, b"x" * 4096, fua=True)      # FUA waits for the device: never inline
+        await f.write(0, b"\x66" * 4096, fua=True)
+        await f.flush()
+        assert f.io_counts()["inline"] == 2 and f.io_counts()["thread"] >= 2
+        assert path.read_bytes()[:12288] == b"\x66" * 4096 + b"\x44" * 4096 + b"\x55" * 4096
+        assert ("preadv", 0) not in calls
+    finally:
+        f.close()
+
+
+@needs_nowait
+async def test_a_nowait_write_that_would_block_goes_to_the_thread_pool(tmp_path, monkeypatch):
+    path = tmp_path / "wb.img"
+    f = FileBackend(path, size=MiB, create=True)
+    try:
+        f._nowait_write = True   # as on XFS/btrfs, which take RWF_NOWAIT buffered writes
+        calls = _nowait_spy(monkeypatch, write_errno=errno.EAGAIN)
+        await f.write(0, b"\x77" * 4096)
+        assert calls == [("pwritev", NOWAIT), ("pwritev", 0)] and f._nowait_write
+        assert f.io_counts()["thread"] == 1 and f.io_counts()["inline"] == 0
+        assert not f.write_nowait(4096, b"\x78" * 4096)
+        assert path.read_bytes()[:4096] == b"\x77" * 4096
+    finally:
+        f.close()
+
+
+async def test_nowait_calls_check_ranges_read_only_and_closed(tmp_path):
+    from target.backends import BackendError
+
+    path = tmp_path / "ro.img"
+    path.write_bytes(bytes(8192))
+    f = FileBackend(path, read_only=True)
+    with pytest.raises(BackendError, match="past the end"):
+        f.read_nowait(8192, 1)
+    with pytest.raises(BackendError, match="read-only"):
+        f.write_nowait(0, b"x")
+    f.close()
+    with pytest.raises(BackendError, match="closed"):
+        f.read_nowait(0, 1)

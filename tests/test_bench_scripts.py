@@ -1,0 +1,132 @@
+"""benchmarks/run.py goals, benchmarks/ab.py summaries and the ping-pong baseline (issue 12), without
+measuring anything long: the figures here are made up or come from a fraction of a second."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import ab  # noqa: E402
+import harness  # noqa: E402
+import run  # noqa: E402
+
+
+def _ours(iops: float, lat_us: float, tgt: float | None, ini: float) -> dict:
+    return {"iops": iops, "bw_bytes": iops * 4096, "mean_lat_ns": lat_us * 1e3, "target_cpu_us_per_io": tgt,
+            "initiator_cpu_us_per_io": ini}
+
+
+def _entry(name: str, ours: dict | None, base: dict | None, *, iodepth: int = 32, poll_us: int = 0,
+           skipped: str | None = None) -> dict:
+    e = {"name": name, "iodepth": iodepth, "poll_us": poll_us, "nvmeof": ours, "baseline": base}
+    if skipped:
+        e["skipped"] = skipped
+        return e
+    e["throughput_ratio"] = ours["bw_bytes"] / base["bw_bytes"]
+    e["latency_ratio"] = ours["mean_lat_ns"] / base["mean_lat_ns"]
+    return e
+
+
+def test_goals_say_met_missed_info_and_skipped_with_their_figures() -> None:
+    raw = {"iops": 100.0, "bw_bytes": 100.0 * 4096, "mean_lat_ns": 50e3, "server_cpu_us_per_io": 8.0,
+           "client_cpu_us_per_io": 10.0}
+    results = [
+        _entry("4k-randread-qd32", _ours(90, 300, 4.5, 6.0), raw),
+        _entry("4k-randread-qd1", _ours(10, 100, 50.0, 60.0), raw, iodepth=1),
+        _entry("4k-randread-qd1-poll", None, None, iodepth=1, poll_us=100, skipped="no --poll-us here"),
+        _entry("128k-read-qd8", _ours(95, 300, 50.0, 50.0), raw),
+        _entry("file-4k-randread-qd32", _ours(45, 300, 9.0, 6.0), _ours(90, 300, 4.5, 6.0)),
+    ]
+    by_goal = {g["goal"]: g for g in run.goals({r["name"]: r for r in results})}
+    assert by_goal["4K randread QD32 target CPU <= 5 us/IO"]["status"] == "met"
+    init = by_goal["4K randread QD32 initiator CPU <= 5 us/IO"]
+    assert init["status"] == "MISSED" and "6.0 us/IO (raw TCP client 10.0 us/IO, 0.60x" in init["figures"]
+    assert by_goal["4k-randread-qd1-poll"] == {"goal": "4k-randread-qd1-poll", "status": "skipped", "met": False,
+                                               "figures": "no --poll-us here"}
+    qd1 = next(g for g in by_goal.values() if g["goal"].startswith("4K QD1 mean latency without polling"))
+    assert qd1["status"] == "info" and "= 2.00x" in qd1["figures"]
+    seq = by_goal["128K seq read >= 90% of raw TCP throughput"]
+    assert seq["status"] == "met" and "= 95 %" in seq["figures"]
+    file_row = by_goal["file-4k-randread-qd32 next to RAM (file in the page cache)"]
+    assert file_row["status"] == "info" and "= 0.50x" in file_row["figures"]
+
+
+def test_goals_of_a_polled_row_compare_with_the_same_polling() -> None:
+    ping = {"iops": 1.0, "bw_bytes": 4096.0, "mean_lat_ns": 20e3, "server_cpu_us_per_io": 20.0,
+            "client_cpu_us_per_io": 20.0}
+    for lat, status in ((29.0, "met"), (31.0, "MISSED")):
+        r = _entry("4k-randread-qd1-poll", _ours(1, lat, 30.0, 30.0), ping, iodepth=1, poll_us=50)
+        (g,) = run.goals({r["name"]: r})
+        assert g["status"] == status and "(poll 50 us)" in g["figures"]
+
+
+def test_an_unknown_row_is_refused_with_the_list() -> None:
+    with pytest.raises(SystemExit, match=r"unknown --only row.*nope.*4k-randread-qd1-poll"):
+        run.select(["nope"])
+    assert [j.name for j in run.select(["file-128k-read-qd8"])] == ["file-128k-read-qd8"]
+
+
+def test_ab_summary_gives_medians_and_b_over_a() -> None:
+    raw = {"iops": 100.0, "bw_bytes": 100.0 * 4096, "mean_lat_ns": 50e3}
+    a = [_entry("r", _ours(v, 100, 20.0, 30.0), raw) for v in (100, 120, 110)]
+    b = [_entry("r", _ours(v, 50, 10.0, 15.0), raw) for v in (220, 200)]
+    s = ab.summarize("r", a, b)
+    assert s["iops"]["a"] == 110 and s["iops"]["b"] == 210 and s["iops"]["b/a"] == pytest.approx(210 / 110)
+    assert s["target_cpu_us_per_io"]["b/a"] == 0.5 and s["mean_lat_ns"]["b/a"] == 0.5
+    assert s["vs_baseline"] == {"a": 1.1, "b": 2.1, "kind": "throughput"}
+    skipped = ab.summarize("p", [_entry("p", None, None, iodepth=1, skipped="why")], b)
+    assert skipped["a_skipped"] == "why" and skipped["iops"]["a"] is None and skipped["iops"]["b/a"] is None
+    assert skipped["vs_baseline"]["kind"] == "latency"
+
+
+@pytest.mark.parametrize("poll_us", [0, 20])
+def test_the_ping_pong_baseline_answers_with_and_without_polling(poll_us: int) -> None:
+    port = harness.free_port()
+    cmd = [sys.executable, str(BENCH / "baseline.py"), "pingserve", "--port", str(port), "--poll-us", str(poll_us)]
+    with harness.running(cmd, port, "ping-pong server") as server:
+        out = harness.run_json([sys.executable, str(BENCH / "baseline.py"), "pingpong", "--port", str(port),
+                                "--poll-us", str(poll_us), "--runtime", "0.2", "--ramp", "0",
+                                "--server-pid", str(server.pid)], "ping-pong client", 60)
+    assert out["poll_us"] == poll_us and out["ios"] > 0 and out["mean_lat_ns"] > 0
+    assert out["bw_bytes"] == pytest.approx(out["iops"] * 4096)
+    assert out["server_cpu_us_per_io"] is not None
+
+
+def test_options_of_the_measured_tree_are_read_from_its_help() -> None:
+    assert harness.cli_supports("bench", "--iodepth")
+    assert not harness.cli_supports("serve", "--no-such-option-anywhere")
+
+
+def test_a_tree_that_is_no_checkout_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match=f"--tree {tmp_path}: not a checkout"):
+        harness.set_tree(tmp_path)
+    assert harness.TREE == harness.ROOT
+
+
+def test_sizes_read_like_the_ramdisk_option() -> None:
+    assert harness.parse_size("256M") == 256 << 20 and harness.parse_size("1g") == 1 << 30
+    assert harness.parse_size("4096") == 4096 and harness.parse_size("64KiB") == 64 << 10
+
+
+def test_ab_refuses_a_path_that_is_no_tree(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, str(BENCH / "ab.py"), "--a", str(tmp_path), "--b", str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "not a checkout of this project" in out.stderr
+
+
+def test_pinning_reads_two_cpu_lists_and_refuses_cpus_not_available() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    assert run.parse_pin("0:1", ap) == ({0}, {1}) and run.parse_pin("0,2:1,3", ap) == ({0, 2}, {1, 3})
+    with pytest.raises(SystemExit):
+        run.parse_pin("0-1", ap)
+    with pytest.raises(SystemExit, match=r"--pin: CPU\(s\) \[4096\] are not available"):
+        harness.set_pinning({4096}, None)
+    assert harness.PIN == {}

@@ -1,0 +1,357 @@
+"""The NVMe/TCP batch engine (target/transports/tcp_batch.py) against the stream engine it shortcuts.
+
+- its precompiled struct layouts read and write what the construct definitions do;
+- scripted sessions (reads and in-capsule writes on a RAM disk, errors, admin commands, R2T writes,
+  SQ flow control on and off, PDUs cut at every byte) give the host exactly the bytes the stream
+  engine gives, and the fast path really ran;
+- over real sockets (its own listener and SocketTransport, with and without --poll-us), the
+  initiator reads back what it wrote, digests included (those take the stream engine's PDU code).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+from typing import Any
+
+import pytest
+import test_fast_paths
+from target_host import SUBNQN, TinyHost, admin_session, make_target, open_tcp
+from test_fast_paths import RecordingHost, _batch, _rd, _wr
+
+from nvmeof.spec import nvme as nvme_spec
+from nvmeof.spec import tcp as spec
+from nvmeof.spec.nvme import SGL_ID_INCAPSULE, SGL_ID_TRANSPORT, Command, IoOpcode
+from target.backends.ram import RamBackend
+from target.model import Listener, Namespace
+from target.transports import loop as loop_transport
+from target.transports import tcp_batch
+from target.transports.tcp_batch import CMD_FAST, REPLY_FAST, RESP_FAST, BatchMixin, BatchTcpListener
+
+
+class BatchLoopConnection(BatchMixin, loop_transport.LoopConnection):
+    """The batch engine over the in-memory loop transport (the stream engine's test harness)."""
+
+    instances: list[BatchLoopConnection] = []
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._batch_init()
+        BatchLoopConnection.instances.append(self)
+
+
+def _use_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    BatchLoopConnection.instances = []
+    monkeypatch.setattr(loop_transport, "LoopConnection", BatchLoopConnection)
+
+
+def _fast_count() -> int:
+    return sum(c.fast_commands for c in BatchLoopConnection.instances)
+
+
+# --- layouts --------------------------------------------------------------------------------------
+
+
+def test_command_layout_equals_construct() -> None:
+    rng = random.Random(12)
+    for _ in range(50):
+        sqe_fields = {"opcode": rng.randrange(256), "flags": rng.randrange(256), "cid": rng.randrange(1 << 16),
+                      "nsid": rng.randrange(1 << 32), "cdw2": rng.randrange(1 << 32), "cdw3": rng.randrange(1 << 32),
+                      "mptr": rng.randrange(1 << 64), "dptr": rng.randbytes(16), "cdw10": rng.randrange(1 << 32),
+                      "cdw11": rng.randrange(1 << 32), "cdw12": rng.randrange(1 << 32), "cdw13": 0, "cdw14": 0,
+                      "cdw15": 0}
+        sqe = nvme_spec.SQE.build(sqe_fields)
+        pdu = spec.CapsuleCmdHeader.build({"ch": {"type": spec.PduType.CAPSULE_CMD, "flags": 0, "hlen": 72,
+                                                  "pdo": 0, "plen": 72}, "sqe": sqe})
+        head, opcode, flags, cid, nsid, sgl_len, sgl_id, slba, cdw12 = CMD_FAST.unpack_from(pdu)
+        assert head == int.from_bytes(spec.CommonHeader.build({"type": spec.PduType.CAPSULE_CMD, "flags": 0,
+                                                                "hlen": 72, "pdo": 0, "plen": 72}), "little")
+        parsed = nvme_spec.SQE.parse(spec.CapsuleCmdHeader.parse(pdu).sqe)
+        sgl = nvme_spec.SglDataBlock.parse(parsed.dptr)
+        assert (opcode, flags, cid, nsid) == (parsed.opcode, parsed.flags, parsed.cid, parsed.nsid)
+        assert (sgl_len, sgl_id) == (sgl.length, parsed.dptr[15])
+        assert slba == parsed.cdw10 | parsed.cdw11 << 32 and cdw12 == parsed.cdw12
+    assert CMD_FAST.size <= spec.CAPSULE_CMD_HEADER_SIZE
+
+
+def test_reply_layout_equals_construct() -> None:
+    buf = bytearray(REPLY_FAST.size)
+    REPLY_FAST.pack_into(buf, 0, spec.PduType.C2H_DATA, 0x0C, 24, 24, 24 + 4096, 77, 0, 0, 4096,
+                         spec.PduType.CAPSULE_RESP, 0, 24, 0, 24, 0, 0, 9, 3, 77, 0)
+    hdr = spec.DataPduHeader.parse(bytes(buf[:24]))
+    assert (hdr.ch.type, hdr.ch.flags, hdr.ch.hlen, hdr.ch.pdo, hdr.ch.plen) == (spec.PduType.C2H_DATA, 0x0C, 24,
+                                                                                     24, 24 + 4096)
+    assert (hdr.cccid, hdr.ttag, hdr.datao, hdr.datal) == (77, 0, 0, 4096)
+    resp = spec.CapsuleResp.parse(bytes(buf[24:]))
+    assert (resp.ch.type, resp.ch.hlen, resp.ch.plen) == (spec.PduType.CAPSULE_RESP, 24, 24)
+    cqe = nvme_spec.CQE.parse(resp.cqe)
+    assert (cqe.dw0, cqe.dw1, cqe.sqhd, cqe.sqid, cqe.cid, cqe.status) == (0, 0, 9, 3, 77, 0)
+    # the CapsuleResp alone (writes) is the slot's second half
+    alone = bytearray(RESP_FAST.size)
+    RESP_FAST.pack_into(alone, 0, spec.PduType.CAPSULE_RESP, 0, 24, 0, 24, 0, 0, 9, 3, 77, 0)
+    assert alone == buf[24:]
+
+
+# --- byte for byte against the stream engine --------------------------------------------------------
+
+
+async def test_fast_paths_session_same_bytes(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tests/test_fast_paths.py's scripted session (RAM and file namespaces, R2T writes, compares,
+    admin commands, errors) on both engines."""
+    (tmp_path / "s").mkdir()
+    (tmp_path / "b").mkdir()
+    stream = await test_fast_paths._session(tmp_path / "s", True, monkeypatch)
+    _use_batch(monkeypatch)
+    batch = await test_fast_paths._session(tmp_path / "b", True, monkeypatch)
+    assert batch[:3] == stream[:3]
+    assert _fast_count() > 0
+
+
+async def _io_recording(tgt: Any, cntlid: int, *, sqflow_off: bool) -> RecordingHost:
+    _, host = await loop_transport.create_loop_connection(tgt, RecordingHost)
+    assert isinstance(host, RecordingHost)
+    await asyncio.wait_for(host.ready, 5)
+    res = await host.connect(SUBNQN, qid=1, cntlid=cntlid, sqsize=63, cattr=4 if sqflow_off else 0)
+    assert res.status == 0
+    return host
+
+
+def _send_cut(host: RecordingHost, sends: list[tuple[Any, ...]], rng: random.Random) -> list[asyncio.Future[Any]]:
+    """Queue the commands and deliver their bytes to the target in random pieces (1 byte to 300)."""
+    host.hold = True
+    futs = [host.send(cmd, data, read_len=read_len) for cmd, data, read_len in sends]
+    wire = b"".join(bytes(b) for b in host.conn.data_to_send())
+    host.hold = False
+    assert host.transport is not None
+    pos = 0
+    while pos < len(wire):
+        n = rng.choice((1, 7, 8, 60, 71, 72, 73, 300, 5000))
+        host.transport.write(wire[pos:pos + n])
+        pos += n
+    return futs
+
+
+async def _script(sqflow_off: bool, cut: bool) -> tuple[bytes, list[Any]]:
+    tgt = make_target()
+    sub = tgt.subsystems[SUBNQN]
+    sub.namespaces[3] = Namespace(3, RamBackend(1 << 20, read_only=True))
+    admin, cntlid = await admin_session(tgt, SUBNQN)
+    rec = await _io_recording(tgt, cntlid, sqflow_off=sqflow_off)
+    rng = random.Random(3)
+    a = random.Random(1).randbytes(4096)
+    big = random.Random(2).randbytes(32 * 1024)
+    bad_sgl = Command(IoOpcode.READ, nsid=1, cdw10=0, cdw12=0)
+    bad_sgl.dptr = Command.make_sgl(SGL_ID_INCAPSULE, 0, 512)
+    short_sgl = Command(IoOpcode.READ, nsid=1, cdw10=0, cdw12=1)
+    short_sgl.dptr = Command.make_sgl(SGL_ID_TRANSPORT, 0, 512)
+    batches = [
+        [_wr(0, a), _rd(0, 8), _rd(2, 1), _wr(8, a[:512]), _rd(8, 1), _rd(0, 8)],
+        [_rd(2047, 2), _rd(0, 1, nsid=9), _rd(5, 3), _wr(0, a, nsid=3), _rd(0, 1, nsid=3), _rd(1, 1)],
+        [(bad_sgl, None, 0), (short_sgl, None, 0), _rd(1, 1), (Command(IoOpcode.FLUSH, nsid=1), None, 0), _rd(3, 1)],
+        [_wr(100, big), _rd(100, 64), _rd(0, 8)] + [_rd(i, 1) for i in range(40)],
+        # the same CIDs again (each batch starts at cid 1): the slots' hot lane, and a length change
+        [_rd(100, 64), _rd(0, 8)] + [_rd(i, 1) for i in range(40, 80)],
+        [_rd(100, 64), _rd(0, 2)] + [_rd(i, 1) for i in range(40)] + [_rd(3000, 1), _rd(5, 1)],
+        [_rd(7, 64), _wr(3, a[:1024]), _rd(0, 8)] + [_rd(i, 1, nsid=3 if i % 5 == 0 else 1) for i in range(40)],
+    ]
+    seen: list[Any] = []
+    for sends in batches:
+        rec.next_cid = 1   # CIDs are free again once their batch completed
+        if cut:
+            futs = _send_cut(rec, sends, rng)
+            results = await asyncio.wait_for(asyncio.gather(*futs), 10)
+            seen += [(r.status, r.data) for r in results]
+        else:
+            seen += await _batch(rec, sends)
+    for h in (admin, rec):
+        h.close()
+    await asyncio.sleep(0.05)
+    await tgt.close()
+    return bytes(rec.received), seen
+
+
+@pytest.mark.parametrize("sqflow_off", [False, True])
+@pytest.mark.parametrize("cut", [False, True])
+async def test_script_same_bytes(monkeypatch: pytest.MonkeyPatch, sqflow_off: bool, cut: bool) -> None:
+    stream = await _script(sqflow_off, cut)
+    _use_batch(monkeypatch)
+    batch = await _script(sqflow_off, cut)
+    assert batch[1] == stream[1]
+    assert batch[0] == stream[0]
+    assert _fast_count() >= 150
+    statuses = [s for s, _ in batch[1]]
+    assert statuses.count(0) < len(statuses)   # the errors were answered as errors
+
+
+# --- real sockets -------------------------------------------------------------------------------------
+
+
+async def _listen(tgt: Any, poll_us: int) -> BatchTcpListener:
+    from target.transports.tcp import TcpLimits, TcpPort
+
+    TcpPort.of(tgt).configure(TcpLimits(poll_us=poll_us))
+    server = BatchTcpListener(tgt, Listener("tcp", "ipv4", "127.0.0.1", 0, portid=1))
+    await server.start()
+    return server
+
+
+@pytest.mark.parametrize("poll_us", [0, 50])
+async def test_socket_engine_serves_the_initiator(poll_us: int) -> None:
+    import initiator
+
+    tgt = make_target()
+    server = await _listen(tgt, poll_us)
+    try:
+        async with initiator.connect("127.0.0.1", server.port, subnqn=SUBNQN, kato=0) as ctrl:
+            data = random.Random(5).randbytes(256 * 1024)
+            await ctrl.write(1, 0, data)
+            assert await ctrl.read(1, 0, len(data) // 512) == data
+            reads = await asyncio.gather(*(ctrl.read(1, i * 8, 8) for i in range(64)))
+            assert b"".join(reads) == data[:64 * 4096]
+        conns = [c for c in server.connections]
+        assert not conns or all(isinstance(c, tcp_batch.BatchConnection) for c in conns)
+    finally:
+        await server.stop()
+        await tgt.close()
+
+
+@pytest.mark.parametrize("digests", [(True, False), (False, True), (True, True)])
+async def test_socket_engine_with_digests(digests: tuple[bool, bool]) -> None:
+    tgt = make_target()
+    server = await _listen(tgt, 0)
+    try:
+        hdgst, ddgst = digests
+        admin = await open_tcp(server.port, hdgst=hdgst, ddgst=ddgst)
+        res = await admin.connect(SUBNQN)
+        assert res.status == 0
+        await admin.enable()
+        io: TinyHost = await open_tcp(server.port, hdgst=hdgst, ddgst=ddgst)
+        assert (await io.connect(SUBNQN, qid=1, cntlid=res.cqe.dw0 & 0xFFFF, sqsize=31)).status == 0
+        a = random.Random(7).randbytes(4096)
+        assert (await io.cmd(Command(IoOpcode.WRITE, nsid=1, cdw10=0, cdw12=7), a)).status == 0
+        got = await io.cmd(Command(IoOpcode.READ, nsid=1, cdw10=0, cdw12=7), read_len=4096)
+        assert got.status == 0 and got.data == a
+        io.close()
+        admin.close()
+    finally:
+        await server.stop()
+        await tgt.close()
+
+
+# --- the daemon and its workers ---------------------------------------------------------------------
+
+
+def _daemon_options(tmp_path: Any, **kw: Any) -> Any:
+    from nvmeof.cli.daemon import DaemonOptions
+    from nvmeof.uri import TransportAddress
+    from tests.ports import free_ports
+
+    io, disc = free_ports(2)
+    return DaemonOptions(listen=[TransportAddress("tcp", "127.0.0.1", io)],
+                         discovery=[TransportAddress("tcp", "127.0.0.1", disc)], api=None, ramdisk_size=4 << 20,
+                         backing_dirs=[tmp_path], **kw), io
+
+
+async def _tinyhost_io(port: int, nqn: str) -> tuple[TinyHost, TinyHost]:
+    admin = await open_tcp(port)
+    res = await admin.connect(nqn)
+    assert res.status == 0
+    await admin.enable()
+    io = await open_tcp(port)
+    assert (await io.connect(nqn, qid=1, cntlid=res.cqe.dw0 & 0xFFFF, sqsize=31)).status == 0
+    return admin, io
+
+
+async def _rw(io: TinyHost) -> None:
+    data = [random.Random(i).randbytes(4096) for i in range(8)]
+    for i, d in enumerate(data):
+        assert (await io.cmd(Command(IoOpcode.WRITE, nsid=1, cdw10=8 * i, cdw12=7), d)).status == 0
+    got = await asyncio.gather(*(io.cmd(Command(IoOpcode.READ, nsid=1, cdw10=8 * i, cdw12=7), read_len=4096)
+                                 for i in range(8)))
+    assert [g.data for g in got] == data
+
+
+async def test_workers_serve_their_queues_on_the_batch_engine(tmp_path: Any) -> None:
+    from nvmeof import defaults
+    from nvmeof.cli.daemon import Daemon
+
+    options, port = _daemon_options(tmp_path, workers=1, poll_us=20)
+    daemon = Daemon(options)
+    try:
+        await daemon.start()
+        pool = daemon.target.pool   # type: ignore[attr-defined]
+        assert pool.tcp_engine == "batch"
+        admin, io = await _tinyhost_io(port, defaults.DEFAULT_SUBSYSTEM_NQN)
+        await _rw(io)
+        assert list(pool.placement().values()) == pool.pids()   # the I/O queue went to the worker
+        with open(f"/proc/{pool.pids()[0]}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+        assert argv[argv.index(b"--tcp-engine") + 1] == b"batch" and argv[argv.index(b"--poll-us") + 1] == b"20"
+        io.close()
+        admin.close()
+    finally:
+        await daemon.stop()
+
+
+@pytest.mark.parametrize("engine", ["stream", "batch"])
+async def test_daemon_serves_with_the_engine_asked_for(tmp_path: Any, engine: str) -> None:
+    from nvmeof import defaults
+    from nvmeof.cli.daemon import Daemon
+    from target.transports.tcp import TcpListener
+
+    options, port = _daemon_options(tmp_path, tcp_engine=engine)
+    daemon = Daemon(options)
+    try:
+        await daemon.start()
+        cls = daemon.target.transports.get("tcp")
+        assert cls is (BatchTcpListener if engine == "batch" else TcpListener)
+        admin, io = await _tinyhost_io(port, defaults.DEFAULT_SUBSYSTEM_NQN)
+        await _rw(io)
+        io.close()
+        admin.close()
+    finally:
+        await daemon.stop()
+
+
+def test_poll_us_needs_the_batch_engine(tmp_path: Any) -> None:
+    from nvmeof.cli.daemon import Daemon, DaemonError
+
+    options, _ = _daemon_options(tmp_path, tcp_engine="stream", poll_us=10)
+    with pytest.raises(DaemonError, match=r"--poll-us 10 needs the batch engine \(--tcp-engine batch\)"):
+        Daemon(options)
+    options, _ = _daemon_options(tmp_path, poll_us=-1)
+    with pytest.raises(DaemonError, match="--poll-us -1: give 0"):
+        Daemon(options)
+
+
+async def test_socket_backlog_when_the_host_does_not_read() -> None:
+    """Replies the socket cannot take wait as views in the backlog (the target stops reading commands
+    past its high-water mark) and arrive whole and in order once the host reads again."""
+    tgt = make_target()
+    server = await _listen(tgt, 0)
+    try:
+        admin, io = await _tinyhost_io(server.port, SUBNQN)
+        data = random.Random(9).randbytes(1 << 20)
+        assert (await io.cmd(Command(IoOpcode.WRITE, nsid=1, cdw10=0, cdw12=2047), data)).status == 0
+        assert io.transport is not None
+        conn = next(c for c in server.connections if c.queue.qid == 1)
+        # Small socket buffers on both ends (no autotuning) so that 3 MiB of replies cannot all fit.
+        conn.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 32 * 1024)
+        io.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 * 1024)
+        io.transport.pause_reading()
+        futs = [io.send(Command(IoOpcode.READ, nsid=1, cdw10=256 * (i % 8), cdw12=255), read_len=128 * 1024)
+                for i in range(24)]
+        deadline = asyncio.get_running_loop().time() + 10
+        while conn.transport.get_write_buffer_size() == 0 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+        assert conn.transport.get_write_buffer_size() > 0, "the socket took 3 MiB without the host reading"
+        io.transport.resume_reading()
+        results = await asyncio.wait_for(asyncio.gather(*futs), 10)
+        for i, r in enumerate(results):
+            assert r.status == 0 and r.data == data[(i % 8) * 128 * 1024:(i % 8 + 1) * 128 * 1024]
+        io.close()
+        admin.close()
+    finally:
+        await server.stop()
+        await tgt.close()
