@@ -17,7 +17,8 @@ from fastapi import APIRouter, FastAPI
 
 from api import errors
 from api.auth import LOGIN_PATH, OPEN_PATHS, ApiGuard, HostPolicy
-from api.routers import config, controllers, fabric, namespaces, subsystems, system, ui
+from api.routers import ana, config, controllers, fabric, namespaces, subsystems, system, ui
+from api.routers import gateway as gateway_router
 from nvmeof import __version__, defaults
 from target.service import TargetService
 
@@ -56,7 +57,9 @@ def create_app(service: TargetService, *, token: str, hosts: HostPolicy | None =
     v1.include_router(fabric.listeners)
     v1.include_router(fabric.referrals)
     v1.include_router(controllers.router)
+    v1.include_router(ana.router)
     v1.include_router(config.router)
+    v1.include_router(gateway_router.router)
     v1.include_router(system.v1)
     app.include_router(v1)
     app.include_router(system.router)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from api import schemas
+from nvmeof.spec.logs import ANA_STATE_NAMES
 from target import hostauth
 from target.backends import OPTION_KEYS
 
@@ -24,6 +25,7 @@ def namespace(ns: Any) -> schemas.NamespaceOut:
         eui64=bytes(ns.eui64).hex(),
         read_only=ns.read_only or ns.backend.read_only,
         enabled=ns.enabled,
+        anagrpid=ns.anagrpid,
         **{key: ns.spec[key] for key in OPTION_KEYS if key in ns.spec},
     )
 
@@ -67,6 +69,7 @@ def listener(lst: Any) -> schemas.ListenerOut:
     return schemas.ListenerOut(
         id=lst.id, trtype=lst.trtype, adrfam=lst.adrfam, traddr=lst.traddr, trsvcid=int(lst.trsvcid),
         portid=lst.portid, discovery=lst.discovery,
+        ana_states={str(g): ANA_STATE_NAMES[st] for g, st in sorted(lst.ana_states.items())},
     )
 
 

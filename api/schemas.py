@@ -22,6 +22,8 @@ HEX_EUI64 = r"^[0-9A-Fa-f]{16}$"
 
 TrType = Literal["tcp", "rdma"]
 AdrFam = Literal["ipv4", "ipv6"]
+# nvmeof.spec.logs.ANA_STATE_NAMES (tests/test_ana_api.py keeps the two equal)
+AnaStateName = Literal["optimized", "non-optimized", "inaccessible", "persistent-loss", "change"]
 
 
 def _example(example: dict[str, Any]) -> ConfigDict:
@@ -90,6 +92,7 @@ class NamespaceOut(BaseModel):
     eui64: str = Field(description="16 hexadecimal digits")
     read_only: bool
     enabled: bool
+    anagrpid: int = Field(defaults.DEFAULT_ANAGRPID, description="ANA group (1..ANAGRPMAX)")
     pool: str | None = Field(None, description="RBD pool (backend 'rbd')")
     image: str | None = Field(None, description="RBD image (backend 'rbd')")
     rbd_namespace: str | None = Field(None, description="RADOS namespace of the image, if any")
@@ -128,6 +131,8 @@ class NamespaceCreate(_Request):
     eui64: str | None = Field(None, pattern=HEX_EUI64)
     read_only: bool = False
     enabled: bool = True
+    anagrpid: int = Field(defaults.DEFAULT_ANAGRPID, ge=1, le=defaults.ANAGRPMAX,
+                          description="ANA group: hosts with native multipath pick paths by its state on each listener")
     create: bool = Field(False, description="Create the file (or RBD image) with the given size if it is missing, "
                                             "or grow a shorter one to it; without it an existing one is never changed")
     pool: str | None = Field(None, min_length=1, max_length=255, description="RBD pool (backend 'rbd', required)")
@@ -138,6 +143,12 @@ class NamespaceCreate(_Request):
     ceph_id: str | None = Field(None, min_length=1, max_length=255, description="Ceph client id (default admin)")
     ceph_keyring: str | None = Field(None, min_length=1, max_length=4096,
                                      description="Ceph keyring; one the daemon allows (--ceph-keyring)")
+
+
+class NamespaceAnaGroup(_Request):
+    model_config = _example({"anagrpid": 2})
+
+    anagrpid: int = Field(ge=1, le=defaults.ANAGRPMAX, description="The namespace's new ANA group")
 
 
 class NamespaceResize(_Request):
@@ -224,6 +235,36 @@ class ListenerOut(BaseModel):
     trsvcid: int
     portid: int
     discovery: bool
+    ana_states: dict[str, AnaStateName] = Field(
+        default_factory=dict, description="ANA state per group id on this listener; groups not listed are optimized")
+
+
+class AnaStateSet(_Request):
+    model_config = _example({"state": "inaccessible"})
+
+    state: AnaStateName
+
+
+class AnaListenerOut(BaseModel):
+    listener_id: str
+    trtype: str
+    traddr: str
+    trsvcid: int
+    portid: int
+    discovery: bool
+    states: dict[str, AnaStateName] = Field(description="Served state of every group in use or set, by group id")
+    saved: dict[str, AnaStateName] = Field(description="The states the configuration keeps (the served ones may "
+                                                       "differ while a gateway group manages them)")
+
+
+class AnaGroupOut(BaseModel):
+    anagrpid: int
+    namespaces: list[dict[str, Any]] = Field(description="[{subnqn, nsid}] of the group's namespaces")
+
+
+class AnaOut(BaseModel):
+    groups: list[AnaGroupOut]
+    listeners: list[AnaListenerOut]
 
 
 class ReferralCreate(_Request):

@@ -4,9 +4,10 @@
 kernel host instead.
 """
 
-from initiator.connecting import connect
+from initiator.connecting import connect, connect_multipath
 from initiator.controller import AsyncEvent, HostController, default_hostnqn
 from initiator.discovery import DiscoveryEntry, DiscoveryLogChanging, connect_all, discover, read_discovery_log
+from initiator.multipath import MultipathController, MultipathError, NoPathError, PathInfo
 from initiator.nvm import NamespaceGeometry
 from initiator.queue import CommandTimeout, HostQueue, TransportError
 from initiator.reconnect import ReconnectingController
@@ -21,13 +22,18 @@ __all__ = [
     "DiscoveryLogChanging",
     "HostController",
     "HostQueue",
+    "MultipathController",
+    "MultipathError",
     "NamespaceGeometry",
+    "NoPathError",
     "NvmeError",
+    "PathInfo",
     "ReconnectingController",
     "Status",
     "TransportError",
     "connect",
     "connect_all",
+    "connect_multipath",
     "default_hostnqn",
     "discover",
     "generate_secret",

@@ -12,6 +12,7 @@ from typing import Any
 
 from initiator.auth import parse_secret
 from initiator.controller import AsyncEvent, HostController
+from initiator.multipath import MultipathController
 from initiator.reconnect import ReconnectingController
 from nvmeof import defaults
 from nvmeof.auth import DhchapSecret
@@ -72,4 +73,33 @@ def connect(traddr: str, trsvcid: int | str = defaults.TCP_IO_PORT,
 
     async def make() -> HostController:
         return await HostController(traddr, trsvcid, subnqn, **kwargs).open()
+    return _Connecting(make)
+
+
+def connect_multipath(paths: list[tuple[str, int | str]] | tuple[tuple[str, int | str], ...], subnqn: str, *,
+                      iopolicy: str = "numa", no_path_timeout: float | None = None,
+                      max_reconnect_delay: float = 5.0, hostnqn: str | None = None,
+                      hostid: str | uuid.UUID | bytes | None = None, transport: str = "tcp",
+                      dhchap_secret: str | DhchapSecret | None = None,
+                      dhchap_ctrl_secret: str | DhchapSecret | None = None, **kwargs: Any) -> _Connecting:
+    """Connect one controller per ``(traddr, trsvcid)`` path of subsystem ``subnqn`` and route I/O by ANA:
+    ``mp = await connect_multipath(...)`` or ``async with connect_multipath(...) as mp``.
+
+    The result is an :class:`initiator.multipath.MultipathController` with HostController's namespace I/O
+    methods. ``kwargs`` are :func:`connect`'s controller options (nr_io_queues, kato, timeout, target, ...),
+    the same for every path; ``iopolicy`` is "numa" (stay on the first optimized path) or "round-robin".
+    """
+    dhchap_secret = parse_secret("dhchap_secret (--dhchap-secret)", dhchap_secret)
+    dhchap_ctrl_secret = parse_secret("dhchap_ctrl_secret (--dhchap-ctrl-secret)", dhchap_ctrl_secret)
+    for bad in ("reconnect", "reconnect_attempts", "event_queue"):
+        if bad in kwargs:
+            raise ValueError(f"connect_multipath does not take {bad}=: every path reconnects by itself "
+                             "(max_reconnect_delay sets the backoff's ceiling)")
+
+    async def make() -> MultipathController:
+        mp = MultipathController(list(paths), subnqn, iopolicy=iopolicy, no_path_timeout=no_path_timeout,
+                                 max_reconnect_delay=max_reconnect_delay, hostnqn=hostnqn, hostid=hostid,
+                                 transport=transport, dhchap_secret=dhchap_secret,
+                                 dhchap_ctrl_secret=dhchap_ctrl_secret, **kwargs)
+        return await mp.open()
     return _Connecting(make)

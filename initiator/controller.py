@@ -29,8 +29,10 @@ from nvmeof import defaults
 from nvmeof.auth import AuthFailure, DhchapSecret
 from nvmeof.spec.fabrics import CONNECT_ADMIN_CNTLID, CONNECT_IATTR_DATA, Property
 from nvmeof.spec.identify import (
+    CMIC_ANA,
     CNTRLTYPE_DISCOVERY,
     IDENTIFY_DATA_SIZE,
+    OAES_ANA,
     OAES_DISC_CHANGE,
     OAES_NS_ATTR,
     SGLS_KEYED,
@@ -40,7 +42,7 @@ from nvmeof.spec.identify import (
     parse_active_ns_list,
     parse_ns_descriptor_list,
 )
-from nvmeof.spec.logs import parse_changed_ns_list
+from nvmeof.spec.logs import ANA_LOG_RGO, AnaLog, AnaState, ana_log_size, parse_ana_log, parse_changed_ns_list
 from nvmeof.spec.nvme import (
     AsyncEventNotice,
     AsyncEventType,
@@ -57,7 +59,7 @@ log = logging.getLogger(__name__)
 
 SHUTDOWN_TIMEOUT = 5.0       # Linux nvme_core shutdown_timeout
 CHANGED_NS_LOG_SIZE = 4096
-AEN_MASK = OAES_NS_ATTR | OAES_DISC_CHANGE   # the notices this host acts on
+AEN_MASK = OAES_NS_ATTR | OAES_DISC_CHANGE | OAES_ANA   # the notices this host acts on
 MAX_QUEUED_EVENTS = 1024
 
 
@@ -106,6 +108,7 @@ class AsyncEvent:
     lid: int                       # log page to read: bits 23:16
     dw0: int
     changed_nsids: tuple[int, ...] = ()   # for a namespace-attribute notice: log 04h's content
+    ana_log: AnaLog | None = None         # for an ANA change notice: log 0Ch as re-read because of it
 
     @property
     def description(self) -> str:
@@ -206,6 +209,12 @@ class HostController(NvmIo):
         self.io_queues: list[HostQueue] = []
         self._rr = 0
         self._ns_cache: dict[int, NamespaceGeometry] = {}
+        # Asymmetric Namespace Access (set from Identify when CMIC bit 3 is set; nvme_mpath_init_identify)
+        self.ana_supported = False
+        self.anatt = 0               # seconds a group may stay in ANA change state (Identify ANATT)
+        self.ana_log: AnaLog | None = None   # the last ANA log read (at connect, on an ANA change AEN, ...)
+        self._ana_nsids: dict[int, AnaState | int] = {}
+        self._ana_lock = asyncio.Lock()   # one read at a time, so an older log never replaces a newer one
         self._owns_events = event_queue is None
         self._events: asyncio.Queue[AsyncEvent | None] = event_queue or asyncio.Queue()
         # Called once with the TransportError when any queue breaks while connected (reconnect hook).
@@ -386,6 +395,12 @@ class HostController(NvmIo):
                 log.warning("%s: Set Features Async Event Configuration failed: %s", self._queue_name(0), err)
             else:
                 self._tasks.append(asyncio.create_task(self._aer_loop()))
+        if not self.is_discovery and ident.cmic & CMIC_ANA:
+            # nvme_mpath_init_identify: ANA capable, so read the log before any I/O is routed (after the
+            # AER is armed, so a change from here on is reported and re-read)
+            self.ana_supported = True
+            self.anatt = ident.anatt
+            await self.get_ana_log()
 
     async def _enable(self) -> None:
         """nvme_enable_ctrl: CAP, CC without EN, CC with EN, then CSTS.RDY within CAP.TO."""
@@ -552,7 +567,17 @@ class HostController(NvmIo):
                 return
             dw0 = cqe.dw0
             ev = AsyncEvent(dw0 & 0x7, (dw0 >> 8) & 0xFF, (dw0 >> 16) & 0xFF, dw0)
-            if ev.type == AsyncEventType.NOTICE and ev.info == AsyncEventNotice.NS_ATTR_CHANGED:
+            if ev.type == AsyncEventType.NOTICE and ev.info == AsyncEventNotice.ANA_CHANGE:
+                # nvme_handle_aen_notice -> nvme_ana_work: re-read log 0Ch; reading it without RAE also
+                # tells the controller the event was seen, so it can report the next one
+                try:
+                    ev = dataclasses.replace(ev, ana_log=await self.get_ana_log())
+                except (NvmeError, ValueError) as err:
+                    log.warning("%s: reading the ANA log after an ANA change event failed: %s",
+                                self._queue_name(0), err)
+                except TransportError:
+                    return
+            elif ev.type == AsyncEventType.NOTICE and ev.info == AsyncEventNotice.NS_ATTR_CHANGED:
                 self._ns_cache.clear()
                 try:
                     page = await self.get_log_page(LogPageId.CHANGED_NS, CHANGED_NS_LOG_SIZE)
@@ -653,6 +678,46 @@ class HostController(NvmIo):
             await self._admin().submit(cmd, data_in=view[pos:pos + n])
             pos += n
         return bytes(buf)
+
+    @property
+    def ana_log_size(self) -> int:
+        """Bytes of the ANA log buffer, sized as nvme_mpath_init_identify does: the header, NANAGRPID group
+        descriptors and MNAN NSIDs (NN when a controller reports MNAN 0, which the Linux host refuses)."""
+        ident = self.identity
+        if ident is None:
+            raise RuntimeError("controller is not connected")
+        return ana_log_size(ident.nanagrpid, ident.mnan or ident.nn)
+
+    async def get_ana_log(self, rgo: bool = False) -> AnaLog:
+        """Get Log Page 0Ch (Asymmetric Namespace Access); ``rgo`` asks for groups only, without NSIDs.
+
+        A full read (``rgo`` False) also becomes :attr:`ana_log`, which :meth:`ana_state` answers from."""
+        if not self.ana_supported:
+            raise NvmeError(Status.INVALID_LOG_PAGE, f"{self.subnqn} does not report ANA (Identify CMIC "
+                            "bit 3 is clear), so it has no ANA log page")
+        assert self.identity is not None
+        size = ana_log_size(self.identity.nanagrpid, 0) if rgo else self.ana_log_size
+        async with self._ana_lock:   # nvme_read_ana_log holds ctrl->ana_lock the same way
+            page = await self.get_log_page(LogPageId.ANA, (size + 3) & ~3, lsp=ANA_LOG_RGO if rgo else 0)
+            ana = parse_ana_log(page)
+            if not rgo:
+                self.ana_log = ana
+                self._ana_nsids = {nsid: g.state for g in ana.groups for nsid in g.nsids}
+        return ana
+
+    def ana_state(self, nsid: int) -> AnaState | int | None:
+        """Namespace ``nsid``'s ANA state on this controller from the last log read: OPTIMIZED for a
+        controller without ANA reporting (nvme_mpath_add_disk), None when the log does not list it."""
+        if not self.ana_supported:
+            return AnaState.OPTIMIZED
+        return self._ana_nsids.get(nsid)
+
+    async def ana_states(self) -> dict[int, AnaState | int]:
+        """{nsid: ANA state} on this controller, from a fresh read of the ANA log."""
+        if not self.ana_supported:
+            return dict.fromkeys(await self.namespaces(), AnaState.OPTIMIZED)
+        await self.get_ana_log()
+        return dict(self._ana_nsids)
 
     async def get_features(self, fid: int, *, sel: int = 0, cdw11: int = 0, nsid: int = 0,
                            data_len: int = 0) -> int | tuple[int, bytes]:

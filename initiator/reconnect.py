@@ -12,14 +12,40 @@ import asyncio
 import contextlib
 import inspect
 import logging
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 from initiator.controller import AsyncEvent, HostController
 from initiator.queue import TransportError
 from nvmeof.status import NvmeError
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+async def connect_with_backoff(make: Callable[[], Awaitable[T]], what: str, *, initial_delay: float = 0.1,
+                               max_delay: float = 30.0, attempts: int | None = None) -> tuple[T, int]:
+    """``await make()`` until it succeeds: (its result, the attempts it took).
+
+    Waits ``initial_delay``, then twice as long each time up to ``max_delay``, between attempts that fail
+    with a transport error (OSError, TimeoutError); an NVMe status (the target answered and refused) is
+    raised at once, as is a TransportError after ``attempts`` failures (None: never give up).
+    """
+    delay = initial_delay
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return await make(), attempt
+        except NvmeError:
+            raise  # the target answered and refused: retrying will not help
+        except (OSError, TimeoutError) as err:  # TransportError is an OSError
+            if attempts is not None and attempt >= attempts:
+                raise TransportError(what, f"reconnect gave up after {attempt} attempts: {err}") from err
+            log.warning("reconnect attempt %d to %s failed: %s; next in %.1f s", attempt, what, err, delay)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, max_delay)
 
 
 class ReconnectingController:
@@ -71,25 +97,11 @@ class ReconnectingController:
                 return  # someone else already replaced it
             if broken is not None:
                 await broken.close()
-            delay = self.initial_delay
-            attempt = 0
-            while True:
-                attempt += 1
-                try:
-                    self._ctrl = await self._new_controller()
-                    self.reconnects += 1
-                    log.info("reconnected to %s after %d attempt(s)", self._args[2], attempt)
-                    return
-                except NvmeError:
-                    raise  # the target answered and refused: retrying will not help
-                except (OSError, TimeoutError) as err:  # TransportError is an OSError
-                    if self.attempts is not None and attempt >= self.attempts:
-                        raise TransportError(str(self._args[2]),
-                                             f"reconnect gave up after {attempt} attempts: {err}") from err
-                    log.warning("reconnect attempt %d to %s failed: %s; next in %.1f s",
-                                attempt, self._args[2], err, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, self.max_delay)
+            self._ctrl, attempt = await connect_with_backoff(
+                self._new_controller, str(self._args[2]), initial_delay=self.initial_delay,
+                max_delay=self.max_delay, attempts=self.attempts)
+            self.reconnects += 1
+            log.info("reconnected to %s after %d attempt(s)", self._args[2], attempt)
 
     async def _ensure(self, broken: HostController) -> HostController:
         task = self._task

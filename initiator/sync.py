@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from initiator import discovery
 from initiator.connecting import connect as _async_connect
+from initiator.connecting import connect_multipath as _async_connect_multipath
 from initiator.controller import AsyncEvent, HostController
 from initiator.discovery import DiscoveryEntry
 
@@ -119,6 +120,14 @@ def connect(*args: Any, **kwargs: Any) -> SyncController:
     """Blocking :func:`initiator.connect` (same arguments); returns a SyncController."""
     async def go() -> Any:
         return await _async_connect(*args, **kwargs)
+    return SyncController(run(go()))
+
+
+def connect_multipath(*args: Any, **kwargs: Any) -> SyncController:
+    """Blocking :func:`initiator.connect_multipath` (same arguments); a SyncController over the
+    MultipathController (its ``paths()`` is a plain call)."""
+    async def go() -> Any:
+        return await _async_connect_multipath(*args, **kwargs)
     return SyncController(run(go()))
 
 

@@ -113,3 +113,18 @@ TCP_POLL_SLICE_US = 1000              # longest one connection's polling may hol
 TCP_WRITE_HIGH_WATER = 256 * 1024     # unsent reply bytes of a connection before it stops reading commands
 TCP_WRITE_LOW_WATER = 64 * 1024       # ... and reads again once its backlog has drained below this
 TCP_LISTEN_BACKLOG = 100              # listen() backlog, as asyncio's create_server; also accepts per wake-up
+
+# Asymmetric Namespace Access and the gateway group (target/admin.py, target/gateway/)
+ANAGRPMAX = 128                       # ANA groups 1..ANAGRPMAX (nvmet NVMET_MAX_ANAGRPS); = Identify NANAGRPID
+ANATT = 10                            # seconds a group may stay in ANA change state (Identify ANATT; host timer)
+DEFAULT_ANAGRPID = 1                  # the ANA group of a namespace that names none (nvmet NVMET_DEFAULT_ANA_GRPID)
+CNTLID_MIN = 1                        # controller IDs a target hands out: 1..0xFFEF (FFF0h..FFFFh are reserved)
+CNTLID_MAX = 0xFFEF
+CNTLID_SPAN = 2040                    # CNTLIDs per gateway of a group: member i gets [i*SPAN+1, (i+1)*SPAN]
+GATEWAY_LEASE = 5.0                   # seconds an ANA group's ownership lock lives without renewal
+GATEWAY_MAX = 16                      # members of one gateway group (stable indexes 0..GATEWAY_MAX-1)
+GATEWAY_FENCE_MARGIN = 1.0            # seconds: an owner steps down this long (at least lease/5) before its lease ends
+GATEWAY_DIR_POLL = 0.1                # seconds between a dir group store's checks for changes and dead members
+GATEWAY_STORE_TIMEOUT = 3.0           # seconds one call to the group store may take before it counts as lost
+GATEWAY_LEASE_MIN = 3.0               # seconds: a shorter lease leaves no time to renew (every lease/3) before fencing
+GATEWAY_BLOCKLIST_EXPIRE = 3600       # seconds a dead gateway's Ceph clients stay on the OSD blocklist (fencing)

@@ -15,13 +15,17 @@ from nvmeof import defaults
 from nvmeof.spec import identify as idf
 from nvmeof.spec.identify import IDENTIFY_DATA_SIZE, IdentifyController, IdentifyNamespace
 from nvmeof.spec.logs import (
+    ANA_LOG_RGO,
     CHANGED_NS_LIST_OVERFLOW,
     CHANGED_NS_MAX,
     EFFECTS_CSUPP,
     EFFECTS_LBCC,
+    AnaState,
     ErrorLogEntry,
     FirmwareSlotLog,
     SmartLog,
+    ana_log_size,
+    build_ana_log,
     build_changed_ns_list,
     build_effects_log,
     log_slice,
@@ -30,6 +34,7 @@ from nvmeof.spec.nvme import NSID_ALL, AdminOpcode, Cns, Direction, FeatureId, I
 from nvmeof.status import NvmeError, Status
 from target.controller import (
     AEC_SMART_MASK,
+    AEN_BIT_ANA_CHANGE,
     AEN_BIT_NS_ATTR,
     ASYNC_EVENT_LIMIT,
     ERROR_LOG_ENTRIES,
@@ -46,6 +51,10 @@ WCTEMP_K = 343   # 70 C
 CCTEMP_K = 358   # 85 C
 HOST_ID_SIZE = 16
 VWC_FLUSH_BROADCAST = 0x3 << 1
+ANACAP = (idf.ANACAP_OPTIMIZED | idf.ANACAP_NON_OPTIMIZED | idf.ANACAP_INACCESSIBLE | idf.ANACAP_PERSISTENT_LOSS
+          | idf.ANACAP_CHANGE)
+# the most NSIDs an ANA log may list so that its worst case (every group, every NSID) fits MDTS
+ANA_MNAN_MAX = (defaults.MAX_TRANSFER - ana_log_size(defaults.ANAGRPMAX, 0)) // 4
 ADMIN_OPCODES = (AdminOpcode.GET_LOG_PAGE, AdminOpcode.IDENTIFY, AdminOpcode.ABORT, AdminOpcode.SET_FEATURES,
                  AdminOpcode.GET_FEATURES, AdminOpcode.ASYNC_EVENT_REQUEST, AdminOpcode.KEEP_ALIVE)
 IO_EFFECTS = {IoOpcode.FLUSH: EFFECTS_CSUPP, IoOpcode.WRITE: EFFECTS_CSUPP | EFFECTS_LBCC,
@@ -138,6 +147,7 @@ def identify_namespace(ns: Namespace) -> bytes:
         # DLFEAT: deallocated blocks read as zeros (001b) and Write Zeroes may deallocate (bit 3)
         "dlfeat": 0x09 if thin else 0,
         "nsattr": 0 if ns.writable else 1,
+        "anagrpid": ns.anagrpid,
         "nguid": bytes(ns.nguid),
         "eui64": bytes(ns.eui64),
         "lbaf": [{"ms": 0, "lbads": ns.lba_shift, "rp": 0}] + [{}] * 63,
@@ -156,7 +166,8 @@ def identify_controller(ctrl: Controller, ops: TransportOps) -> bytes:
         "fr": defaults.FIRMWARE_REVISION[:8],
         "rab": 6,
         "ieee": defaults.IEEE_OUI,
-        "cmic": 0 if discovery else idf.CMIC_MULTI_CTRL,
+        # several ports and controllers, ANA reporting (nvmet_execute_identify_ctrl)
+        "cmic": 0 if discovery else idf.CMIC_MULTI_PORT | idf.CMIC_MULTI_CTRL | idf.CMIC_ANA,
         "mdts": defaults.MDTS,
         "cntlid": ctrl.cntlid,
         "ver": ctrl.vs,
@@ -183,7 +194,13 @@ def identify_controller(ctrl: Controller, ops: TransportOps) -> bytes:
             "sqes": 0x66,
             "cqes": 0x44,
             "nn": sub.max_namespaces,
-            "mnan": 0,
+            # The Linux host sizes its ANA log buffer from MNAN (NANAGRPID descriptors + MNAN NSIDs) and
+            # gives up ANA if that exceeds MDTS (nvme_mpath_init_identify); MNAN <= NN.
+            "mnan": min(sub.max_namespaces, ANA_MNAN_MAX),
+            "anatt": defaults.ANATT,
+            "anacap": ANACAP,
+            "anagrpmax": defaults.ANAGRPMAX,
+            "nanagrpid": defaults.ANAGRPMAX,
             "oncs": idf.ONCS_COMPARE | idf.ONCS_DSM | idf.ONCS_WRITE_ZEROES,
             # present, and Flush with NSID FFFFFFFFh flushes every namespace (bits 2:1 = 11b)
             "vwc": idf.VWC_PRESENT | VWC_FLUSH_BROADCAST,
@@ -237,9 +254,27 @@ async def _get_log_page(req: Request) -> None:
             page = build_changed_ns_list(nsids)
     elif lid == LogPageId.CMD_EFFECTS:
         page = _EFFECTS_LOG
+    elif lid == LogPageId.ANA:
+        page = ana_log(ctrl, rgo=bool((req.cmd.cdw10 >> 8) & ANA_LOG_RGO))
+        if not rae:
+            ctrl.clear_aen_mask(AEN_BIT_ANA_CHANGE)   # nvmet_clear_aen_bit: the next change is told again
     else:
         raise NvmeError(Status.INVALID_LOG_PAGE, f"log page {lid:#04x} is not supported")
     reply_log(req, page, lid, offset)
+
+
+def ana_log(ctrl: Controller, *, rgo: bool = False) -> bytes:
+    """Log 0Ch as this controller sees it (nvmet_execute_get_log_page_ana): each ANA group with an
+    active namespace in its subsystem, by group id, in its state on the controller's listener, with
+    its NSIDs ascending (nvme_update_ana_state walks them in step with its sorted namespace list)."""
+    members: dict[int, list[int]] = {}
+    for nsid in ctrl.subsystem.active_nsids():
+        members.setdefault(ctrl.subsystem.namespaces[nsid].anagrpid, []).append(nsid)
+    listener = ctrl.listener
+    chgcnt = ctrl.target.ana_group_chgcnt
+    groups = [(grp, chgcnt.get(grp, 0), listener.ana_state(grp) if listener is not None else AnaState.OPTIMIZED,
+               members[grp]) for grp in sorted(members)]
+    return build_ana_log(ctrl.target.ana_chgcnt, groups, rgo=rgo)
 
 
 def _error_log(ctrl: Controller, trtype: int) -> bytes:

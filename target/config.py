@@ -8,10 +8,11 @@ Our format::
      "subsystems": [{"nqn", "serial", "model", "allow_any_host", "hosts": [...], "max_namespaces",
                      "dhchap_hash": [...], "dhchap_dhgroup": [...],   (optional; default all)
                      "namespaces": [{"nsid", "backend", "path" | "size", "block_size", "uuid",
-                                     "nguid", "eui64", "read_only", "enabled",
+                                     "nguid", "eui64", "read_only", "enabled", "anagrpid",
                                      "pool", "image", "rbd_namespace", "ceph_conf", "ceph_id", "ceph_keyring"
                                      (rbd)}]}],
-     "listeners": [{"trtype", "adrfam", "traddr", "trsvcid", "portid", "discovery"}],
+     "listeners": [{"trtype", "adrfam", "traddr", "trsvcid", "portid", "discovery",
+                    "ana_states": {"<anagrpid>": "optimized" | "non-optimized" | "inaccessible" | ...}}],
      "referrals": [{"trtype", "adrfam", "traddr", "trsvcid", "subnqn", "portid"}]}
 
 A host is its NQN, or an object ``{"nqn", "dhchap_key", "dhchap_ctrl_key", "dhchap_hash",
@@ -34,6 +35,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from nvmeof import defaults
+from nvmeof.spec.logs import ANA_STATE_NAMES, AnaState, parse_ana_state
 
 CONFIG_VERSION = 1
 CONFIG_FILE_MODE = 0o600
@@ -42,6 +44,7 @@ _INT = "integer"
 _STR = "string"
 _BOOL = "boolean"
 _LIST = "list"
+_DICT = "object"
 
 TOP_KEYS: dict[str, str] = {"version": _INT, "subsystems": _LIST, "listeners": _LIST, "referrals": _LIST,
                             "backing_dirs": _LIST, "allow_block_devices": _LIST,
@@ -85,6 +88,7 @@ NAMESPACE_KEYS: dict[str, str] = {
     "eui64": _STR,
     "read_only": _BOOL,
     "enabled": _BOOL,
+    "anagrpid": _INT,  # its ANA group, 1..ANAGRPMAX (default 1)
     # an RBD namespace's settings (target.backends.BACKEND_OPTIONS; the service checks which kind takes them)
     "pool": _STR,
     "image": _STR,
@@ -100,6 +104,7 @@ LISTENER_KEYS: dict[str, str] = {
     "trsvcid": _INT,
     "portid": _INT,
     "discovery": _BOOL,
+    "ana_states": _DICT,  # {"<anagrpid>": state word}: groups not named are optimized on this listener
 }
 REFERRAL_KEYS: dict[str, str] = {
     "trtype": _STR,
@@ -134,6 +139,8 @@ def _type_ok(value: Any, kind: str) -> bool:
         return isinstance(value, str)
     if kind == _BOOL:
         return isinstance(value, bool)
+    if kind == _DICT:
+        return isinstance(value, dict)
     return isinstance(value, list)
 
 
@@ -161,6 +168,22 @@ def item_problems(kind: str, item: Any, where: str) -> list[str]:
         for key in ("dhchap_hash", "dhchap_dhgroup"):
             if any(not isinstance(name, str) for name in item.get(key) or []):
                 problems.append(f"{where}.{key}: expected a list of names")
+    if kind == "listener" and isinstance(item.get("ana_states"), dict):
+        problems.extend(ana_states_problems(item["ana_states"], f"{where}.ana_states"))
+    return problems
+
+
+def ana_states_problems(states: dict[Any, Any], where: str) -> list[str]:
+    """A listener's ``ana_states``: keys are ANA group ids 1..ANAGRPMAX (strings in JSON), values state words."""
+    problems = []
+    for key, value in states.items():
+        grp = str(key)
+        if not grp.isdigit() or not 1 <= int(grp) <= defaults.ANAGRPMAX:
+            problems.append(f"{where}: key {key!r} is not an ANA group id 1..{defaults.ANAGRPMAX}")
+        try:
+            parse_ana_state(value)
+        except ValueError as exc:
+            problems.append(f"{where}[{key!r}]: {exc}")
     return problems
 
 
@@ -522,6 +545,9 @@ def import_nvmetcli(data: Any) -> Converted:
         except (KeyError, TypeError, ValueError) as exc:
             warnings.append(f"{where}: incomplete address ({exc}), skipped")
             continue
+        ana_states = _import_ana_groups(port, where, warnings)
+        if ana_states:
+            listener["ana_states"] = ana_states
         linked = set(port.get("subsystems") or [])
         if linked and linked != set(all_nqns):
             warnings.append(
@@ -623,6 +649,27 @@ def _export_host_auth(host: dict[str, Any], warnings: list[str]) -> dict[str, st
     return attrs
 
 
+def _import_ana_groups(port: dict[str, Any], where: str, warnings: list[str]) -> dict[str, str]:
+    """ports/<n>/ana_groups/<grpid>/ana_state as a listener's ana_states (optimized groups left out: the
+    default here). nvmetcli's state words are ours."""
+    out: dict[str, str] = {}
+    for k, group in enumerate(port.get("ana_groups") or []):
+        grpid = group.get("grpid")
+        word = (group.get("ana") or {}).get("state", "optimized")
+        if not str(grpid).isdigit() or not 1 <= int(grpid) <= defaults.ANAGRPMAX:
+            warnings.append(f"{where}.ana_groups[{k}]: ANA group {grpid!r} is outside 1..{defaults.ANAGRPMAX}, "
+                            "skipped")
+            continue
+        try:
+            state = parse_ana_state(word)
+        except ValueError as exc:
+            warnings.append(f"{where}.ana_groups[{k}]: {exc}; the group stays optimized")
+            continue
+        if state != AnaState.OPTIMIZED:
+            out[str(int(grpid))] = ANA_STATE_NAMES[state]
+    return out
+
+
 def _import_namespace(ns: Any, where: str, warnings: list[str]) -> dict[str, Any] | None:
     if not isinstance(ns, dict) or not isinstance(ns.get("nsid"), int):
         warnings.append(f"{where}: no 'nsid', skipped")
@@ -639,6 +686,14 @@ def _import_namespace(ns: Any, where: str, warnings: list[str]) -> dict[str, Any
         "block_size": _default_block_size(path, warnings, where),
         "enabled": _flag(ns.get("enable", 1)),
     }
+    # namespaces/<nsid>/ana_grpid; the default group (1) is left implicit
+    grpid = ns.get("ana_grpid")
+    if grpid is not None and str(grpid) != str(defaults.DEFAULT_ANAGRPID):
+        if str(grpid).isdigit() and 1 <= int(grpid) <= defaults.ANAGRPMAX:
+            out["anagrpid"] = int(grpid)
+        else:
+            warnings.append(f"{where} (nsid {ns['nsid']}): ANA group {grpid!r} is outside 1..{defaults.ANAGRPMAX}; "
+                            f"it joins group {defaults.DEFAULT_ANAGRPID}")
     for key in ("uuid", "nguid"):
         text = device.get(key)
         if not text:
@@ -667,6 +722,7 @@ def export_nvmetcli(config: dict[str, Any]) -> Converted:
     subsystems = []
     nvm_nqns = []
     eui64_dropped = False
+    ana_groups: set[int] = set()
     for sub in config["subsystems"]:
         nqn = sub["nqn"]
         entries = sub.get("hosts") or []
@@ -715,8 +771,11 @@ def export_nvmetcli(config: dict[str, Any]) -> Converted:
                     f"{label}: block size {block_size} is not carried; the kernel target uses the "
                     "device's logical block size (the file system's block size for a file)"
                 )
+            grpid = ns.get("anagrpid", defaults.DEFAULT_ANAGRPID)
+            ana_groups.add(grpid)
             namespaces.append(
-                {"device": device, "enable": 1 if ns.get("enabled", True) else 0, "nsid": ns["nsid"]}
+                {"device": device, "enable": 1 if ns.get("enabled", True) else 0, "nsid": ns["nsid"],
+                 "ana_grpid": grpid}
             )
         subsystems.append({"allowed_hosts": allowed, "attr": attr, "namespaces": namespaces, "nqn": nqn})
         nvm_nqns.append(nqn)
@@ -766,6 +825,9 @@ def export_nvmetcli(config: dict[str, Any]) -> Converted:
                     "trtype": lst.get("trtype", "tcp"),
                 },
                 "portid": portid,
+                # nvmet makes a port's groups other than 1 inaccessible until ana_groups/<g> exists:
+                # list every group in use, in its state on this listener
+                "ana_groups": _export_ana_groups(ana_groups, lst.get("ana_states") or {}),
                 "referrals": [dict(r, addr=dict(r["addr"])) for r in ref_entries],
                 # The kernel serves discovery on every port; a port linked to nothing is a discovery port.
                 "subsystems": [] if lst.get("discovery") else list(nvm_nqns),
@@ -778,6 +840,12 @@ def export_nvmetcli(config: dict[str, Any]) -> Converted:
          "ports": ports, "subsystems": subsystems},
         warnings,
     )
+
+
+def _export_ana_groups(used: set[int], states: dict[str, str]) -> list[dict[str, Any]]:
+    groups = used | {int(g) for g in states} | {defaults.DEFAULT_ANAGRPID}
+    return [{"ana": {"state": ANA_STATE_NAMES[parse_ana_state(states.get(str(g), "optimized"))]}, "grpid": g}
+            for g in sorted(groups)]
 
 
 def strip_nvmetcli_secrets(dump: dict[str, Any]) -> list[str]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from nvmeof import defaults
-from nvmeof.spec.identify import OAES_DISC_CHANGE, OAES_NS_ATTR
+from nvmeof.spec.identify import OAES_ANA, OAES_DISC_CHANGE, OAES_NS_ATTR
 from nvmeof.spec.logs import CHANGED_NS_MAX
 from nvmeof.spec.nvme import LBA_OPCODES, AsyncEventNotice, AsyncEventType, LogPageId
 from nvmeof.spec.registers import (
@@ -45,7 +45,7 @@ from target.model import NamespaceStats
 
 if TYPE_CHECKING:
     from target.core import Target
-    from target.model import Subsystem
+    from target.model import Listener, Subsystem
     from target.request import Request, TargetQueue
 
 log = logging.getLogger(__name__)
@@ -57,9 +57,11 @@ DISCOVERY_DEFAULT_KATO_MS = 120_000  # NVMET_DISC_KATO_MS: reap discovery contro
 SMART_TEMPERATURE_K = 300
 
 AEN_BIT_NS_ATTR = 8
+AEN_BIT_ANA_CHANGE = 11
 AEN_BIT_DISC_CHANGE = 31
 # Asynchronous Event Configuration bits a host may set: SMART critical warnings (7:0) plus what OAES lists
 AEC_SMART_MASK = 0xFF
+_NOT_BLOCKED: dict[int, int] = {}   # the ana_blocked of a controller without a listener: never written
 
 
 def host_label(hostnqn: str) -> str:
@@ -127,10 +129,14 @@ class Controller:
         self.csts = 0
         self.queues: dict[int, TargetQueue] = {}
         self.closed = False
+        # The listener the admin queue came through: its ANA states are this controller's (log 0Ch,
+        # I/O). None (loop transport, tests): every group optimized.
+        self.listener: Listener | None = None
+        self.ana_blocked: dict[int, int] = _NOT_BLOCKED
         # features
         self.nr_io_queues = defaults.MAX_IO_QUEUES   # until Set Features Number of Queues grants fewer
         self.nr_queues_set = False
-        self.oaes = OAES_DISC_CHANGE if self.is_discovery else OAES_NS_ATTR
+        self.oaes = OAES_DISC_CHANGE if self.is_discovery else OAES_NS_ATTR | OAES_ANA
         self.aen_enabled = self.oaes              # Asynchronous Event Configuration (feature 0Bh)
         self.aen_masked: set[int] = set()         # nvmet aen_masked: one notice until its log is read
         self.volatile_write_cache = True
@@ -245,6 +251,16 @@ class Controller:
         if self._aen_allowed(AEN_BIT_NS_ATTR):
             self._post_event(AsyncEvent(AsyncEventType.NOTICE, AsyncEventNotice.NS_ATTR_CHANGED,
                                         LogPageId.CHANGED_NS))
+
+    def attach_listener(self, listener: Listener | None) -> None:
+        """At admin Connect: the port this controller reports ANA states for."""
+        self.listener = listener
+        self.ana_blocked = listener.ana_blocked if listener is not None else _NOT_BLOCKED
+
+    def ana_changed(self) -> None:
+        """ANA change notice (nvmet_send_ana_event); the host re-reads log 0Ch, which re-arms it."""
+        if self._aen_allowed(AEN_BIT_ANA_CHANGE):
+            self._post_event(AsyncEvent(AsyncEventType.NOTICE, AsyncEventNotice.ANA_CHANGE, LogPageId.ANA))
 
     def discovery_changed(self) -> None:
         if self._aen_allowed(AEN_BIT_DISC_CHANGE):

@@ -11,11 +11,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from nvmeof import defaults
 from nvmeof.spec.fabrics import FABRICS_OPCODE
+from nvmeof.spec.logs import AnaState
 from nvmeof.spec.nvme import SGL_ID_INCAPSULE, SQE_FLAGS_PSDT_SGL, Direction, FabricsType
 from nvmeof.status import NvmeError, Status, describe
 from target import admin, auth, discovery, fabrics, io
@@ -26,8 +27,8 @@ from target.transports import ListenerServer, TransportEntry, TransportRegistry,
 
 log = logging.getLogger(__name__)
 
-CNTLID_MIN = 1
-CNTLID_MAX = 0xFFEF   # NVME_CNTLID_MAX: FFF0h..FFFFh are reserved
+CNTLID_MIN = defaults.CNTLID_MIN
+CNTLID_MAX = defaults.CNTLID_MAX   # NVME_CNTLID_MAX: FFF0h..FFFFh are reserved
 PSDT_MASK = 0xC0
 
 # Failures hosts provoke while probing (optional CNS, features, log pages): not worth a warning.
@@ -52,7 +53,15 @@ class Target:
         self.keep_alive_interval = keep_alive_interval
         self.auth_timeout = auth_timeout   # seconds a DH-HMAC-CHAP transaction may stall (target/auth.py)
         self.started = time.time()
+        self.cntlid_min = CNTLID_MIN      # controllers get IDs in [cntlid_min, cntlid_max] (set_cntlid_range)
+        self.cntlid_max = CNTLID_MAX
         self._next_cntlid = CNTLID_MIN
+        # ANA change counts (nvmet_ana_chgcnt): the log header's, bumped on every state or membership
+        # change, and each group's, bumped when that group changes
+        self.ana_chgcnt = 0
+        self.ana_group_chgcnt: dict[int, int] = {}
+        # the state of a group no listener names explicitly (set_ana_default); every new listener starts with it
+        self.ana_default = AnaState.OPTIMIZED
         # trtype -> listener factory: the standard ones, or what the daemon (or PooledTarget) injects
         self.transports = transports_for(transports)
         self._servers: dict[str, ListenerServer] = {}
@@ -68,11 +77,22 @@ class Target:
 
     # --- controllers ----------------------------------------------------------------------------
 
+    def set_cntlid_range(self, lo: int, hi: int) -> None:
+        """Hand out controller IDs only in [lo, hi] (nvmet subsystems' cntlid_min/cntlid_max): gateways
+        of one group serve the same subsystem with disjoint ranges, so a host never sees one CNTLID twice."""
+        if not (isinstance(lo, int) and isinstance(hi, int) and CNTLID_MIN <= lo <= hi <= CNTLID_MAX):
+            raise ValueError(f"controller ID range {lo!r}-{hi!r} must lie within {CNTLID_MIN}-{CNTLID_MAX:#x} "
+                             "with LO <= HI (nvmeof serve --cntlid-range LO-HI)")
+        self.cntlid_min, self.cntlid_max = lo, hi
+        self._next_cntlid = lo
+
     def _alloc_cntlid(self) -> int | None:
-        span = CNTLID_MAX - CNTLID_MIN + 1
-        for _ in range(span):
+        lo, hi = self.cntlid_min, self.cntlid_max
+        if not lo <= self._next_cntlid <= hi:
+            self._next_cntlid = lo
+        for _ in range(hi - lo + 1):
             cntlid = self._next_cntlid
-            self._next_cntlid = CNTLID_MIN if cntlid >= CNTLID_MAX else cntlid + 1
+            self._next_cntlid = lo if cntlid >= hi else cntlid + 1
             if cntlid not in self.controllers:
                 return cntlid
         return None
@@ -80,8 +100,10 @@ class Target:
     def create_controller(self, subsystem: Subsystem, hostnqn: str, hostid: bytes, kato_ms: int) -> Controller:
         cntlid = self._alloc_cntlid()
         if cntlid is None:
+            span = self.cntlid_max - self.cntlid_min + 1
             raise NvmeError(Status.CONNECT_CTRL_BUSY,
-                            f"all {CNTLID_MAX} controller IDs are in use; disconnect idle hosts")
+                            f"all {span} controller IDs of this target's range {self.cntlid_min}-{self.cntlid_max} "
+                            "are in use; disconnect idle hosts or widen nvmeof serve --cntlid-range")
         ctrl = Controller(self, subsystem, cntlid, hostnqn, hostid, kato_ms, clock=self.clock)
         self.controllers[cntlid] = ctrl
         self._ensure_keep_alive_task()
@@ -174,6 +196,36 @@ class Target:
             if ctrl.subsystem.nqn == subsystem_nqn:
                 ctrl.namespace_changed(nsid)
 
+    def ana_changed(self, *, subnqn: str | None = None, listeners: Iterable[Listener] | None = None,
+                    groups: Iterable[int] = ()) -> int:
+        """ANA states (on ``listeners``) or a group's namespaces (in ``subnqn``) changed: bump the change
+        counts and send the ANA change AEN to each controller concerned (nvmet_send_ana_event: the
+        controllers of the subsystem, or of the port); returns how many were told."""
+        self.ana_chgcnt += 1
+        for grp in set(groups):
+            self.ana_group_chgcnt[grp] = self.ana_group_chgcnt.get(grp, 0) + 1
+        ports = None if listeners is None else {id(lst) for lst in listeners}
+        told = 0
+        for ctrl in list(self.controllers.values()):
+            if ctrl.is_discovery or (subnqn is not None and ctrl.subsystem.nqn != subnqn):
+                continue
+            if ports is not None and id(ctrl.listener) not in ports:
+                continue
+            ctrl.ana_changed()
+            told += 1
+        return told
+
+    def set_ana_default(self, state: AnaState) -> None:
+        """Every ANA group not set explicitly on a listener is in ``state`` on every listener, present and
+        future (a gateway group member: its standby state, so it never serves optimized a group whose
+        lock it does not hold); listeners that changed get the ANA change AEN."""
+        self.ana_default = AnaState(state)
+        moved = [lst for lst in self.listeners.values() if lst.ana_default != self.ana_default]
+        for lst in moved:
+            lst.set_ana_default(self.ana_default)
+        if moved:
+            self.ana_changed(listeners=moved, groups=range(1, defaults.ANAGRPMAX + 1))
+
     def discovery_changed(self) -> None:
         self.genctr += 1
         for ctrl in list(self.controllers.values()):
@@ -192,6 +244,8 @@ class Target:
     async def start_listener(self, listener: Listener) -> Any:
         if listener.id in self._servers:
             raise ValueError(f"listener {listener.id} is already running")
+        if listener.ana_default != self.ana_default:
+            listener.set_ana_default(self.ana_default)
         server = self.transports.get(listener.trtype)(self, listener)
         await server.start()
         self._servers[listener.id] = server

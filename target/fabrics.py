@@ -136,6 +136,7 @@ def _execute_connect(target: Target, req: Request) -> None:
             raise NvmeError(Status.CONNECT_INVALID_HOST, _not_allowed(hostnqn, subnqn),
                             result=(CONNECT_IATTR_DATA << 16) | IPO_DATA_HOSTNQN)
         ctrl = target.create_controller(subsystem, hostnqn, data.hostid, kato)
+        ctrl.attach_listener(queue.listener)
         log.info("controller %d created for subsystem %s, host %s (%s, KATO %d ms)", ctrl.cntlid,
                  subsystem.nqn, host, queue.peer, ctrl.kato_ms,
                  extra={"event": "connect", "host": hostnqn, "subnqn": subsystem.nqn, "qid": 0,

@@ -39,6 +39,9 @@ def parse(req: Request) -> None:
     if ns is None or not ns.enabled:
         raise NvmeError(Status.INVALID_NS, f"subsystem {ctrl.subsystem.nqn} has no active namespace {cmd.nsid}")
     req.ns = ns
+    blocked = ctrl.ana_blocked.get(ns.anagrpid)
+    if blocked is not None:
+        raise _ana_refused(blocked, ns, ctrl.cntlid)
     if op == _READ or op == _WRITE or op == _COMPARE:
         _check_range(ns, cmd.slba, cmd.nlb)
         length = cmd.nlb << ns.lba_shift
@@ -65,6 +68,15 @@ def parse(req: Request) -> None:
         req.expect(Direction.H2C, nr * DSM_RANGE_SIZE, _dsm)
     else:
         raise NvmeError(Status.INVALID_OPCODE, f"I/O opcode {op:#04x} is not supported")
+
+
+def _ana_refused(status: int, ns: Namespace, cntlid: int) -> NvmeError:
+    # nvmet_check_ana_state: the group cannot be reached through this path (inaccessible, persistent
+    # loss, in transition). DNR clear and SCT 3 (path related): the Linux host fails the I/O over to
+    # another path (nvme_failover_req) instead of failing it. Not logged per command (a host switching
+    # paths may send a burst); the state change itself was logged.
+    return NvmeError(status, f"namespace {ns.nsid} (ANA group {ns.anagrpid}) is not accessible through controller "
+                     f"{cntlid}'s port", dnr=False, logged=True)
 
 
 def _check_range(ns: Namespace, slba: int, nlb: int) -> None:

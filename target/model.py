@@ -12,11 +12,20 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from nvmeof import defaults
+from nvmeof.spec.logs import AnaState
+from nvmeof.status import Status
 from target.backends.base import Backend
 
 TrType = Literal["tcp", "rdma"]
 AdrFam = Literal["ipv4", "ipv6"]
 TRTYPES = ("tcp", "rdma")
+# What I/O to a namespace gets on a path where its ANA group is in this state (nvmet_check_ana_state);
+# optimized and non-optimized groups serve I/O.
+ANA_IO_STATUS: dict[AnaState, int] = {
+    AnaState.INACCESSIBLE: Status.ANA_INACCESSIBLE,
+    AnaState.PERSISTENT_LOSS: Status.ANA_PERSISTENT_LOSS,
+    AnaState.CHANGE: Status.ANA_TRANSITION,
+}
 ADRFAMS = ("ipv4", "ipv6")
 BLOCK_SIZES = (512, 4096)
 
@@ -102,6 +111,7 @@ class Namespace:
     eui64: bytes = bytes(8)
     read_only: bool = False
     enabled: bool = True
+    anagrpid: int = defaults.DEFAULT_ANAGRPID  # its ANA group, 1..ANAGRPMAX (Identify Namespace ANAGRPID)
     spec: dict[str, Any] = field(default_factory=dict)  # the creation request, persisted as given
     stats: NamespaceStats = field(default_factory=NamespaceStats)
 
@@ -210,10 +220,59 @@ class Listener:
     trsvcid: int
     portid: int
     discovery: bool = False  # serves the discovery subsystem (usually port 8009)
+    # ANA state per group on this port (nvmet ports/<n>/ana_groups/<g>/ana_state); a group that is not
+    # here is in ana_default. What every controller whose admin queue came through this listener reports.
+    # Change it with set_ana_state(s) / set_ana_default, which keep ana_blocked in step.
+    ana_states: dict[int, AnaState] = field(default_factory=dict)
+    # anagrpid -> the status I/O to that group fails with here (only groups I/O cannot reach): the
+    # one dict target/io.py looks up per command; controllers hold this very object.
+    ana_blocked: dict[int, int] = field(default_factory=dict, repr=False)
+    # The state of every group not in ana_states: optimized on a lone target; a gateway group member
+    # makes it its standby state (Target.set_ana_default) so that a group it holds no lock for is never
+    # served optimized, whatever adds the group or the listener.
+    ana_default: AnaState = field(default=AnaState.OPTIMIZED, repr=False)
 
     @property
     def id(self) -> str:
         return endpoint_id(self.trtype, self.traddr, self.trsvcid)
+
+    def ana_state(self, anagrpid: int) -> AnaState:
+        return self.ana_states.get(anagrpid, self.ana_default)
+
+    def set_ana_state(self, anagrpid: int, state: AnaState) -> None:
+        state = AnaState(state)
+        if state == self.ana_default:
+            self.ana_states.pop(anagrpid, None)
+        else:
+            self.ana_states[anagrpid] = state
+        self._block(anagrpid, state)
+
+    def _block(self, anagrpid: int, state: AnaState) -> None:
+        blocked = ANA_IO_STATUS.get(state)
+        if blocked is None:
+            self.ana_blocked.pop(anagrpid, None)
+        else:
+            self.ana_blocked[anagrpid] = blocked
+
+    def set_ana_states(self, states: dict[int, AnaState]) -> None:
+        """Replace every group's state (groups not named take ana_default), in place."""
+        for anagrpid in list(self.ana_states):
+            if anagrpid not in states:
+                self.set_ana_state(anagrpid, self.ana_default)
+        for anagrpid, state in states.items():
+            self.set_ana_state(anagrpid, state)
+
+    def set_ana_default(self, state: AnaState) -> None:
+        """Every group not set explicitly is in ``state`` from now on. ana_blocked lists each group id
+        (1..ANAGRPMAX) explicitly, so target/io.py keeps its single lookup per command."""
+        explicit = {g: self.ana_state(g) for g in self.ana_states}
+        self.ana_default = AnaState(state)
+        self.ana_states.clear()
+        for anagrpid in range(1, defaults.ANAGRPMAX + 1):
+            if anagrpid in explicit:
+                self.set_ana_state(anagrpid, explicit[anagrpid])
+            else:
+                self._block(anagrpid, self.ana_default)
 
 
 @dataclass(eq=False)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # Namespace keys a running namespace can take on live; any other difference needs a new nsid.
-LIVE_NAMESPACE_KEYS = ("size", "enabled")
+LIVE_NAMESPACE_KEYS = ("size", "enabled", "anagrpid")
 # Subsystem keys that the Identify data or the controllers already carry: fixed while it exists.
 FIXED_SUBSYSTEM_KEYS = ("serial", "model", "max_namespaces")
 ACCESS_KEYS = ("allow_any_host", "hosts", "dhchap_hash", "dhchap_dhgroup")
@@ -30,8 +30,10 @@ class ReloadPlan:
     removed_namespaces: list[tuple[str, int]] = field(default_factory=list)
     resized: list[tuple[str, int, int]] = field(default_factory=list)
     enabled: list[tuple[str, int, bool]] = field(default_factory=list)
+    anagrpid: list[tuple[str, int, int]] = field(default_factory=list)  # (subnqn, nsid, new ANA group)
     new_listeners: list[dict[str, Any]] = field(default_factory=list)
     removed_listeners: list[str] = field(default_factory=list)
+    ana_states: list[tuple[str, dict[str, str]]] = field(default_factory=list)  # (listener id, its whole ana_states)
     new_referrals: list[dict[str, Any]] = field(default_factory=list)
     removed_referrals: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # changes refused: the file is not applied at all
@@ -49,6 +51,17 @@ def _same(key: str, a: Any, b: Any) -> bool:
     if key in ID_KEYS and isinstance(a, str) and isinstance(b, str):
         return a.replace("-", "").lower() == b.replace("-", "").lower()
     return a == b
+
+
+def _ana_states(item: dict[str, Any]) -> dict[int, str]:
+    """A listener item's ana_states, compared by group id and state word (optimized ones dropped: the
+    default); config.item_problems checked them."""
+    out = {}
+    for grp, state in (item.get("ana_states") or {}).items():
+        word = str(state).strip().lower().replace("_", "-")
+        if word != "optimized":
+            out[int(grp)] = word
+    return out
 
 
 def _hosts(item: dict[str, Any]) -> dict[str, Any]:
@@ -89,6 +102,8 @@ def plan_reload(live: dict[str, Any], new: dict[str, Any], endpoint_key: Any) ->
         elif any(item.get(key) is not None and item[key] != old.get(key) for key in ("discovery", "portid")):
             plan.problems.append(f"listener {lid}: discovery/portid cannot change on a running listener; remove "
                                  "it in one reload and add it in the next")
+        elif _ana_states(item) != _ana_states(old):
+            plan.ana_states.append((lid, item.get("ana_states") or {}))
     old_ref = {endpoint_key(item): item for item in live.get("referrals", [])}
     new_ref = {endpoint_key(item): item for item in new.get("referrals", [])}
     for rid, item in old_ref.items():
@@ -117,3 +132,5 @@ def _plan_namespaces(plan: ReloadPlan, nqn: str, old: list[dict[str, Any]], new:
             plan.resized.append((nqn, nsid, ns["size"]))
         if ns.get("enabled") is not None and ns["enabled"] != cur.get("enabled", True):
             plan.enabled.append((nqn, nsid, ns["enabled"]))
+        if ns.get("anagrpid") is not None and ns["anagrpid"] != cur.get("anagrpid", 1):
+            plan.anagrpid.append((nqn, nsid, ns["anagrpid"]))

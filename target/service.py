@@ -25,10 +25,11 @@ import logging
 import os
 import secrets
 import uuid as uuidlib
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from nvmeof import defaults
+from nvmeof.spec.logs import ANA_STATE_NAMES, AnaState, parse_ana_state
 from target import config as configmod
 from target import hostauth
 from target.backends import BACKEND_OPTIONS, OPTION_KEYS, BackendError, BackingPolicy, kinds, open_backend
@@ -96,6 +97,10 @@ class TargetHooks(Protocol):
     def disconnect_listener(self, listener: Listener) -> int: ...
     def controllers_info(self) -> list[dict[str, Any]]: ...
     def disconnect_controller(self, cntlid: int) -> bool: ...
+    # ANA states (on listeners) or a group's namespaces (in subnqn) changed: bump the ANA change counts
+    # and send the ANA change AEN to the controllers concerned (target.core.Target.ana_changed).
+    def ana_changed(self, *, subnqn: str | None = None, listeners: Iterable[Listener] | None = None,
+                    groups: Iterable[int] = ()) -> int: ...
 
 
 class ServiceError(Exception):
@@ -120,6 +125,17 @@ def _int(value: Any, name: str, low: int, high: int) -> int:
     if not low <= value <= high:
         raise _bad(f"{name} {value} is out of range; use {low}..{high}")
     return value
+
+
+def _anagrpid(value: Any) -> int:
+    return _int(value, "anagrpid", 1, defaults.ANAGRPMAX)
+
+
+def _ana_state(value: Any) -> AnaState:
+    try:
+        return parse_ana_state(value)
+    except ValueError as exc:
+        raise _bad(str(exc)) from None
 
 
 def _bool(value: Any, name: str) -> bool:
@@ -222,6 +238,13 @@ class TargetService:
         self._lock = asyncio.Lock()
         self._unrestored: list[Unrestored] = []
         self._tasks: set[asyncio.Task[Any]] = set()
+        # ANA states per listener as configured (persisted); Listener.ana_states is what is served,
+        # which a gateway group also sets at run time (set_ana_states(persist=False)), unsaved.
+        self._ana_saved: dict[str, dict[int, AnaState]] = {}
+        # Set by a gateway group member (target/gateway/group.py): called by every persisted change
+        # before it is saved; the group itself is what GET /api/v1/gateway reports.
+        self.on_change: Callable[[], Awaitable[None]] | None = None
+        self.gateway: Any = None
 
     # --- reads ---------------------------------------------------------------------------------
 
@@ -265,13 +288,29 @@ class TargetService:
     # --- commit machinery ----------------------------------------------------------------------
 
     async def _commit(self, persist: bool, undo: Undo) -> None:
+        if persist and self.on_change is not None:
+            # A gateway group writes the shared configuration to its store first (target/gateway/group.py):
+            # refused there (another gateway changed it at the same moment, the store is out of reach),
+            # the change is undone here too.
+            try:
+                await self.on_change()
+            except ServiceError:
+                await undo()
+                raise
         if not persist or self.config_path is None:
             return
         try:
             await asyncio.to_thread(configmod.save_config, self.config_path, self.snapshot())
         except configmod.ConfigError as exc:
             await undo()
+            self._store_ahead()
             raise ServiceError(500, f"{exc}; the change was undone") from exc
+
+    def _store_ahead(self) -> None:
+        """A gateway group's store took a change that was then undone here (the local save failed): the
+        member applies the store's version again, so it does not stay behind the group for good."""
+        if self.on_change is not None and self.gateway is not None:
+            self.gateway.store_ahead()
 
     async def _settle(self) -> None:
         """With worker processes (`serve --workers`), wait until they have applied a namespace change,
@@ -651,9 +690,10 @@ class TargetService:
         enabled: bool = True,
         create: bool = False,
         options: dict[str, Any] | None = None,
+        anagrpid: int = defaults.DEFAULT_ANAGRPID,
     ) -> Namespace:
         """``options``: the settings only ``backend`` takes (BACKEND_OPTIONS: an RBD namespace's
-        ``pool``, ``image``, ...)."""
+        ``pool``, ``image``, ...). ``anagrpid``: its ANA group, 1..ANAGRPMAX."""
         async with self._lock:
             return await self._add_namespace(
                 subnqn,
@@ -670,6 +710,7 @@ class TargetService:
                 create=create,
                 options=options,
                 persist=True,
+                anagrpid=anagrpid,
             )
 
     async def _add_namespace(
@@ -689,8 +730,10 @@ class TargetService:
         create: bool,
         persist: bool,
         options: dict[str, Any] | None = None,
+        anagrpid: int | None = defaults.DEFAULT_ANAGRPID,
     ) -> Namespace:
         sub = self.get_subsystem(subnqn)
+        anagrpid = _anagrpid(defaults.DEFAULT_ANAGRPID if anagrpid is None else anagrpid)
         if backend not in kinds():
             raise _bad(f"backend {backend!r} is not one of {', '.join(kinds())}")
         options = _backend_options(backend, options)
@@ -835,6 +878,7 @@ class TargetService:
             eui64=ns_eui64,
             read_only=read_only or store.read_only,
             enabled=enabled,
+            anagrpid=anagrpid,
             spec=spec,
         )
         sub.namespaces[nsid] = ns
@@ -845,6 +889,9 @@ class TargetService:
 
         await self._commit(persist, undo)
         self.target.namespace_changed(subnqn, nsid)
+        # The ANA log now lists the NSID in its group: a Linux host with ANA attaches no block device
+        # for a new namespace until it has read it there (nvme-cli #832), so tell it (nvmet_ns_enable).
+        self._ana_changed(subnqn=subnqn, groups=(anagrpid,))
         store.watch_size(lambda new_size: self._storage_resized(subnqn, nsid, store, new_size))
         await self._settle()
         return ns
@@ -960,6 +1007,7 @@ class TargetService:
 
             await self._commit(True, undo)
             self.target.namespace_changed(subnqn, nsid)
+            self._ana_changed(subnqn=subnqn, groups=(ns.anagrpid,))   # the group's NSID list changed
             await self._settle()
             return ns
 
@@ -974,8 +1022,179 @@ class TargetService:
 
             await self._commit(True, undo)
             self.target.namespace_changed(subnqn, nsid)
+            self._ana_changed(subnqn=subnqn, groups=(ns.anagrpid,))
             await self._settle()
             ns.backend.close()
+
+    # --- Asymmetric Namespace Access -----------------------------------------------------------
+
+    def _ana_changed(self, *, subnqn: str | None = None, listeners: Iterable[Listener] | None = None,
+                     groups: Iterable[int] = ()) -> None:
+        self.target.ana_changed(subnqn=subnqn, listeners=listeners, groups=groups)
+
+    def _ana_entry(self, listener: Listener) -> dict[str, Any]:
+        saved = self._ana_saved.get(listener.id)
+        if not saved:
+            return {}
+        return {"ana_states": {str(g): ANA_STATE_NAMES[st] for g, st in sorted(saved.items())}}
+
+    async def set_namespace_anagrpid(self, subnqn: str, nsid: int, anagrpid: int) -> Namespace:
+        """Move a namespace to another ANA group (nvmet configfs namespaces/<nsid>/ana_grpid): the ANA
+        log lists it there from now on and every controller of the subsystem gets the ANA change AEN."""
+        async with self._lock:
+            ns = self.get_namespace(subnqn, nsid)
+            anagrpid = _anagrpid(anagrpid)
+            old = ns.anagrpid
+            if old == anagrpid:
+                return ns
+            ns.anagrpid = anagrpid
+
+            async def undo() -> None:
+                ns.anagrpid = old
+
+            await self._commit(True, undo)
+            log.info("namespace %d of %s moved from ANA group %d to %d", nsid, subnqn, old, anagrpid)
+            self._ana_changed(subnqn=subnqn, groups=(old, anagrpid))
+            await self._settle()
+            return ns
+
+    async def set_ana_state(self, listener_id: str, anagrpid: int, state: AnaState | str, *,
+                            persist: bool = True) -> Listener:
+        """One group's ANA state on one listener (nvmet ports/<portid>/ana_groups/<grpid>/ana_state)."""
+        if self.gateway is not None:
+            raise ServiceError(409, f"this target is a member of gateway group {self.gateway.store.group}: the group "
+                               "decides the ANA states by who holds each group's lock (see nvmeof gateway list); "
+                               "move a namespace with set-anagrpid, or restart without --gateway-group to set "
+                               "states by hand")
+        async with self._lock:
+            listener = self.get_listener(listener_id)
+            grp = _anagrpid(anagrpid)
+            st = _ana_state(state)
+            await self._apply_ana({grp: st}, [listener], persist=persist)
+            return listener
+
+    async def set_ana_states(self, states: Mapping[int, AnaState | str], *,
+                             listener_ids: Sequence[str] | None = None, persist: bool = False) -> None:
+        """Several groups' states on several listeners at once (None: every I/O listener), one ANA
+        change AEN per controller concerned. ``persist=False`` (a gateway group recomputing who owns
+        what) changes only what is served; the configuration file keeps what the operator set."""
+        async with self._lock:
+            checked = {_anagrpid(g): _ana_state(st) for g, st in states.items()}
+            if listener_ids is None:
+                listeners = [lst for lst in self.target.listeners.values() if not lst.discovery]
+            else:
+                listeners = [self.get_listener(lid) for lid in listener_ids]
+            await self._apply_ana(checked, listeners, persist=persist)
+
+    def ana_states_now(self, states: Mapping[int, AnaState]) -> bool:
+        """Runtime ANA states on every I/O listener at once, WITHOUT the service lock: a gateway group member
+        stepping down at its fencing deadline must not wait for a mutation in progress (or its store call).
+        One ANA change AEN per controller concerned; returns whether anything changed (then await
+        target.settle() for worker processes). Nothing is persisted."""
+        changed: list[Listener] = []
+        groups: set[int] = set()
+        for lst in [x for x in self.target.listeners.values() if not x.discovery]:
+            moved = [g for g, st in states.items() if lst.ana_state(g) != st]
+            for g in moved:
+                log.info("listener %s: ANA group %d %s -> %s", lst.id, g, ANA_STATE_NAMES[lst.ana_state(g)],
+                         ANA_STATE_NAMES[states[g]])
+                lst.set_ana_state(g, states[g])
+            if moved:
+                changed.append(lst)
+                groups.update(moved)
+        if changed:
+            self._ana_changed(listeners=changed, groups=groups)
+        return bool(changed)
+
+    async def _apply_ana(self, states: dict[int, AnaState], listeners: list[Listener], *, persist: bool) -> None:
+        changed: list[Listener] = []
+        groups: set[int] = set()
+        before = [(lst, dict(lst.ana_states)) for lst in listeners]
+        saved_before = copy.deepcopy(self._ana_saved)
+        for lst in listeners:
+            moved = [g for g, st in states.items() if lst.ana_state(g) != st]
+            for g in moved:
+                log.info("listener %s: ANA group %d %s -> %s", lst.id, g, ANA_STATE_NAMES[lst.ana_state(g)],
+                         ANA_STATE_NAMES[states[g]])
+                lst.set_ana_state(g, states[g])
+            if moved:
+                changed.append(lst)
+                groups.update(moved)
+            if persist:
+                saved = self._ana_saved.setdefault(lst.id, {})
+                for g, st in states.items():
+                    if st == AnaState.OPTIMIZED:
+                        saved.pop(g, None)
+                    else:
+                        saved[g] = st
+                if not saved:
+                    del self._ana_saved[lst.id]
+
+        async def undo() -> None:
+            for lst, old in before:
+                lst.set_ana_states(old)
+            self._ana_saved.clear()
+            self._ana_saved.update(saved_before)
+
+        if persist and self._ana_saved != saved_before:
+            await self._commit(True, undo)
+        if changed:
+            self._ana_changed(listeners=changed, groups=groups)
+            await self._settle()   # with worker processes: their I/O queues check the new states
+
+    async def _reload_ana(self, listener_id: str, states: dict[str, Any]) -> None:
+        """A reloaded file's ana_states of a listener that stays: exactly those (groups it no longer
+        names are optimized again)."""
+        if self.gateway is not None:
+            log.warning("listener %s: its ana_states in the reloaded configuration are ignored: gateway group %s "
+                        "decides the ANA states", listener_id, self.gateway.store.group)
+            return
+        async with self._lock:
+            listener = self.get_listener(listener_id)
+            wanted = {int(g): parse_ana_state(st) for g, st in states.items()}
+            for grp in self._ana_saved.get(listener_id, {}):
+                wanted.setdefault(grp, AnaState.OPTIMIZED)
+            await self._apply_ana(wanted, [listener], persist=True)
+
+    def _restore_ana(self, listener: Listener, states: dict[str, Any] | None) -> None:
+        """A configuration's ``ana_states`` of a listener it just added (config.item_problems checked them)."""
+        if not states:
+            return
+        if self.gateway is not None:  # the gateway group decides (a saved "optimized" would be split brain)
+            log.warning("listener %s: its ana_states in the configuration are ignored: gateway group %s decides "
+                        "the ANA states", listener.id, self.gateway.store.group)
+            return
+        parsed = {int(g): parse_ana_state(st) for g, st in states.items()}
+        listener.set_ana_states(parsed)
+        saved = {g: st for g, st in parsed.items() if st != AnaState.OPTIMIZED}
+        if saved:
+            self._ana_saved[listener.id] = saved
+        self._ana_changed(listeners=[listener], groups=parsed)
+
+    def ana_groups(self) -> dict[int, list[tuple[str, int]]]:
+        """{anagrpid: [(subnqn, nsid), ...]} over every namespace, enabled or not, by group id."""
+        out: dict[int, list[tuple[str, int]]] = {}
+        for sub, ns in self._all_namespaces():
+            out.setdefault(ns.anagrpid, []).append((sub.nqn, ns.nsid))
+        return {g: sorted(out[g]) for g in sorted(out)}
+
+    def ana_report(self) -> list[dict[str, Any]]:
+        """Per listener: its state in every ANA group that has a namespace or a state set on it."""
+        used = set(self.ana_groups())
+        report = []
+        for lst in self.target.listeners.values():
+            groups = sorted(used | set(lst.ana_states))
+            report.append({
+                "listener_id": lst.id,
+                "trtype": lst.trtype,
+                "traddr": lst.traddr,
+                "trsvcid": lst.trsvcid,
+                "portid": lst.portid,
+                "discovery": lst.discovery,
+                "states": {str(g): ANA_STATE_NAMES[lst.ana_state(g)] for g in groups},
+                "saved": {str(g): ANA_STATE_NAMES[st] for g, st in sorted(self._ana_saved.get(lst.id, {}).items())},
+            })
+        return report
 
     # --- listeners and referrals ---------------------------------------------------------------
 
@@ -1027,6 +1246,7 @@ class TargetService:
         except (NotImplementedError, RuntimeError, ValueError) as exc:
             raise _bad(f"cannot listen on {lid}: {exc}") from None
         self.target.listeners[lid] = listener
+        self._ana_saved.pop(lid, None)   # a listener removed by a reload left its saved states behind
 
         superseded = [u for u in self._pending("listener") if _endpoint_key(u.item) == lid]
         self._drop_pending_endpoint("listener", lid)
@@ -1046,9 +1266,12 @@ class TargetService:
         async with self._lock:
             listener = self.get_listener(listener_id)
             del self.target.listeners[listener_id]
+            saved = self._ana_saved.pop(listener_id, None)
 
             async def undo() -> None:
                 self.target.listeners[listener_id] = listener
+                if saved is not None:
+                    self._ana_saved[listener_id] = saved
 
             await self._commit(True, undo)
             disconnected = self.target.disconnect_listener(listener)
@@ -1151,6 +1374,7 @@ class TargetService:
                     "trsvcid": lst.trsvcid,
                     "portid": lst.portid,
                     "discovery": lst.discovery,
+                    **self._ana_entry(lst),
                 }
                 for lst in self.target.listeners.values()
             ]
@@ -1298,6 +1522,7 @@ class TargetService:
                     enabled=_given(item, "enabled", True),
                     create=False,
                     persist=False,
+                    anagrpid=_given(item, "anagrpid", defaults.DEFAULT_ANAGRPID),
                     **args,
                 )
             except ServiceError as exc:
@@ -1312,7 +1537,7 @@ class TargetService:
                 errors.extend(problems)
                 continue
             try:
-                await self._add_listener(
+                listener = await self._add_listener(
                     _given(item, "trtype", "tcp"),
                     item["traddr"],
                     item["trsvcid"],
@@ -1321,6 +1546,7 @@ class TargetService:
                     item.get("portid"),
                     persist=False,
                 )
+                self._restore_ana(listener, item.get("ana_states"))
             except ServiceError as exc:
                 errors.append(f"{where}: {exc.message}; skipped")
                 failed("listener", where, item, exc.message)
@@ -1360,12 +1586,19 @@ class TargetService:
     ) -> None:
         """Save after a multi-item change; if saving fails, take out everything added since
         ``before`` (and put the unrestored list back), so memory matches the file again."""
+        if self.on_change is not None:  # a gateway group's store first, as in _commit
+            try:
+                await self.on_change()
+            except ServiceError:
+                await self._take_out(before, unrestored)
+                raise
         if self.config_path is None:
             return
         try:
             await asyncio.to_thread(configmod.save_config, self.config_path, self.snapshot())
         except configmod.ConfigError as exc:
             await self._take_out(before, unrestored)
+            self._store_ahead()
             raise ServiceError(500, f"{exc}; {what} was undone") from exc
 
     async def _take_out(
@@ -1397,7 +1630,7 @@ class TargetService:
         finally:
             self._unrestored = pending
 
-    async def reload(self, config: dict[str, Any]) -> list[str]:
+    async def reload(self, config: dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]) -> list[str]:
         """Make the running configuration what ``config`` (the re-read file, already through
         load_config) says, change by change (target/reload.py plans them), so the controllers of
         whatever stays keep running. All or nothing: returns the reasons when refused, and then
@@ -1407,6 +1640,8 @@ class TargetService:
         from target.reload import plan_reload
 
         async with self._lock:
+            if callable(config):  # built from what runs now, under the lock (a gateway group's shared part)
+                config = config(self.live_config())
             pending = [u for u in self._unrestored if _pending_in(u, config)]
             wanted = _without_pending(config, pending)
             plan = plan_reload(self.live_config(), wanted, _endpoint_key)
@@ -1446,6 +1681,10 @@ class TargetService:
             await self.resize_namespace(nqn, nsid, size, allow_shrink=True)
         for nqn, nsid, enabled in plan.enabled:
             await self.set_namespace_enabled(nqn, nsid, enabled)
+        for nqn, nsid, anagrpid in plan.anagrpid:
+            await self.set_namespace_anagrpid(nqn, nsid, anagrpid)
+        for lid, states in plan.ana_states:
+            await self._reload_ana(lid, states)
         log.info("configuration %s reloaded: %s", self.config_path, plan.summary())
         return []
 
@@ -1718,6 +1957,7 @@ def _namespace_entry(ns: Namespace) -> dict[str, Any]:
             "eui64": ns.eui64.hex(),
             "read_only": ns.read_only,
             "enabled": ns.enabled,
+            "anagrpid": ns.anagrpid,
         }
     )
     return entry

@@ -56,6 +56,7 @@ class RemoteController:
         self.active = False
         self.errors: list[list[int]] = []
         self.host_stats = NamespaceStats()   # taken by each report; the main process adds it to its Controller's
+        self.ana_blocked: dict[int, int] = {}   # the main process's Controller.ana_blocked (op "ana")
 
     @property
     def cc(self) -> int:
@@ -179,6 +180,10 @@ class Worker:
                 ctrl = self.controllers.get(msg["ctrl_id"])
                 if ctrl is not None:
                     ctrl.enabled = bool(msg["enabled"])
+            elif op == "ana":
+                ctrl = self.controllers.get(msg["ctrl_id"])
+                if ctrl is not None:
+                    ctrl.ana_blocked = {int(g): int(st) for g, st in msg["blocked"]}
             elif op == "exit":
                 self._stop.set()
             else:
@@ -201,6 +206,7 @@ class Worker:
             _subnqn, ns = entry
             ns.enabled = bool(msg["enabled"])
             ns.read_only = bool(msg["read_only"])
+            ns.anagrpid = int(msg.get("anagrpid", ns.anagrpid))
             if msg["size"] != ns.backend.size:
                 self._resize(key, ns, msg["size"])
             return
@@ -211,7 +217,8 @@ class Worker:
             self.channel.send({"op": "ns_error", "key": key, "error": str(exc)})
             return
         ns = Namespace(nsid=msg["nsid"], backend=backend, block_size=msg["block_size"],
-                       read_only=bool(msg["read_only"]), enabled=bool(msg["enabled"]))
+                       read_only=bool(msg["read_only"]), enabled=bool(msg["enabled"]),
+                       anagrpid=int(msg.get("anagrpid", 1)))
         sub = self._subsystem(msg["subnqn"])
         old = sub.namespaces.get(ns.nsid)
         if old is not None:
@@ -256,6 +263,7 @@ class Worker:
             ctrl = RemoteController(msg["ctrl_id"], msg["cntlid"], msg["hostnqn"], self._subsystem(msg["subnqn"]),
                                     bool(msg["enabled"]))
             self.controllers[ctrl.ctrl_id] = ctrl
+        ctrl.ana_blocked = {int(g): int(st) for g, st in msg.get("ana_blocked", ())}
         cls = BatchWorkerConnection if self.tcp_engine == "batch" else WorkerConnection
         conn = cls(self.target, HandoffState.from_dict(msg["tcp"]),
                    on_lost=lambda c, hid=hid: self._connection_lost(hid, c))

@@ -320,7 +320,7 @@ class WorkerPool:
             "hostnqn": ctrl.hostnqn, "subnqn": ctrl.subsystem.nqn, "enabled": ctrl.enabled,
             "qid": queue.qid, "sqsize": queue.sqsize, "sqhd": queue.sqhd, "sqflow_disabled": queue.sqflow_disabled,
             "connected_at": queue.connected_at, "peer": queue.peer, "local_addr": queue.local_addr,
-            "tcp": state.to_dict(),
+            "tcp": state.to_dict(), "ana_blocked": sorted(ctrl.ana_blocked.items()),
         }
         w.channel.send(msg, [fd], close_fds=True)
         w.hids.add(hid)
@@ -375,6 +375,21 @@ class WorkerPool:
             if w.channel is not None:
                 w.channel.send({"op": "ctrl", "ctrl_id": cid, "enabled": enabled})
 
+    def ana_sync(self) -> None:
+        """After an ANA state change: send each worker serving a controller's I/O queues that controller's
+        blocked groups (what target/io.py checks), acknowledged like namespace changes (settle)."""
+        for w in self.workers:
+            if not w.alive or w.channel is None:
+                continue
+            for ctrl in {p.ctrl for p in self.placed.values() if p.worker is w}:
+                cid = self._ctrl_ids.get(ctrl)
+                if cid is None:
+                    continue
+                self._seq += 1
+                w.last_sent = self._seq
+                w.channel.send({"op": "ana", "ctrl_id": cid, "blocked": sorted(ctrl.ana_blocked.items()),
+                                "seq": self._seq})
+
     # --- namespaces ---------------------------------------------------------------------------------
 
     def _ns_key(self, ns: Namespace) -> int:
@@ -419,7 +434,7 @@ class WorkerPool:
             w.channel.send({"op": "ns_del", "key": key, "seq": self._seq})
         for key, (subnqn, ns) in current.items():
             backend = ns.backend
-            state = (backend.size, ns.enabled, ns.read_only, backend.read_only)
+            state = (backend.size, ns.enabled, ns.read_only, backend.read_only, ns.anagrpid)
             if w.sent.get(key) == state:
                 continue
             try:
@@ -430,6 +445,7 @@ class WorkerPool:
             msg: dict[str, Any] = {
                 "op": "ns", "key": key, "subnqn": subnqn, "nsid": ns.nsid, "backend": description,
                 "size": backend.size, "block_size": ns.block_size, "enabled": ns.enabled, "read_only": ns.read_only,
+                "anagrpid": ns.anagrpid,
             }
             if key in w.sent:
                 fds = []   # the worker has attached it already; this is a change of state
@@ -610,6 +626,12 @@ class PooledTarget(Target):
     def discovery_changed(self) -> None:
         self.pool.sync()   # subsystem removal takes its namespaces along
         super().discovery_changed()
+
+    def ana_changed(self, **kwargs: Any) -> int:
+        # Workers first (a namespace's group, the blocked groups), as for namespace changes.
+        self.pool.sync()
+        self.pool.ana_sync()
+        return super().ana_changed(**kwargs)
 
     async def settle(self) -> None:
         await self.pool.settle()

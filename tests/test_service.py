@@ -48,6 +48,9 @@ class FakeTarget:
     def discovery_changed(self) -> None:
         self.events.append(("discovery_changed",))
 
+    def ana_changed(self, *, subnqn=None, listeners=None, groups=()) -> int:  # type: ignore[no-untyped-def]
+        return 0   # ANA events: tests/test_ana_target.py
+
     async def start_listener(self, listener: Listener) -> None:
         server = await asyncio.start_server(lambda r, w: w.close(), listener.traddr, listener.trsvcid)
         self.servers[listener.id] = server

@@ -70,10 +70,10 @@ async def test_identify_controller(target):
     assert idc.cntlid == cntlid
     assert idc.sn == "SN0001" and idc.mn == defaults.MODEL and idc.fr == defaults.FIRMWARE_REVISION
     assert idc.subnqn == SUBNQN
-    assert idc.cmic == idf.CMIC_MULTI_CTRL
+    assert idc.cmic == idf.CMIC_MULTI_PORT | idf.CMIC_MULTI_CTRL | idf.CMIC_ANA   # ANA: tests/test_ana_target.py
     assert idc.mdts == defaults.MDTS
     assert idc.ver == 0x010300
-    assert idc.oaes == idf.OAES_NS_ATTR
+    assert idc.oaes == idf.OAES_NS_ATTR | idf.OAES_ANA
     assert idc.ctratt == idf.CTRATT_HOST_ID_128
     assert idc.cntrltype == idf.CNTRLTYPE_IO
     assert idc.acl == 3 and idc.aerl == 3 and idc.frmw == 3 and idc.elpe == 63
@@ -160,7 +160,7 @@ async def test_log_pages_offsets_and_split_reads(target):
     # misaligned offset, offset past the end, unknown page, discovery page on an I/O controller
     assert (await host.cmd(get_log(0x05, 64, offset=2), read_len=64)).status == Status.INVALID_FIELD
     assert (await host.cmd(get_log(0x05, 64, offset=8192), read_len=64)).status == Status.INVALID_FIELD
-    assert (await host.cmd(get_log(0x0C, 64), read_len=64)).status == Status.INVALID_LOG_PAGE
+    assert (await host.cmd(get_log(0x0D, 64), read_len=64)).status == Status.INVALID_LOG_PAGE
     assert (await host.cmd(get_log(0x70, 64), read_len=64)).status == Status.INVALID_LOG_PAGE
     # beyond MDTS
     res = await host.cmd(get_log(0x05, 4 << 20), read_len=4 << 20)
@@ -220,7 +220,7 @@ async def test_features_roundtrip(target):
     assert (await host.cmd(set_feature(0x0F, 12000))).status == 0
     assert (await host.cmd(get_feature(0x0F))).cqe.dw0 == 12000
     # Async Event Configuration
-    assert (await host.cmd(get_feature(0x0B))).cqe.dw0 == idf.OAES_NS_ATTR
+    assert (await host.cmd(get_feature(0x0B))).cqe.dw0 == idf.OAES_NS_ATTR | idf.OAES_ANA
     assert (await host.cmd(set_feature(0x0B, 0))).status == 0
     assert (await host.cmd(get_feature(0x0B))).cqe.dw0 == 0
     assert (await host.cmd(set_feature(0x0B, 1 << 31))).status == Status.INVALID_FIELD

@@ -13,12 +13,14 @@ from fastapi import APIRouter, Path, Response, status
 from api import render, schemas
 from api.deps import JsonRoute, Service
 from api.errors import ERRORS
+from nvmeof import defaults
 from target.model import endpoint_id
 
 listeners = APIRouter(prefix="/listeners", tags=["listeners"], responses=ERRORS, route_class=JsonRoute)
 referrals = APIRouter(prefix="/referrals", tags=["referrals"], responses=ERRORS, route_class=JsonRoute)
 
 Port = Path(ge=1, le=65535, description="Transport service ID (TCP port)")
+AnaGroup = Path(ge=1, le=defaults.ANAGRPMAX, description="ANA group ID")
 
 
 def _endpoint(trtype: str, traddr: str, trsvcid: int) -> str:
@@ -48,6 +50,15 @@ async def remove_listener(trtype: schemas.TrType, traddr: str, service: Service,
                           trsvcid: int = Port) -> schemas.DisconnectedOut:
     """Stop listening; controllers with a queue that came through this listener are disconnected."""
     return schemas.DisconnectedOut(disconnected=await service.remove_listener(_endpoint(trtype, traddr, trsvcid)))
+
+
+@listeners.put("/{trtype}/{traddr}/{trsvcid}/ana/{anagrpid}", response_model=schemas.ListenerOut)
+async def set_listener_ana_state(trtype: schemas.TrType, traddr: str, body: schemas.AnaStateSet, service: Service,
+                                 trsvcid: int = Port, anagrpid: int = AnaGroup) -> schemas.ListenerOut:
+    """Set an ANA group's state on this listener (kept in the configuration); hosts connected through it get an
+    ANA change event. I/O to a group that is inaccessible here fails with an ANA status so hosts use another path."""
+    lst = await service.set_ana_state(_endpoint(trtype, traddr, trsvcid), anagrpid, body.state)
+    return render.listener(lst)
 
 
 @referrals.get("", response_model=list[schemas.ReferralOut])

@@ -1,4 +1,4 @@
-"""/subsystems/{nqn}/namespaces: add, list, show, resize, enable/disable, statistics, remove."""
+"""/subsystems/{nqn}/namespaces: add, list, show, resize, enable/disable, ANA group, statistics, remove."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ async def add_namespace(nqn: str, body: schemas.NamespaceCreate, service: Servic
     ns = await service.add_namespace(
         nqn, backend=body.backend, path=body.path, size=body.size, block_size=body.block_size,
         nsid=body.nsid, uuid=body.uuid, nguid=body.nguid, eui64=body.eui64, read_only=body.read_only,
-        enabled=body.enabled, create=body.create,
+        enabled=body.enabled, create=body.create, anagrpid=body.anagrpid,
         options={key: getattr(body, key) for key in OPTION_KEYS if getattr(body, key) is not None},
     )
     return render.namespace(ns)
@@ -57,6 +57,14 @@ async def enable_namespace(nqn: str, service: Service, nsid: int = Nsid) -> sche
 @router.post("/{nsid}/disable", response_model=schemas.NamespaceOut)
 async def disable_namespace(nqn: str, service: Service, nsid: int = Nsid) -> schemas.NamespaceOut:
     return render.namespace(await service.set_namespace_enabled(nqn, nsid, False))
+
+
+@router.put("/{nsid}/anagrpid", response_model=schemas.NamespaceOut)
+async def set_namespace_anagrpid(
+    nqn: str, body: schemas.NamespaceAnaGroup, service: Service, nsid: int = Nsid,
+) -> schemas.NamespaceOut:
+    """Move the namespace to another ANA group; connected hosts get an ANA change event and re-read the ANA log."""
+    return render.namespace(await service.set_namespace_anagrpid(nqn, nsid, body.anagrpid))
 
 
 @router.get("/{nsid}/stats", response_model=schemas.NamespaceStatsOut)

@@ -33,6 +33,9 @@ def _register() -> None:
     from nvmeof.cli.commands import manage
 
     manage.register(cli)
+    from nvmeof.cli.commands import gateway
+
+    gateway.register(cli)
     from nvmeof.cli.commands import completion
 
     completion.register(cli)

@@ -63,6 +63,13 @@ class DaemonOptions:
     rbd_op_timeout: float = defaults.RBD_OP_TIMEOUT  # seconds an OSD/monitor call of an RBD namespace may take
     tcp_engine: str = defaults.TCP_ENGINE  # NVMe/TCP data path: "batch" (target/transports/tcp_batch.py) or "stream"
     poll_us: int = defaults.POLL_US  # batch engine: µs of busy receives after a batch before sleeping (0: off)
+    gateway_group: str | None = None  # the gateway group this target is a member of (target/gateway/)
+    gateway_name: str | None = None  # this member's name in it (default: the host name)
+    group_store: str | None = None  # dir:PATH or rados:POOL: where the group keeps membership, config, locks
+    gateway_lease: float = defaults.GATEWAY_LEASE  # seconds an ANA group's ownership lock outlives its holder
+    failback: str = "auto"  # auto: a group goes back to its preferred owner when it returns; manual: stays
+    ana_standby: str = "non-optimized"  # the state of the groups another gateway owns
+    cntlid_range: tuple[int, int] | None = None  # controller IDs this target hands out (Target.set_cntlid_range)
 
 
 def state_directory(path: Path | str | None = None) -> Path:
@@ -230,6 +237,11 @@ class Daemon:
             self.target = Target(transports={"tcp": TCP_ENGINES[options.tcp_engine]})
         configure_tcp_port(self.target, options)
         self.target.auth_timeout = options.auth_timeout
+        if options.cntlid_range is not None:
+            try:
+                self.target.set_cntlid_range(*options.cntlid_range)
+            except ValueError as e:
+                raise DaemonError(str(e)) from e
         from target.backends import BackendError
 
         backing = options.backing_dirs or [Path(options.state_dir or defaults.state_dir()) / defaults.BACKING_DIR]
@@ -250,6 +262,46 @@ class Daemon:
         self._stop = asyncio.Event()
         self._reload_task: asyncio.Task | None = None
         self._reload_wanted = False
+        self.gateway = self._make_gateway()
+
+    def _make_gateway(self):
+        """The gateway group member (--gateway-group), or None; nothing is contacted yet."""
+        opts = self.options
+        if opts.gateway_group is None:
+            for given, option in ((opts.group_store, "--group-store"), (opts.gateway_name, "--gateway-name")):
+                if given:
+                    raise DaemonError(f"{option} needs --gateway-group NAME (the group this gateway joins)")
+            return None
+        from nvmeof.spec.logs import AnaState
+        from target.gateway.group import STANDBY, GatewayGroup
+        from target.gateway.store import StoreError, parse_store
+
+        if not opts.group_store:
+            raise DaemonError("--gateway-group needs --group-store dir:PATH (gateways on one machine) or "
+                              "rados:POOL (a Ceph pool every gateway reaches)")
+        if opts.gateway_lease < defaults.GATEWAY_LEASE_MIN:
+            # the fence steps down lease - max(1 s, lease/5) after a renew is sent, renewals come every lease/3:
+            # below this, one slow renew already makes the owner step down and flap
+            raise DaemonError(f"--gateway-lease {opts.gateway_lease:g}: give at least {defaults.GATEWAY_LEASE_MIN:g} "
+                              "seconds (an owner renews every lease/3 and steps down max(1 s, lease/5) before its "
+                              "lease ends)")
+        name = opts.gateway_name or socket.gethostname().split(".")[0]
+        try:
+            kind, where = parse_store(opts.group_store)
+            if kind == "dir":
+                from target.gateway.dirstore import DirStore
+
+                store = DirStore(where, opts.gateway_group, opts.gateway_lease)
+            else:
+                from target.gateway.radosstore import RadosStore
+
+                store = RadosStore(where, opts.gateway_group, opts.gateway_lease,
+                                   ceph_conf=str(opts.ceph_confs[0]) if opts.ceph_confs else None,
+                                   keyring=str(opts.ceph_keyrings[0]) if opts.ceph_keyrings else None)
+        except StoreError as e:
+            raise DaemonError(str(e)) from e
+        return GatewayGroup(self.service, store, name=name, failback=opts.failback,
+                            standby=STANDBY.get(opts.ana_standby, AnaState.NON_OPTIMIZED))
 
     async def start(self) -> None:
         opts = self.options
@@ -263,6 +315,15 @@ class Daemon:
             from target.backends.file import make_backing_dir
 
             make_backing_dir(self.service.backing.backing_dirs[0])  # <state dir>/disks, mode 0700
+        shared = None
+        if self.gateway is not None:
+            from target.gateway.store import StoreError
+
+            try:
+                await self.gateway.join()  # its CNTLID range before any host can connect
+                shared = await self.gateway.stored_config()
+            except StoreError as e:
+                raise DaemonError(str(e)) from e
         config = None
         if opts.config_path is not None and opts.config_path.exists():
             from target.config import load_config
@@ -281,13 +342,32 @@ class Daemon:
                             "next start: %s; see GET /api/v1/config/unrestored (retry or discard them there)",
                             opts.config_path, len(kept), ", ".join(entry["where"] for entry in kept))
         else:
-            await self._create_default()
+            await self._create_default(subsystem=shared is None)  # a group's own configuration replaces it
+        if self.gateway is not None:
+            try:
+                errors = await self.gateway.adopt()
+            except StoreError as e:
+                raise DaemonError(str(e)) from e
+            if errors:
+                raise DaemonError(f"the configuration of gateway group {opts.gateway_group} cannot be applied "
+                                  f"here: {'; '.join(errors)}")
         await self._add_listeners(opts.listen, discovery=False)
         await self._add_listeners(opts.discovery, discovery=True)
+        if self.gateway is not None:
+            await self.gateway.start()
         if opts.api is not None:
             self._start_api()
 
-    async def _create_default(self) -> None:
+    async def _create_default(self, *, subsystem: bool = True) -> None:
+        opts = self.options
+        if subsystem:
+            await self._create_default_subsystem()
+        if not opts.listen:
+            opts.listen = [TransportAddress("tcp", defaults.LISTEN_ADDRESS, defaults.TCP_IO_PORT)]
+        if not opts.discovery:
+            opts.discovery = [TransportAddress("tcp", defaults.LISTEN_ADDRESS, defaults.TCP_DISCOVERY_PORT)]
+
+    async def _create_default_subsystem(self) -> None:
         opts = self.options
         await self.service.add_subsystem(opts.subsystem_nqn, allow_any_host=True)
         for image in opts.rbd_images:
@@ -301,10 +381,6 @@ class Daemon:
         if not opts.rbd_images:
             await self.service.add_namespace(opts.subsystem_nqn, backend="ram", size=opts.ramdisk_size,
                                              block_size=opts.block_size)
-        if not opts.listen:
-            opts.listen = [TransportAddress("tcp", defaults.LISTEN_ADDRESS, defaults.TCP_IO_PORT)]
-        if not opts.discovery:
-            opts.discovery = [TransportAddress("tcp", defaults.LISTEN_ADDRESS, defaults.TCP_DISCOVERY_PORT)]
 
     async def _add_listeners(self, addresses: list[TransportAddress], *, discovery: bool) -> None:
         from target.service import ServiceError
@@ -409,6 +485,8 @@ class Daemon:
         try:
             config = await asyncio.to_thread(load_config, path)
             errors = await self.service.reload(config)
+            if not errors and self.gateway is not None:  # the group's members get what the file changed
+                errors = await self.gateway.push_config()
         except Exception as e:  # the message names the file and the problem
             errors = [str(e)]
         if errors:
@@ -435,6 +513,8 @@ class Daemon:
         if self.api_server is not None:
             await self.api_server.stop()
         self._remove_api_files()
+        if self.gateway is not None:  # standby and release first, so a survivor takes over at once
+            await self.gateway.stop()
         await self.target.close()
 
     def banner(self) -> str:
@@ -475,6 +555,13 @@ class Daemon:
                 f"  python3 -c \"import initiator.sync as h; c = h.connect('{io.traddr}', {io.trsvcid}, "
                 f"subnqn='{nqn}'); print(c.namespaces()); c.close()\"",
             ]
+        if self.gateway is not None and self.gateway.index is not None:
+            from target.gateway.group import cntlid_range
+
+            lo, hi = cntlid_range(self.gateway.index)
+            lines.append(f"  gateway group       {self.gateway.store.group}: member {self.gateway.name} (index "
+                         f"{self.gateway.index}, controller IDs {lo}-{hi}), store {self.gateway.store.where}; "
+                         "see nvmeof gateway list")
         kept = self.service.unrestored()
         if kept:
             lines.append(f"NOT RESTORED from {self.options.config_path} (kept in it, retried at the next start):")

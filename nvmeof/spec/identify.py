@@ -32,6 +32,17 @@ CMIC_MULTI_PORT = 1 << 0
 CMIC_MULTI_CTRL = 1 << 1
 CMIC_ANA = 1 << 3
 
+# ANACAP: the ANA states this controller reports (bits 4:0); bit 6 set would promise that a namespace's
+# ANAGRPID never changes while attached (it may here, so it stays clear); bit 7: non-zero ANAGRPID in
+# Namespace Management (not implemented)
+ANACAP_OPTIMIZED = 1 << 0
+ANACAP_NON_OPTIMIZED = 1 << 1
+ANACAP_INACCESSIBLE = 1 << 2
+ANACAP_PERSISTENT_LOSS = 1 << 3
+ANACAP_CHANGE = 1 << 4
+ANACAP_GRPID_FIXED = 1 << 6
+ANACAP_GRPID_MGMT = 1 << 7
+
 OAES_NS_ATTR = 1 << 8
 OAES_FW_ACT = 1 << 9
 OAES_ANA = 1 << 11

@@ -1,12 +1,15 @@
 """Log pages returned by Get Log Page (admin opcode 02h).
 
 Layouts follow NVMe Base 2.0: Linux include/linux/nvme.h (`nvme_smart_log`, `nvme_fw_slot_info_log`,
-`nvme_effects_log`) and libnvme src/nvme/types.h (`nvme_error_log_page`). Every field has a default.
+`nvme_effects_log`, `nvme_ana_rsp_hdr`, `nvme_ana_group_desc`) and libnvme src/nvme/types.h
+(`nvme_error_log_page`). Every field has a default.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 
 from construct import Array, Default, Int8ul, Int16ul, Int32ul, Int64ul, Padding, Struct
 
@@ -14,6 +17,8 @@ from nvmeof.spec.fields import Int128ul, SpacePaddedString
 from nvmeof.spec.identify import check_nsid, parse_ns_list
 
 __all__ = [
+    "ANA_LOG_RGO",
+    "ANA_STATE_NAMES",
     "CHANGED_NS_LIST_OVERFLOW",
     "CHANGED_NS_MAX",
     "EFFECTS_CCC",
@@ -21,15 +26,24 @@ __all__ = [
     "EFFECTS_LBCC",
     "EFFECTS_NCC",
     "EFFECTS_NIC",
+    "AnaGroup",
+    "AnaGroupDescriptor",
+    "AnaLog",
+    "AnaLogHeader",
+    "AnaState",
     "ChangedNsList",
     "CommandsSupportedEffects",
     "ErrorLogEntry",
     "FirmwareSlotLog",
     "Int128ul",
     "SmartLog",
+    "ana_log_size",
+    "build_ana_log",
     "build_changed_ns_list",
     "build_effects_log",
     "log_slice",
+    "parse_ana_log",
+    "parse_ana_state",
     "parse_changed_ns_list",
 ]
 
@@ -158,3 +172,141 @@ def log_slice(page: bytes | bytearray | memoryview, offset: int, length: int) ->
         raise ValueError(f"log page length must be a non-negative int, got {length!r}")
     chunk = bytes(page[offset : offset + length])
     return chunk + bytes(length - len(chunk))
+
+
+# Log identifier 0Ch: Asymmetric Namespace Access. A header, then one descriptor per ANA group, each
+# followed by its NSIDs (none when the host sets RGO, LSP bit 0: "return groups only").
+ANA_LOG_RGO = 1 << 0  # NVME_ANA_LOG_RGO, in the Get Log Page LSP field (CDW10 bits 11:8)
+
+
+class AnaState(enum.IntEnum):
+    """An ANA group's state on one controller (``enum nvme_ana_state``)."""
+
+    OPTIMIZED = 0x01
+    NON_OPTIMIZED = 0x02
+    INACCESSIBLE = 0x03
+    PERSISTENT_LOSS = 0x04
+    CHANGE = 0x0F
+
+
+# The words users type (CLI, REST, configuration); nvmetcli's ana_state words are the same.
+ANA_STATE_NAMES: dict[AnaState, str] = {
+    AnaState.OPTIMIZED: "optimized",
+    AnaState.NON_OPTIMIZED: "non-optimized",
+    AnaState.INACCESSIBLE: "inaccessible",
+    AnaState.PERSISTENT_LOSS: "persistent-loss",
+    AnaState.CHANGE: "change",
+}
+_ANA_STATE_BY_NAME = {name: state for state, name in ANA_STATE_NAMES.items()}
+
+
+def parse_ana_state(text: object) -> AnaState:
+    """The AnaState a user's word names ("optimized", "non-optimized", ...), or an AnaState as is.
+
+    Accepts "_" for "-" and any case; ValueError naming the allowed words otherwise."""
+    if isinstance(text, AnaState):
+        return text
+    if isinstance(text, str):
+        state = _ANA_STATE_BY_NAME.get(text.strip().lower().replace("_", "-"))
+        if state is not None:
+            return state
+    raise ValueError(f"ANA state {text!r} is not one of: {', '.join(ANA_STATE_NAMES.values())}")
+
+
+AnaLogHeader = Struct(
+    "chgcnt" / _U64,
+    "ngrps" / _U16,
+    Padding(6),
+)
+
+AnaGroupDescriptor = Struct(
+    "anagrpid" / _U32,
+    "nnsids" / _U32,
+    "chgcnt" / _U64,
+    "state" / _U8,  # bits 3:0; 7:4 reserved
+    Padding(15),
+)
+
+_ANA_HEADER_SIZE = AnaLogHeader.sizeof()
+_ANA_DESC_SIZE = AnaGroupDescriptor.sizeof()
+
+
+def ana_log_size(ngrps: int, nnsids: int) -> int:
+    """Bytes of an ANA log with ``ngrps`` descriptors listing ``nnsids`` NSIDs in all.
+
+    The Linux host sizes its buffer as header + NANAGRPID descriptors + MNAN (else NN) NSIDs
+    (nvme_mpath_init_identify) and refuses a controller whose worst case exceeds MDTS."""
+    return _ANA_HEADER_SIZE + ngrps * _ANA_DESC_SIZE + nnsids * 4
+
+
+@dataclass(frozen=True)
+class AnaGroup:
+    anagrpid: int
+    chgcnt: int
+    state: AnaState | int  # an AnaState, or the raw value when a device reports a reserved one
+    nsids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class AnaLog:
+    chgcnt: int
+    groups: list[AnaGroup] = field(default_factory=list)
+
+    def states(self) -> dict[int, AnaState | int]:
+        """{anagrpid: state}."""
+        return {g.anagrpid: g.state for g in self.groups}
+
+
+def build_ana_log(chgcnt: int, groups: Iterable[tuple[int, int, AnaState | int, Iterable[int]]],
+                  rgo: bool = False) -> bytes:
+    """The ANA log page from (anagrpid, chgcnt, state, nsids) per group, in the order given.
+
+    With ``rgo`` the NSID lists are left out and every NNSIDS is 0, as nvmet_execute_get_log_page_ana
+    does (the spec: "the controller shall clear NNSIDS to 0h")."""
+    parts: list[bytes] = []
+    count = 0
+    for anagrpid, grp_chgcnt, state, nsids in groups:
+        if not isinstance(anagrpid, int) or not 1 <= anagrpid <= 0xFFFFFFFF:
+            raise ValueError(f"ANA group id {anagrpid!r} is outside 1..0xFFFFFFFF")
+        listed = [] if rgo else [check_nsid(nsid) for nsid in nsids]
+        parts.append(AnaGroupDescriptor.build({"anagrpid": anagrpid, "nnsids": len(listed), "chgcnt": grp_chgcnt,
+                                               "state": int(state) & 0x0F}))
+        if listed:
+            parts.append(b"".join(n.to_bytes(4, "little") for n in listed))
+        count += 1
+    if count > 0xFFFF:
+        raise ValueError(f"an ANA log holds at most 65535 group descriptors, got {count}")
+    return AnaLogHeader.build({"chgcnt": chgcnt, "ngrps": count}) + b"".join(parts)
+
+
+def _ana_state(value: int) -> AnaState | int:
+    try:
+        return AnaState(value)
+    except ValueError:
+        return value
+
+
+def parse_ana_log(buf: bytes | bytearray | memoryview) -> AnaLog:
+    """Parse an ANA log page; ValueError when a descriptor or its NSIDs run past the buffer
+    (the Linux host's nvme_parse_ana_log makes the same bounds checks and also refuses group id 0)."""
+    data = bytes(buf)
+    if len(data) < _ANA_HEADER_SIZE:
+        raise ValueError(f"ANA log of {len(data)} bytes is shorter than its {_ANA_HEADER_SIZE}-byte header")
+    header = AnaLogHeader.parse(data)
+    offset = _ANA_HEADER_SIZE
+    groups: list[AnaGroup] = []
+    for index in range(header.ngrps):
+        if offset + _ANA_DESC_SIZE > len(data):
+            raise ValueError(f"ANA log: descriptor {index} of {header.ngrps} runs past the {len(data)}-byte buffer")
+        desc = AnaGroupDescriptor.parse(data[offset : offset + _ANA_DESC_SIZE])
+        if desc.anagrpid == 0:
+            raise ValueError(f"ANA log: descriptor {index} has the invalid group id 0")
+        offset += _ANA_DESC_SIZE
+        end = offset + desc.nnsids * 4
+        if end > len(data):
+            raise ValueError(f"ANA log: group {desc.anagrpid} lists {desc.nnsids} NSIDs past the "
+                             f"{len(data)}-byte buffer")
+        nsids = [int.from_bytes(data[o : o + 4], "little") for o in range(offset, end, 4)]
+        offset = end
+        groups.append(AnaGroup(desc.anagrpid, desc.chgcnt, _ana_state(desc.state & 0x0F), nsids))
+    return AnaLog(header.chgcnt, groups)

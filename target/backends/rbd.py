@@ -155,6 +155,7 @@ def _acquire(key: tuple[Any, ...], connect: Callable[[], Any]) -> _Connection:
         with conn.lock:
             if conn.cluster is None:
                 conn.cluster = connect()
+                _connected(conn.cluster)
     except BaseException:
         _release(conn)
         raise
@@ -177,6 +178,49 @@ def shared_connections() -> int:
     """How many librados connections are open (for tests: one per cluster and client, not per image)."""
     with _connections_lock:
         return sum(1 for c in _connections.values() if c.cluster is not None)
+
+
+# --- who we are to the cluster (target/gateway/fencing.py publishes it, and fences a dead gateway's) ----------
+
+_on_connect: list[Callable[[], None]] = []
+_on_blocklisted: list[Callable[[str], None]] = []
+
+
+def client_clusters() -> list[Any]:
+    """The open librados handles (Rados objects) of every shared connection."""
+    with _connections_lock:
+        return [c.cluster for c in _connections.values() if c.cluster is not None]
+
+
+def on_new_connection(callback: Callable[[], None]) -> None:
+    """Call ``callback()`` (from the opening thread) after each new librados connection: its identity is new."""
+    _on_connect.append(callback)
+
+
+def on_blocklisted(callback: Callable[[str], None]) -> None:
+    """Call ``callback(what_failed)`` when librbd answers ESHUTDOWN (Ceph's EBLOCKLISTED): another gateway
+    fenced this one's client; the connection is dropped from the registry so the next open makes a new one."""
+    _on_blocklisted.append(callback)
+
+
+def _connected(cluster: Any) -> None:
+    for callback in list(_on_connect):
+        try:
+            callback()
+        except Exception:  # a listener's bug must not fail the open
+            log.exception("new-connection callback failed")
+
+
+def _blocklisted(conn: _Connection | None, what: str) -> None:
+    if conn is not None:
+        with _connections_lock:
+            if _connections.get(conn.key) is conn:
+                del _connections[conn.key]   # later opens connect anew; this one ends with its last image
+    for callback in list(_on_blocklisted):
+        try:
+            callback(what)
+        except Exception:
+            log.exception("blocklisted callback failed")
 
 
 # --- the backend --------------------------------------------------------------------------------
@@ -489,6 +533,8 @@ class RbdBackend(Backend):
         code = -ret
         kind = BackendUnavailable if code in UNAVAILABLE_ERRNOS else BackendError
         extra = f" ({detail})" if detail else ""
+        if code == errno.ESHUTDOWN:   # Ceph's EBLOCKLISTED: another gateway fenced this client
+            _blocklisted(self._conn, f"{self._name()}: {what}")
         return kind(f"{self._name()}: {what} failed: {_errno_name(code)}{extra}")
 
     async def read_into(self, offset: int, buf: memoryview) -> None:
@@ -633,6 +679,27 @@ class RbdBackend(Backend):
         if self._watch is not None:
             self._watch.cancel()
             self._watch = None
+
+    # exclusive lock (fencing a dead gateway, target/gateway/fencing.py) -------------------------
+
+    def exclusive_lock_owners(self) -> list[dict[str, Any]]:
+        """librbd's managed-lock owners of the image: [{"mode": int, "owner": client address}] (blocks)."""
+        with self._sync:
+            if self._image is None:
+                raise BackendError(f"{self._name()} is closed (its namespace was removed)")
+            return [dict(o) for o in self._image.lock_get_owners()]
+
+    def break_exclusive_lock(self, mode: int, owner: str) -> None:
+        """Break the lock ``owner`` holds (rbd_lock_break; blocks). The caller decides whose."""
+        with self._sync:
+            if self._image is None:
+                raise BackendError(f"{self._name()} is closed (its namespace was removed)")
+            self._image.lock_break(mode, owner)
+
+    def client_cluster(self) -> Any:
+        """The librados handle this image is opened through (None once closed)."""
+        conn = self._conn
+        return conn.cluster if conn is not None else None
 
     # identity -----------------------------------------------------------------------------------
 

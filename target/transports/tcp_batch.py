@@ -275,6 +275,9 @@ class BatchMixin:
         ctrl = queue.ctrl
         ctrl.keep_alive()   # nvmet: any command counts (once per batch is the same)
         namespaces = ctrl.subsystem.namespaces
+        # ANA groups this controller's port may not reach (Listener.ana_blocked, shared by reference):
+        # such a command leaves the fast path and io.parse answers it with the ANA status.
+        ana_blocked = ctrl.ana_blocked
         key = self.conn.fast_command_key
         fast_sgl = self._fast_sgl
         max_incapsule = queue.max_incapsule
@@ -339,7 +342,7 @@ class BatchMixin:
                     reads = writes = read_bytes = write_bytes = 0
                     start = _perf_ns()
                 ns = namespaces.get(nsid)
-                if ns is None or not ns.enabled:
+                if ns is None or not ns.enabled or (ana_blocked and ns.anagrpid in ana_blocked):
                     break
                 backend = ns.backend
                 memory_view = getattr(backend, "memory_view", None)

@@ -107,8 +107,10 @@ def _wait_listening(port: int, deadline: float) -> None:
             time.sleep(0.05)
 
 
-def _start(log_path: Path, *, subnqn: str, size: str, block_size: int, extra_args: Sequence[str] = ()) -> OurTarget:
-    io_port, disc_port, api_port = vm.free_ports(3)
+def _start(log_path: Path, *, subnqn: str, size: str, block_size: int, extra_args: Sequence[str] = (),
+           ports: Sequence[int] | None = None, append_log: bool = False) -> OurTarget:
+    # `ports` (io, discovery, api): a restarted daemon comes back where the hosts knew it.
+    io_port, disc_port, api_port = ports if ports is not None else vm.free_ports(3)
     # The daemon's own state directory (its API token file), next to its log.
     state_dir = log_path.parent / "nvmeof-state"
     cmd = [
@@ -124,7 +126,7 @@ def _start(log_path: Path, *, subnqn: str, size: str, block_size: int, extra_arg
     ]  # fmt: skip
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("NVMEOF_API_TOKEN", None)
-    log = open(log_path, "wb")  # the child writes it; ours is closed once it started
+    log = open(log_path, "ab" if append_log else "wb")  # the child writes it; ours is closed once it started
     try:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log, env=env,
                                 cwd=_REPO)
@@ -154,7 +156,8 @@ def _start(log_path: Path, *, subnqn: str, size: str, block_size: int, extra_arg
         token = (state_dir / "api-token").read_text().strip()
         client.headers["Authorization"] = f"Bearer {token}"
         sub = client.get(f"{api_url}/subsystems/{subnqn}").json()
-        ns1 = next(ns for ns in sub["namespaces"] if ns["nsid"] == 1)
+        # A gateway of a group may start before the group's configuration gave it namespace 1.
+        ns1 = next((ns for ns in sub.get("namespaces", []) if ns["nsid"] == 1), {"size": 0, "block_size": block_size})
     except BaseException:
         client.close()
         _stop(proc)
@@ -174,6 +177,21 @@ def _stop(proc: subprocess.Popen[bytes]) -> int | None:
         proc.kill()
         proc.wait()
         return None
+
+
+def start_serve(log_path: Path, *, subnqn: str = SUBNQN, size: str = "128M", block_size: int = 512,
+                extra_args: Sequence[str] = (), ports: Sequence[int] | None = None,
+                append_log: bool = False) -> OurTarget:
+    """Start `nvmeof serve` outside a `with` block, for tests that kill and restart it (stop it with
+    stop_serve). `ports` (io, discovery, api) reuses a previous run's; `append_log` keeps its log."""
+    return _start(log_path, subnqn=subnqn, size=size, block_size=block_size, extra_args=extra_args, ports=ports,
+                  append_log=append_log)
+
+
+def stop_serve(target: OurTarget) -> int | None:
+    """SIGTERM (SIGKILL after STOP_TIMEOUT s); the exit status, or None if it had to be killed."""
+    target.client.close()
+    return _stop(target.proc)
 
 
 @contextlib.contextmanager

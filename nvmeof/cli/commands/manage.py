@@ -24,6 +24,7 @@ from urllib.parse import quote
 import click
 
 from nvmeof import defaults
+from nvmeof.spec.logs import ANA_STATE_NAMES
 from nvmeof.uri import parse_address
 from target.backends import KINDS
 
@@ -364,6 +365,8 @@ def _ns_path(nqn: str, nsid: int | None = None, action: str = "") -> str:
 @click.option("--disabled", is_flag=True, help="Add it detached; enable it later.")
 @click.option("--create", is_flag=True, help="Create the file (or RBD image) with --size if it does not exist, "
                                              "or grow a shorter one to it; without it the storage is never changed.")
+@click.option("--anagrpid", type=click.IntRange(1, defaults.ANAGRPMAX), default=defaults.DEFAULT_ANAGRPID,
+              show_default=True, help="ANA group: hosts with native multipath choose paths by its state per listener.")
 @click.option("--pool", help="RBD pool (rbd backend).")
 @click.option("--image", help="RBD image in --pool (rbd backend).")
 @click.option("--rbd-namespace", help="RADOS namespace of the image (rbd backend).")
@@ -371,14 +374,14 @@ def _ns_path(nqn: str, nsid: int | None = None, action: str = "") -> str:
 @click.option("--ceph-id", help="Ceph client id, e.g. 'admin' for client.admin (rbd backend).")
 @click.option("--ceph-keyring", help="Ceph keyring, one the daemon allows (nvmeof serve --ceph-keyring).")
 def ns_add(api: Api, as_json: bool, nqn, backend, path, size, block_size, nsid, ns_uuid, nguid, eui64,
-           read_only, disabled, create, **rbd) -> None:
+           read_only, disabled, create, anagrpid, **rbd) -> None:
     """Add a namespace to subsystem NQN."""
     if backend is None:
         backend = "file" if path else "rbd" if rbd["pool"] or rbd["image"] else "ram"
     body = {
         "backend": backend, "path": path, "size": size,
         "block_size": int(block_size), "nsid": nsid, "uuid": ns_uuid, "nguid": nguid, "eui64": eui64,
-        "read_only": read_only, "enabled": not disabled, "create": create, **rbd,
+        "read_only": read_only, "enabled": not disabled, "create": create, "anagrpid": anagrpid, **rbd,
     }
     created = api.call("POST", _ns_path(nqn), json_body={k: v for k, v in body.items() if v is not None})
     if as_json:
@@ -452,6 +455,19 @@ def _ns_state(action: str) -> Callable:
 
 ns_enable = _ns_state("enable")
 ns_disable = _ns_state("disable")
+
+
+@api_command(ns, "set-anagrpid")
+@click.argument("nqn")
+@click.argument("nsid", type=click.IntRange(1, 0xFFFFFFFE))
+@click.argument("anagrpid", type=click.IntRange(1, defaults.ANAGRPMAX))
+def ns_set_anagrpid(api: Api, as_json: bool, nqn: str, nsid: int, anagrpid: int) -> None:
+    """Move a namespace to ANA group ANAGRPID (connected hosts are told and re-read the ANA log)."""
+    result = api.call("PUT", _ns_path(nqn, nsid, "anagrpid"), json_body={"anagrpid": anagrpid})
+    if as_json:
+        echo_json(result)
+    else:
+        click.echo(f"namespace {nsid} of {nqn} is in ANA group {result['anagrpid']}")
 
 
 @api_command(ns, "del")
@@ -612,6 +628,14 @@ def _address(default_port: int) -> Callable:
     return convert
 
 
+def _listener_address(ctx: click.Context, param: click.Parameter, value: str):
+    """ADDRESS as `listener add` takes it, or a listener id as the API shows it (tcp:ADDR:PORT)."""
+    for trtype in ("tcp", "rdma"):
+        if value.startswith(f"{trtype}:") and not value.startswith(f"{trtype}://"):
+            value = f"{trtype}://{value[len(trtype) + 1:]}"
+    return _address(defaults.TCP_IO_PORT)(ctx, param, value)
+
+
 def _endpoint_path(resource: str, addr) -> str:
     return f"/api/v1/{resource}/{addr.trtype}/{quote(addr.traddr, safe='')}/{addr.trsvcid}"
 
@@ -666,6 +690,42 @@ def listener_list(api: Api, as_json: bool) -> None:
         echo_json(items)
     else:
         click.echo(_endpoint_table(items, ("discovery",)))
+
+
+@api_command(listener, "set-ana")
+@click.argument("address", metavar="LISTENER", callback=_listener_address)
+@click.argument("anagrpid", type=click.IntRange(1, defaults.ANAGRPMAX))
+@click.argument("state", type=click.Choice(list(ANA_STATE_NAMES.values()), case_sensitive=False))
+def listener_set_ana(api: Api, as_json: bool, address, anagrpid: int, state: str) -> None:
+    """Set ANA group ANAGRPID's STATE on LISTENER ([tcp|rdma://]ADDR[:PORT] or its id tcp:ADDR:PORT); hosts
+    connected through it are told. I/O to a group inaccessible here fails over to the host's other paths."""
+    result = api.call("PUT", f"{_endpoint_path('listeners', address)}/ana/{anagrpid}",
+                      json_body={"state": state.lower()})
+    if as_json:
+        echo_json(result)
+    else:
+        click.echo(f"ANA group {anagrpid} is {state.lower()} on {result['id']}")
+
+
+@click.group()
+def ana() -> None:
+    """Asymmetric Namespace Access: ANA groups and each listener's state per group."""
+
+
+@api_command(ana, "show")
+def ana_show(api: Api, as_json: bool) -> None:
+    """Show each ANA group's namespaces and its state on every listener."""
+    report = api.call("GET", "/api/v1/ana")
+    if as_json:
+        echo_json(report)
+        return
+    groups = {g["anagrpid"]: g["namespaces"] for g in report["groups"]}
+    click.echo(table(("ANAGRPID", "NAMESPACES"), [
+        (g, ", ".join(f"{m['subnqn']}/{m['nsid']}" for m in members)) for g, members in sorted(groups.items())]))
+    rows = [(lst["listener_id"], grp, state) for lst in report["listeners"] if not lst["discovery"]
+            for grp, state in sorted(lst["states"].items(), key=lambda kv: int(kv[0]))]
+    click.echo("")
+    click.echo(table(("LISTENER", "ANAGRPID", "STATE"), rows))
 
 
 @click.group()
@@ -853,7 +913,7 @@ def config_unrestored(api: Api, as_json: bool, retry: bool, discard: bool) -> No
         click.echo(table(["kind", "where", "error"], [[i["kind"], i["where"], i["error"]] for i in items]))
 
 
-GROUPS = (subsystem, ns, host, listener, referral, controller, config)
+GROUPS = (subsystem, ns, host, listener, referral, controller, config, ana)
 
 
 def register(cli_group: click.Group) -> None:

@@ -23,6 +23,21 @@ def _addresses(values: tuple[str, ...], default_port: int, what: str):
     return out
 
 
+def _cntlid_range(value: str | None) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    lo, sep, hi = value.partition("-")
+    try:
+        bounds = (int(lo, 0), int(hi, 0)) if sep else None
+    except ValueError:
+        bounds = None
+    if bounds is None or not defaults.CNTLID_MIN <= bounds[0] <= bounds[1] <= defaults.CNTLID_MAX:
+        raise click.BadParameter(f"{value!r}: give LO-HI with {defaults.CNTLID_MIN} <= LO <= HI <= "
+                                 f"{defaults.CNTLID_MAX} (0x{defaults.CNTLID_MAX:X}), e.g. 1-2040",
+                                 param_hint="--cntlid-range")
+    return bounds
+
+
 def _api(value: str):
     if value.lower() in ("none", "off", "no", ""):
         return None
@@ -117,6 +132,29 @@ def _api(value: str):
 @click.option("--poll-us", type=click.IntRange(min=0), default=defaults.POLL_US, show_default=True, metavar="N",
               help="Batch engine: after a batch, keep trying non-blocking receives for up to N microseconds before "
                    "sleeping (hybrid polling: lower QD1 latency for CPU time); 0 turns it off.")
+@click.option("--cntlid-range", "cntlid_range", default=None, metavar="LO-HI",
+              help=f"Give controllers IDs only in LO..HI (within {defaults.CNTLID_MIN}-{defaults.CNTLID_MAX}), so "
+                   "several targets serving one subsystem to a host never hand out the same ID.")
+@click.option("--gateway-group", "gateway_group", metavar="NAME",
+              help="Join gateway group NAME: several `nvmeof serve` export the same subsystems, each ANA group "
+                   "optimized on one live gateway (its owner) and moved to a survivor when that one dies.")
+@click.option("--gateway-name", "gateway_name", metavar="NAME",
+              help="This gateway's name in its group (default: the host name); its index, kept in the store, "
+                   f"gives it controller IDs [index*{defaults.CNTLID_SPAN}+1, (index+1)*{defaults.CNTLID_SPAN}].")
+@click.option("--group-store", "group_store", metavar="dir:PATH|rados:POOL",
+              help="Where the group keeps members, shared configuration and ownership locks: a local directory "
+                   "(gateways on one machine; file locks, so kill -9 fails over at once) or a RADOS pool (lock "
+                   "leases, watch/notify; uses the first --ceph-conf and --ceph-keyring).")
+@click.option("--gateway-lease", type=click.FloatRange(min=1), default=defaults.GATEWAY_LEASE, show_default=True,
+              metavar="SECONDS", help="How long an ANA group's ownership outlives a gateway that stopped renewing "
+                                      "it (rados store); renewed every third of it.")
+@click.option("--failback", type=click.Choice(["auto", "manual"]), default="auto", show_default=True,
+              help="auto: a group goes back to its preferred gateway once that one is back and ready; manual: it "
+                   "stays on the survivor.")
+@click.option("--ana-standby", "ana_standby", type=click.Choice(["non-optimized", "inaccessible"]),
+              default="non-optimized", show_default=True,
+              help="ANA state of the groups another gateway owns: non-optimized (a host always has a usable path) "
+                   "or inaccessible (storage where two writers must never be active).")
 def serve(**kw) -> None:
     """Run the NVMe-oF target: by default one subsystem with a 1 GiB RAM disk, allowing any host,
     I/O on 127.0.0.1:4420, discovery on 127.0.0.1:8009 and the REST API on 127.0.0.1:8080."""
@@ -158,6 +196,13 @@ def serve(**kw) -> None:
     fields["rbd_op_timeout"] = kw["rbd_op_timeout"]
     fields["tcp_engine"] = kw["tcp_engine"]
     fields["poll_us"] = kw["poll_us"]
+    fields["gateway_group"] = kw["gateway_group"]
+    fields["gateway_name"] = kw["gateway_name"]
+    fields["group_store"] = kw["group_store"]
+    fields["gateway_lease"] = kw["gateway_lease"]
+    fields["failback"] = kw["failback"]
+    fields["ana_standby"] = kw["ana_standby"]
+    fields["cntlid_range"] = _cntlid_range(kw["cntlid_range"])
     options = DaemonOptions(**fields)
 
     def ready(daemon) -> None:

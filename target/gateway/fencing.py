@@ -1,0 +1,270 @@
+"""Fencing a dead gateway's Ceph clients before its ANA groups are served OPTIMIZED elsewhere.
+
+The store's lease makes sure two members never both *serve* a group optimized; it does not stop a dead (or cut
+off) member's librbd from still holding an RBD image's exclusive lock. After kill -9 that lock's watch lingers
+until the OSD times it out (osd_client_watch_timeout, 30 s), and the survivor's writes wait for it; a member
+that is only cut off could even write again once it reaches the OSDs. Ceph's answer, which ceph-nvmeof and
+librbd itself use (librbd's BreakRequest with rbd_blocklist_on_break_lock): put the old client on the OSD
+blocklist, then break its lock.
+
+So every member publishes the identities (entity client.N and addresses) of each librados client it uses (the
+store's connection and the RBD backend's shared ones: target/backends/rbd.py client_clusters()), and a member
+taking a group over, when the member record of some gateway is not alive, first:
+  1. blocklists that gateway's client addresses for defaults.GATEWAY_BLOCKLIST_EXPIRE seconds
+     (rados_blocklist_add, as `ceph osd blocklist add`);
+  2. breaks the exclusive lock of each RBD image in the group whose owner is one of those addresses
+     (rbd_lock_get_owners / rbd_lock_break); a lock owned by a live member's client, or ours, is never touched.
+The whole step runs in a thread, bounded by the store timeout. When it fails (no mon caps for the blocklist,
+the monitor out of reach) the takeover still happens (availability), with a WARNING saying what that costs, and
+`gateway list` shows fenced: false for the group.
+
+The other side: a member whose librbd answers ESHUTDOWN (Ceph's EBLOCKLISTED) was fenced by another; it steps
+down for every group at once and says so (ERROR); the RBD registry drops that connection, so namespaces opened
+later connect with a new client.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import time
+import weakref
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from nvmeof import defaults
+from target.backends import rbd as rbd_backend
+from target.gateway.store import MemberRecord, StoreError
+
+if TYPE_CHECKING:
+    from target.gateway.group import GatewayGroup
+
+log = logging.getLogger("nvmeof.gateway")
+
+BLOCKLIST_NOTE = ("writes to its RBD images may stall until the OSD drops the dead client's watch "
+                  "(osd_client_watch_timeout, ~30 s), and a gateway that is cut off rather than dead could still "
+                  "write to them when it comes back")
+
+
+def split_addrs(text: str) -> list[str]:
+    """Rados.get_addrs() as a list of addresses ``ip:port/nonce``: one address, or an address vector
+    ``[v2:ip:port/nonce,v1:ip:port/nonce]`` (its entries are one client: the same nonce twice)."""
+    out: list[str] = []
+    for part in text.strip().strip("[]").split(","):
+        part = part.strip()
+        for prefix in ("v2:", "v1:", "any:"):
+            part = part.removeprefix(prefix)
+        if part and part not in out:
+            out.append(part)
+    return out
+
+
+def identity(cluster: Any) -> dict[str, Any] | None:
+    """{"entity": "client.N", "addrs": [...]} of a connected librados handle, None if it has none (closed)."""
+    try:
+        return {"entity": f"client.{cluster.get_instance_id()}", "addrs": split_addrs(str(cluster.get_addrs()))}
+    except Exception:  # a handle shut down meanwhile: it is no client of ours any more
+        return None
+
+
+def local_clusters(store: Any = None) -> list[Any]:
+    """Every librados handle this process uses: the group store's (if it is a RADOS one) and the RBD backend's."""
+    out = []
+    own = getattr(store, "cluster", None)
+    if own is not None:
+        out.append(own)
+    out.extend(c for c in rbd_backend.client_clusters() if c is not own)
+    return out
+
+
+def local_identities(store: Any = None) -> list[dict[str, Any]]:
+    out = []
+    for cluster in local_clusters(store):
+        ident = identity(cluster)
+        if ident is not None and ident not in out:
+            out.append(ident)
+    return out
+
+
+def any_cluster(store: Any = None) -> Any:
+    """A librados handle to send the blocklist command with (the store's first), or None."""
+    clusters = local_clusters(store)
+    return clusters[0] if clusters else None
+
+
+def member_addrs(members: Iterable[MemberRecord]) -> set[str]:
+    out: set[str] = set()
+    for m in members:
+        for client in m.info.get("clients") or []:
+            if isinstance(client, dict):
+                out.update(str(a) for a in client.get("addrs") or [])
+    return out
+
+
+@dataclasses.dataclass
+class FenceResult:
+    member: str
+    blocklisted: list[str] = dataclasses.field(default_factory=list)
+    broken: list[str] = dataclasses.field(default_factory=list)
+    errors: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def fenced(self) -> bool:
+        return not self.errors
+
+
+def fence_member(dead: MemberRecord, live: Iterable[MemberRecord], backends: Iterable[Any], *, cluster: Any,
+                 expire: int = defaults.GATEWAY_BLOCKLIST_EXPIRE, done: set[str] | None = None,
+                 own: Iterable[str] = ()) -> FenceResult:
+    """Blocklist ``dead``'s client addresses (those in ``done`` already are skipped, and added there) and break
+    each of ``backends``' exclusive locks held by one of them. An address a live member or this process
+    (``own``) publishes is never blocklisted and its lock never broken, whatever the dead record says. Blocks."""
+    result = FenceResult(dead.name)
+    protected = member_addrs(live) | set(own) | {a for i in local_identities() for a in i["addrs"]}
+    targets = member_addrs([dead]) - protected
+    done = done if done is not None else set()
+    for addr in sorted(targets - done):
+        if cluster is None:
+            result.errors.append(f"blocklisting {addr}: this gateway has no connection to the cluster")
+            continue
+        try:
+            cluster.blocklist_add(addr, int(expire))
+        except Exception as exc:  # EPERM without mon caps "osd blocklist", ETIMEDOUT without a monitor
+            result.errors.append(f"blocklisting {addr} failed: {exc}")
+            continue
+        done.add(addr)
+        result.blocklisted.append(addr)
+    for backend in backends:
+        try:
+            owners = backend.exclusive_lock_owners()
+        except Exception as exc:
+            result.errors.append(f"reading the exclusive lock of {backend.describe().get('image')}: {exc}")
+            continue
+        for owner in owners:
+            addr = str(owner.get("owner"))
+            if addr not in targets:
+                continue  # a live member's, ours, or a client nobody publishes: not ours to break
+            try:
+                backend.break_exclusive_lock(int(owner.get("mode", 0)), addr)
+                result.broken.append(addr)
+            except Exception as exc:
+                if getattr(exc, "errno", None) == errno.ENOENT:
+                    continue  # released meanwhile (the OSD dropped the blocklisted client's watch)
+                result.errors.append(f"breaking the exclusive lock of {backend.describe().get('image')} "
+                                     f"held by {addr} failed: {exc}")
+    return result
+
+
+def group_backends(group: GatewayGroup, anagrpid: int) -> list[Any]:
+    """The RBD backends of ANA group ``anagrpid``'s namespaces here."""
+    return [ns.backend for sub in group.service.list_subsystems() for ns in sub.namespaces.values()
+            if ns.anagrpid == anagrpid and hasattr(ns.backend, "exclusive_lock_owners")]
+
+
+_fences: weakref.WeakSet[TakeoverFence] = weakref.WeakSet()
+
+
+def _register(fence: TakeoverFence) -> None:
+    """One pair of RBD registry callbacks for the process, reaching every live group's fence (a group that is
+    gone is dropped with its fence)."""
+    if not _fences:
+        rbd_backend.on_new_connection(_each_new_connection)
+        rbd_backend.on_blocklisted(_each_blocklisted)
+    _fences.add(fence)
+
+
+def _each_new_connection() -> None:
+    for fence in list(_fences):
+        fence.group._notified()  # a new client: the next step publishes it
+
+
+def _each_blocklisted(what: str) -> None:
+    for fence in list(_fences):
+        fence._blocklisted(what)
+
+
+class TakeoverFence:
+    """A GatewayGroup's fencing: before_takeover() for each group it takes, and its reaction to being fenced."""
+
+    def __init__(self, group: GatewayGroup, *, expire: int = defaults.GATEWAY_BLOCKLIST_EXPIRE) -> None:
+        self.group = group
+        self.expire = expire
+        self.fenced: dict[int, bool | None] = {}   # per ANA group: the last takeover fenced (True/False), or None
+        self._done: set[str] = set()               # addresses blocklisted already
+        self._fenced_at = 0.0
+        _register(self)
+
+    async def before_takeover(self, anagrpid: int, members: list[MemberRecord]) -> bool:
+        """Fence every member that is not alive and published clients, for group ``anagrpid``; then make sure
+        the group's lock is still ours (fencing took time). False: it is not, do not take the group."""
+        me = self.group.name
+        dead = [m for m in members if not m.alive and m.name != me and member_addrs([m])]
+        if not dead:
+            self.fenced[anagrpid] = None
+            return True
+        live = [m for m in members if m.alive and m.name != me]
+        backends = group_backends(self.group, anagrpid)
+        cluster = any_cluster(self.group.store)
+
+        def fence_all() -> list[FenceResult]:
+            return [fence_member(m, live, backends, cluster=cluster, expire=self.expire, done=self._done)
+                    for m in dead]
+
+        started = time.monotonic()
+        try:
+            results = await self.group._run(fence_all, timeout=defaults.GATEWAY_STORE_TIMEOUT)
+        except StoreError as exc:
+            results = [FenceResult(m.name, errors=[f"fencing did not finish within "
+                                                   f"{defaults.GATEWAY_STORE_TIMEOUT:g} s ({exc})"]) for m in dead]
+        took = time.monotonic() - started
+        for r in results:
+            if r.fenced:
+                if r.blocklisted or r.broken:
+                    log.info("ANA group %d: %s fenced gateway %s before taking over in %.2f s (blocklisted: %s; "
+                             "broke the exclusive lock held by: %s)", anagrpid, me, r.member, took,
+                             ", ".join(r.blocklisted) or "none new", ", ".join(r.broken) or "none")
+            else:
+                log.warning("ANA group %d: %s could not fence gateway %s (%s); taking over anyway: %s", anagrpid,
+                            me, r.member, "; ".join(r.errors), BLOCKLIST_NOTE)
+        self.fenced[anagrpid] = all(r.fenced for r in results)
+        try:
+            if await self.group._run(self.group.store.renew, anagrpid):
+                return True
+        except StoreError as exc:
+            log.warning("ANA group %d: %s could not renew its lock after fencing (%s)", anagrpid, me, exc)
+        # Not ours any more: stop counting it as held, so it is neither renewed nor left locked for nobody.
+        self.group.store.forget(anagrpid)
+        log.warning("ANA group %d: %s lost its lock while fencing; not taking it", anagrpid, me)
+        return False
+
+    def _blocklisted(self, what: str) -> None:
+        """rbd.on_blocklisted (any thread): step down on the event loop."""
+        loop = self.group._loop
+        if loop is None or loop.is_closed():
+            return
+        loop.call_soon_threadsafe(lambda: loop.create_task(self.fenced_here(what)))
+
+    async def fenced_here(self, what: str) -> None:
+        """This gateway's Ceph client was blocklisted: another member took its groups over and fenced it."""
+        group = self.group
+        if time.monotonic() - self._fenced_at < group.store.lease and not group.owned:
+            return  # said already; nothing left to give up
+        self._fenced_at = time.monotonic()
+        log.error("gateway %s: its Ceph client is blocklisted (%s failed with ESHUTDOWN/EBLOCKLISTED): another "
+                  "gateway fenced it after taking over; stepping down for ANA group(s) %s. Restart this gateway to "
+                  "serve through a new client (RBD namespaces opened from now on get one already)", group.name, what,
+                  ", ".join(str(g) for g in sorted(group.owned)) or "none")
+        if group.owned:
+            await group._step_down(sorted(group.owned), "its Ceph client was blocklisted by another gateway")
+
+    async def store_failed(self, exc: BaseException) -> None:
+        """The group store failed with ``exc``: if that is our client being blocklisted, step down at once
+        (the lease would do it too, later)."""
+        text = str(exc)
+        if "108" in text or "blocklist" in text.lower() or "shutdown" in text.lower():
+            await self.fenced_here(f"the group store {group_where(self.group)}")
+
+
+def group_where(group: GatewayGroup) -> str:
+    return str(getattr(group.store, "where", "?"))
