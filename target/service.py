@@ -32,7 +32,15 @@ from nvmeof import defaults
 from nvmeof.spec.logs import ANA_STATE_NAMES, AnaState, parse_ana_state
 from target import config as configmod
 from target import hostauth
-from target.backends import BACKEND_OPTIONS, OPTION_KEYS, BackendError, BackingPolicy, kinds, open_backend
+from target.backends import (
+    BACKEND_OPTIONS,
+    OPTION_KEYS,
+    BackendError,
+    BackingPolicy,
+    backend_class,
+    kinds,
+    open_backend,
+)
 from target.model import (
     ADRFAMS,
     BLOCK_SIZES,
@@ -736,6 +744,10 @@ class TargetService:
         anagrpid = _anagrpid(defaults.DEFAULT_ANAGRPID if anagrpid is None else anagrpid)
         if backend not in kinds():
             raise _bad(f"backend {backend!r} is not one of {', '.join(kinds())}")
+        if self.gateway is not None and not backend_class(backend).same_data_in_every_process:
+            raise _bad(f"backend {backend!r} cannot be exported by gateway group {self.gateway.store.group}: every "
+                       "gateway would serve its own copy under one NGUID/UUID, and a host switching paths would "
+                       "read another gateway's data; use --backend file on storage every gateway reaches, or rbd")
         options = _backend_options(backend, options)
         if block_size not in BLOCK_SIZES:
             raise _bad(f"block size {block_size!r} is not supported; use 512 or 4096")

@@ -45,7 +45,7 @@ def test_a_new_group_or_listener_is_never_optimized_without_the_lock(tmp_path: P
         b = await Member(tmp_path, "gw-b").start()
         try:
             await until(lambda: a.group.owned == {1} and b.group.owned == {2}, "initial split")
-            await a.service.add_namespace(SUB, backend="ram", size=1 << 20, nsid=3, anagrpid=3)
+            await a.service.add_namespace(SUB, backend="null", size=1 << 20, nsid=3, anagrpid=3)
             # at once (no ownership step ran yet), and at every moment until one member owns it
             assert _optimized_without_lock(a, b, group=3) == []
 
@@ -129,7 +129,7 @@ def test_renewals_go_on_while_a_configuration_apply_waits(tmp_path: Path) -> Non
         b = await Member(tmp_path, "gw-b", failback="manual").start()
         await a.service._lock.acquire()  # a slow mutation on gw-a
         try:
-            await b.service.add_namespace(SUB, backend="ram", size=1 << 20, nsid=3, anagrpid=1)
+            await b.service.add_namespace(SUB, backend="null", size=1 << 20, nsid=3, anagrpid=1)
             await until(lambda: a.service._lock._waiters, "gw-a's step waits to apply version 2")
             end = time.monotonic() + 3 * LEASE
             while time.monotonic() < end:
@@ -212,9 +212,9 @@ def test_a_change_committed_while_the_store_config_is_applied_is_not_lost(tmp_pa
 
             b.service.on_change = paused
             rest = asyncio.get_running_loop().create_task(
-                b.service.add_namespace(SUB, backend="ram", size=1 << 20, nsid=5))
+                b.service.add_namespace(SUB, backend="null", size=1 << 20, nsid=5))
             await until(lambda: len(calls) == 1, "the REST change is committing")
-            await a.service.add_namespace(SUB, backend="ram", size=1 << 20, nsid=6)
+            await a.service.add_namespace(SUB, backend="null", size=1 << 20, nsid=6)
             # b's step reads version N+1 and waits for the service lock to apply it
             await until(lambda: b.service._lock._waiters, "gw-b's apply waits for the lock")
             gate.set()
@@ -377,7 +377,7 @@ def test_a_change_undone_locally_is_applied_again_from_the_store(tmp_path: Path,
         monkeypatch.setattr(servicemod.configmod, "save_config", save_once)
         try:
             with pytest.raises(ServiceError) as err:
-                await a.service.add_namespace(SUB, backend="ram", size=1 << 20, nsid=3)
+                await a.service.add_namespace(SUB, backend="null", size=1 << 20, nsid=3)
             assert err.value.status == 500 and failed
             version, stored = a.store.get_config()
             assert [n["nsid"] for n in stored["subsystems"][0]["namespaces"]] == [1, 2, 3]

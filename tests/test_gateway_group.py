@@ -41,8 +41,8 @@ class Member:
         await self.group.join()
         if first:
             await self.service.add_subsystem(SUB, allow_any_host=True)
-            await self.service.add_namespace(SUB, backend="ram", size=1 << 20, nsid=1, anagrpid=1)
-            await self.service.add_namespace(SUB, backend="ram", size=1 << 20, nsid=2, anagrpid=2)
+            await self.service.add_namespace(SUB, backend="null", size=1 << 20, nsid=1, anagrpid=1)
+            await self.service.add_namespace(SUB, backend="null", size=1 << 20, nsid=2, anagrpid=2)
         assert await self.group.adopt() == []
         await self.service.add_listener("tcp", "127.0.0.1", self.port)
         await self.group.start()
@@ -195,7 +195,7 @@ def test_a_change_on_any_member_reaches_the_others(tmp_path: Path) -> None:
         a = await Member(tmp_path, "gw-a").start(first=True)
         b = await Member(tmp_path, "gw-b").start()
         try:
-            ns = await b.service.add_namespace(SUB, backend="ram", size=1 << 20, nsid=3, anagrpid=2)
+            ns = await b.service.add_namespace(SUB, backend="null", size=1 << 20, nsid=3, anagrpid=2)
             await until(lambda: 3 in a.service.get_subsystem(SUB).namespaces, "nsid 3 on gw-a")
             assert a.service.get_namespace(SUB, 3).uuid == ns.uuid
             await a.service.remove_namespace(SUB, 3)
@@ -203,7 +203,7 @@ def test_a_change_on_any_member_reaches_the_others(tmp_path: Path) -> None:
             # a write based on a stale version is refused and undone (compare-and-swap)
             b.group.config_version -= 1
             with pytest.raises(ServiceError) as err:
-                await b.service.add_namespace(SUB, backend="ram", size=1 << 20, nsid=4)
+                await b.service.add_namespace(SUB, backend="null", size=1 << 20, nsid=4)
             assert err.value.status == 409 and "another gateway" in err.value.message
             assert 4 not in b.service.get_subsystem(SUB).namespaces
             # listeners stay per gateway
@@ -328,5 +328,27 @@ def test_daemon_gateway_options_are_checked(tmp_path: Path) -> None:
             Daemon(DaemonOptions(gateway_group="bad name", group_store=f"dir:{tmp_path}"))
         daemon = Daemon(DaemonOptions(gateway_group="g1", gateway_name="gw-z", group_store=f"dir:{tmp_path}"))
         assert daemon.gateway is not None and daemon.gateway.name == "gw-z"
+
+    asyncio.run(go())
+
+
+def test_a_ram_disk_is_refused_in_a_group_and_nothing_reaches_the_store(tmp_path: Path) -> None:
+    """Each gateway would serve its own RAM disk under one NGUID/UUID: a multipath host switching paths
+    would silently read another disk. A file on shared storage, RBD and null serve the same data."""
+    async def go() -> None:
+        a = await Member(tmp_path, "gw-a").start(first=True)
+        b = await Member(tmp_path, "gw-b").start()
+        try:
+            with pytest.raises(ServiceError) as err:
+                await a.service.add_namespace(SUB, backend="ram", size=1 << 20, nsid=7)
+            assert err.value.status == 400
+            assert "cannot be exported by gateway group g1" in err.value.message
+            assert "--backend file" in err.value.message
+            await asyncio.sleep(LEASE)
+            assert 7 not in a.service.get_subsystem(SUB).namespaces
+            assert 7 not in b.service.get_subsystem(SUB).namespaces
+        finally:
+            await b.stop()
+            await a.stop()
 
     asyncio.run(go())

@@ -212,7 +212,7 @@ def test_rados_member_cut_off_steps_down_before_its_lease_ends(rados_group: Any,
         group = GatewayGroup(service, store, name="gw-a", tick=LEASE / 3)
         await group.join()
         await service.add_subsystem("nqn.2026-12.io.nvmeof-toolkit:cut", allow_any_host=True)
-        await service.add_namespace("nqn.2026-12.io.nvmeof-toolkit:cut", backend="ram", size=1 << 20)
+        await service.add_namespace("nqn.2026-12.io.nvmeof-toolkit:cut", backend="null", size=1 << 20)
         await group.adopt()
         lst = await service.add_listener("tcp", "127.0.0.1", free_port())
         await group.start()

@@ -342,7 +342,9 @@ class Daemon:
                             "next start: %s; see GET /api/v1/config/unrestored (retry or discard them there)",
                             opts.config_path, len(kept), ", ".join(entry["where"] for entry in kept))
         else:
-            await self._create_default(subsystem=shared is None)  # a group's own configuration replaces it
+            # A group's own configuration replaces the default subsystem; a new group gets one only for
+            # --rbd-image (a RAM disk cannot be one namespace served by several gateways).
+            await self._create_default(subsystem=shared is None and (self.gateway is None or bool(opts.rbd_images)))
         if self.gateway is not None:
             try:
                 errors = await self.gateway.adopt()

@@ -162,6 +162,11 @@ class Backend(ABC):
     # with ``create`` and resizes it with ``allow_shrink`` (resize/revert_resize/close_unused as
     # FileBackend has them) instead of treating its size as ours to change.
     holds_user_data: bool = False
+    # Every process that opens the same spec serves the same data (a file on storage they all reach, an
+    # RBD image, the null device), so the gateways of a group may export it under one NGUID/UUID. A RAM
+    # disk is its process's own: two gateways would serve two disks as one and a host switching paths
+    # would read the other one's data.
+    same_data_in_every_process: bool = True
 
     def watch_size(self, callback: Callable[[int], None]) -> None:
         """Call ``callback(new_size)`` on the event loop when the storage is resized by someone else

@@ -31,6 +31,7 @@ class MappedRam(Backend):
     """A RAM disk whose bytes are one mapping; a subclass supplies the mapping and frees pages."""
 
     kind = "ram"
+    same_data_in_every_process = False   # each gateway of a group would serve its own disk
 
     _map: mmap.mmap
     _view: memoryview
