@@ -342,9 +342,7 @@ class Daemon:
                             "next start: %s; see GET /api/v1/config/unrestored (retry or discard them there)",
                             opts.config_path, len(kept), ", ".join(entry["where"] for entry in kept))
         else:
-            # A group's own configuration replaces the default subsystem; a new group gets one only for
-            # --rbd-image (a RAM disk cannot be one namespace served by several gateways).
-            await self._create_default(subsystem=shared is None and (self.gateway is None or bool(opts.rbd_images)))
+            await self._create_default(subsystem=shared is None)  # a group's own configuration replaces it
         if self.gateway is not None:
             try:
                 errors = await self.gateway.adopt()
@@ -380,9 +378,12 @@ class Daemon:
                                                  options=image)
             except ServiceError as e:
                 raise DaemonError(f"--rbd-image {'/'.join(image.values())}: {e.message}") from e
-        if not opts.rbd_images:
+        if not opts.rbd_images and self.gateway is None:
             await self.service.add_namespace(opts.subsystem_nqn, backend="ram", size=opts.ramdisk_size,
                                              block_size=opts.block_size)
+        elif not opts.rbd_images:  # a RAM disk cannot be one namespace served by several gateways
+            log.info("gateway group %s: the default subsystem %s starts without a namespace (a RAM disk would be "
+                     "each gateway's own); add a file or rbd namespace", opts.gateway_group, opts.subsystem_nqn)
 
     async def _add_listeners(self, addresses: list[TransportAddress], *, discovery: bool) -> None:
         from target.service import ServiceError
