@@ -133,6 +133,7 @@ class BatchQueue(HostQueue):
         self._serr: list[NvmeError | None] = [None] * depth
         self._stamp = [0] * depth        # the timeout tick a slot command started in
         self._tick = 0
+        self._tick_due: float | None = None   # loop time of the next slot-timeout tick (None: idle)
         self._pdu = [bytearray(_CMD_HLEN) for _ in range(depth)]
 
     # ---- opening -------------------------------------------------------------------------------
@@ -182,17 +183,23 @@ class BatchQueue(HostQueue):
         (the caller keeps at most ``queue_size - 1`` in flight), the TransportError when broken."""
         if self._error is not None:
             raise self._error
+        # Checked before a cid is taken: struct.error after it would leave a phantom command in flight, and
+        # an nlb above 65536 would spill into CDW12's FUA/LR bits.
+        if not 1 <= nlb <= 0x10000 or not 0 <= slba < 1 << 64:
+            raise ValueError(f"nlb {nlb} must be 1..65536 and slba {slba} 0..2^64-1")
         cid = self._free_cids.pop()
         n = len(buf)
         self._cb[cid] = callback
         self._tok[cid] = token
         # Timeouts without a clock read per command: the cid is stamped with the current tick of a timer
-        # that ticks every timeout/2 while slots are in flight; one stamped two ticks ago has waited at
+        # that ticks every timeout/2 while slots are in flight; one stamped three ticks ago has waited at
         # least the timeout (at most 1.5 times it) and breaks the queue (see _check_timeouts).
         self._stamp[cid] = self._tick
-        if self._timer is None and self.timeout is not None:
+        if self._tick_due is None and self.timeout is not None:
             assert self._loop is not None
-            self._arm_timer(self._loop.time() + self.timeout / 2)
+            self._tick_due = self._loop.time() + self.timeout / 2
+            if self._timer is None or self._tick_due < self._timer_at:
+                self._arm_timer(self._tick_due)
         if self._fast and (not write or n <= self.incapsule_size):
             self._via[cid] = False
             pdu = self._pdu[cid]
@@ -507,27 +514,35 @@ class BatchQueue(HostQueue):
             return
         self._polling = True
         try:
-            clock = time.perf_counter_ns
-            sched_yield = os.sched_yield
-            window = self.poll_us * 1000
-            deadline = clock() + window
-            batches = 0
-            while self._error is None and self.inflight:
-                if self._receive():
-                    sends = self._sends
-                    self._process()
-                    batches += 1
-                    if self._sends == sends or batches >= POLL_MAX_BATCHES:
-                        return
-                    deadline = clock() + window
-                elif clock() >= deadline:
-                    return
-                else:
-                    # Let a runnable peer (the target on a shared core) go first: on an idle core this
-                    # returns at once, on a busy one the spin would only delay the answer it waits for.
-                    sched_yield()
+            self._poll_window()
+        except Exception as exc:
+            # Called from kick()/_flush_soon() too, outside _on_readable's guard: a failure (a slot callback
+            # raising) must break the queue, not leave half-parsed bytes to be parsed again.
+            log.exception("%s: batch engine failure", self.name)
+            self._break(TransportError(self.name, f"batch engine failure: {exc!r}"))
         finally:
             self._polling = False
+
+    def _poll_window(self) -> None:
+        clock = time.perf_counter_ns
+        sched_yield = os.sched_yield
+        window = self.poll_us * 1000
+        deadline = clock() + window
+        batches = 0
+        while self._error is None and self.inflight:
+            if self._receive():
+                sends = self._sends
+                self._process()
+                batches += 1
+                if self._sends == sends or batches >= POLL_MAX_BATCHES:
+                    return
+                deadline = clock() + window
+            elif clock() >= deadline:
+                return
+            else:
+                # Let a runnable peer (the target on a shared core) go first: on an idle core this
+                # returns at once, on a busy one the spin would only delay the answer it waits for.
+                sched_yield()
 
     # ---- send ----------------------------------------------------------------------------------
 
@@ -590,19 +605,28 @@ class BatchQueue(HostQueue):
     def _check_timeouts(self) -> None:
         """The queue's one timer fired: the submit() commands (HostQueue), then a tick for the slots."""
         super()._check_timeouts()
-        if self._error is not None or not self._slots_inflight or self.timeout is None:
+        if self._error is not None or self.timeout is None:
             return
-        self._tick += 1
-        old = self._tick - 2
-        for cid, cb in enumerate(self._cb):
-            if cb is not None and self._stamp[cid] <= old:
-                self._break(CommandTimeout(self.name, f"cid {cid} got no completion in {self.timeout} s; the "
-                                                      "queue is torn down"))
-                return
+        if not self._slots_inflight:
+            self._tick_due = None
+            return
         assert self._loop is not None
-        tick_at = self._loop.time() + self.timeout / 2
-        if self._timer is None or tick_at < self._timer_at:
-            self._arm_timer(tick_at)
+        now = self._loop.time()
+        # Only the tick's own deadline advances it: the timer also fires for submit() deadlines, and a tick
+        # counted early would time a slot out before it waited the timeout.
+        if self._tick_due is not None and now >= self._tick_due:
+            self._tick += 1
+            self._tick_due = None
+            old = self._tick - 3   # stamped in [tick k, tick k+1), failed at tick k+3: waited > timeout
+            for cid, cb in enumerate(self._cb):
+                if cb is not None and self._stamp[cid] <= old:
+                    self._break(CommandTimeout(self.name, f"cid {cid} got no completion in {self.timeout} s; "
+                                                          "the queue is torn down"))
+                    return
+        if self._tick_due is None:
+            self._tick_due = now + self.timeout / 2
+        if self._timer is None or self._tick_due < self._timer_at:
+            self._arm_timer(self._tick_due)
 
     def _break(self, err: TransportError, *, close: bool = True) -> None:
         if self._error is not None:

@@ -100,9 +100,11 @@ UI_HISTORY = 300                      # seconds of samples the dashboard's chart
 # File backend data path (target/backends/file.py, issue 12)
 FILE_BUFFER_SIZE = 128 * 1024         # bytes per pooled read buffer of a file namespace; longer reads get a one-off
 FILE_BUFFERS = 64                     # pooled read buffers per file backend (per process), made on first use
-FILE_INLINE_WRITE_MAX = 64 * 1024     # where pwritev2(RWF_NOWAIT) is unsupported (ext4 buffered writes): page
-                                      # aligned writes up to this size run on the event loop, longer ones on
-                                      # the thread pool; 0 sends every such write to the thread pool
+FILE_INLINE_WRITE_MAX = 0             # where pwritev2(RWF_NOWAIT) is unsupported (ext4, tmpfs, NFS, FUSE buffered
+                                      # writes): page-aligned writes up to this size run on the event loop. 0 (the
+                                      # default) sends them to the thread pool, as nvmet_file_execute_rw queues
+                                      # buffered writes on its workqueue: a plain pwrite may sleep in dirty-page
+                                      # throttling or a journal commit, and would stall every queue of the loop
 HOST_TCP_ENGINE = "batch"             # connect(engine=): "batch" (initiator/engine.py) or "stream" (asyncio protocol)
 
 # NVMe/TCP batch engine (target/transports/tcp_batch.py, issue 12)
@@ -128,3 +130,8 @@ GATEWAY_DIR_POLL = 0.1                # seconds between a dir group store's chec
 GATEWAY_STORE_TIMEOUT = 3.0           # seconds one call to the group store may take before it counts as lost
 GATEWAY_LEASE_MIN = 3.0               # seconds: a shorter lease leaves no time to renew (every lease/3) before fencing
 GATEWAY_BLOCKLIST_EXPIRE = 3600       # seconds a dead gateway's Ceph clients stay on the OSD blocklist (fencing)
+
+# NVMe/TCP batch engine bounds (target/transports/tcp_batch.py)
+TCP_BATCH_REPLY_SLOTS = 4096          # CIDs of one queue with a cached reply slot (~3 MB); Linux hosts
+                                      # use 16 generations x the queue depth of CIDs (nvme_cid), SPDK the depth
+POLL_US_MAX = TCP_POLL_SLICE_US       # largest `--poll-us`: one wake-up polls at most TCP_POLL_SLICE_US anyway

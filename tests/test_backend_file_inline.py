@@ -9,6 +9,7 @@ import os
 
 import pytest
 
+from nvmeof import defaults
 from target.backends import FileBackend
 from target.backends import file as filemod
 from target.backends.buffers import BufferPool
@@ -155,6 +156,7 @@ async def test_a_cold_read_takes_the_thread_path(tmp_path):
 
 async def test_without_rwf_nowait_every_read_takes_the_thread_path(tmp_path, monkeypatch):
     monkeypatch.setattr(filemod, "_RWF_NOWAIT", None)
+    monkeypatch.setattr(defaults, "FILE_INLINE_WRITE_MAX", 64 * 1024)   # the opt-in inline buffered writes
     path = tmp_path / "old.img"
     data = os.urandom(MiB)
     path.write_bytes(data)
@@ -190,7 +192,24 @@ async def test_an_unsupported_nowait_read_is_remembered(disk, monkeypatch):
 # --- writes ------------------------------------------------------------------------------------------
 
 
+async def test_buffered_writes_go_to_the_thread_pool_by_default(tmp_path, monkeypatch):
+    """ext4/tmpfs refuse RWF_NOWAIT for buffered writes; a plain pwrite there may sleep (dirty-page
+    throttling, a journal commit), so by default it runs on the thread pool, as nvmet queues buffered
+    writes on a workqueue, and the event loop never waits for it."""
+    path = tmp_path / "d.img"
+    f = FileBackend(path, size=MiB, create=True)
+    try:
+        f._nowait_write = False   # as on ext4
+        assert not f.write_nowait(4096, b"\x44" * 4096)
+        await f.write(8192, b"\x55" * 4096)
+        assert f.io_counts()["inline"] == 0 and f.io_counts()["thread"] == 1
+        assert path.read_bytes()[4096:12288] == b"\0" * 4096 + b"\x55" * 4096
+    finally:
+        f.close()
+
+
 async def test_writes_inline_and_on_the_thread_pool(tmp_path, monkeypatch):
+    monkeypatch.setattr(defaults, "FILE_INLINE_WRITE_MAX", 64 * 1024)   # the opt-in inline buffered writes
     path = tmp_path / "w.img"
     f = FileBackend(path, size=4 * MiB, create=True)
     try:

@@ -189,6 +189,36 @@ async def test_slot_timeout_breaks_queue(server: FakeServer) -> None:  # noqa: F
     assert q.broken is not None
 
 
+async def test_slot_timeout_waits_the_whole_timeout(server: FakeServer) -> None:  # noqa: F811
+    """A slot started just before a tick, and submit() deadlines firing the shared timer in between, still
+    wait at least the timeout (ticks are timeout/2 apart; failing at the second tick would give ~T/2, and
+    counting every firing of the timer as a tick even less)."""
+    loop = asyncio.get_running_loop()
+    q = await open_batch(server, timeout=0.6)
+    t0 = loop.time()
+    first = asyncio.ensure_future(run_slot(q, tq.HANG, 0, bytearray(512), write=False))
+    await asyncio.sleep(0)
+    for t in (0.05, 0.1, 0.15, 0.2):   # answered at once: their deadlines still fire the timer
+        await q.submit(Command(READ, nsid=1, cdw10=0), data_in=bytearray(512), timeout=t)
+    await asyncio.sleep(0.29 - (loop.time() - t0))   # just before the first tick (0.3 s)
+    started = loop.time()
+    second = asyncio.ensure_future(run_slot(q, tq.HANG, 0, bytearray(512), write=False))
+    err = await asyncio.wait_for(second, 5)
+    assert isinstance(err, tq.CommandTimeout)
+    assert loop.time() - started >= 0.6, f"timed out after {loop.time() - started:.3f} s of a 0.6 s timeout"
+    assert isinstance(await first, tq.CommandTimeout)
+
+
+def test_start_refuses_bad_lengths_without_taking_a_cid() -> None:
+    q = BatchQueue(1, queue_size=4, name="qid 1")
+    q._fast = True  # as after the IC exchange; the checks come before anything is queued
+    free = len(q._free_cids)
+    for nlb, slba in ((0, 0), (0x10001, 0), (1, 1 << 64), (1, -1)):
+        with pytest.raises(ValueError, match="nlb"):
+            q.start(READ, 1, slba, nlb, memoryview(bytearray(512)), False, lambda t, e: None, None)
+    assert len(q._free_cids) == free
+
+
 @pytest.mark.parametrize("poll_us", [1, 200_000])
 async def test_polling_serves_submit_and_slots(server: FakeServer, poll_us: int) -> None:  # noqa: F811
     q = await open_batch(server, poll_us=poll_us)

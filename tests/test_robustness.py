@@ -485,10 +485,12 @@ async def test_close_to_a_peer_that_stopped_reading_is_aborted_after_the_grace(m
 
 
 async def test_peer_that_never_reads_cannot_hold_its_socket(served, monkeypatch, caplog):
-    """Over a real socket: 16 MiB of reads and a bad PDU in one write, then the host never reads.
+    """Over a real socket: 192 KiB of reads and a bad PDU in one write, then the host never reads.
 
     The target answers everything, queues its C2HTermReq behind it and closes; that close cannot
-    finish, so the transport is aborted after TargetConnection.close_grace.
+    finish, so the transport is aborted after TargetConnection.close_grace. (The reads stay below
+    TCP_WRITE_HIGH_WATER: past it the batch engine leaves the rest of the receive buffer, the bad PDU
+    with it, unread until the host has taken the replies.)
     """
     import socket
 
@@ -520,9 +522,11 @@ async def test_peer_that_never_reads_cannot_hold_its_socket(served, monkeypatch,
         rsp = await recv_exactly(24)
         assert rsp[:1] == b"\x05" and int.from_bytes(rsp[22:24], "little") >> 1 == 0
         conn = next(c for c in s.server.connections if c.queue.qid == 1)
-        mib = 1 << 20
-        reads = b"".join(capsule_cmd(sqe(Command(IoOpcode.READ, nsid=1, cdw10=0, cdw12=mib // 512 - 1), cid=10 + i,
-                                         data_len=mib)) for i in range(16))
+        # A small send buffer (no autotuning): the kernel cannot take the 192 KiB of replies either.
+        conn.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
+        size = 64 * 1024
+        reads = b"".join(capsule_cmd(sqe(Command(IoOpcode.READ, nsid=1, cdw10=0, cdw12=size // 512 - 1), cid=10 + i,
+                                         data_len=size)) for i in range(3))
         bad = bytes([0x0A, 0, 24, 0]) + (24).to_bytes(4, "little") + bytes(16)
         await loop.sock_sendall(sock, reads + bad)
         start = loop.time()
@@ -532,7 +536,7 @@ async def test_peer_that_never_reads_cannot_hold_its_socket(served, monkeypatch,
                          what="the stuck connection to be aborted")
         assert loop.time() - start >= grace * 0.9
         assert "within 0.5 s of the close; aborting" in caplog.text
-        # The socket really is gone: reading now ends (reset or EOF) long before 16 MiB arrived.
+        # The socket really is gone: reading now ends (reset or EOF) long before 192 KiB arrived.
         received = 0
         try:
             while True:
@@ -542,7 +546,7 @@ async def test_peer_that_never_reads_cannot_hold_its_socket(served, monkeypatch,
                 received += len(chunk)
         except ConnectionResetError:
             pass
-        assert received < 16 * mib
+        assert received < 3 * size
         assert list(s.target.controllers[cntlid].queues) == [0]
         assert (await admin.prop_get(Property.CSTS)).cqe.dw0 & 1
     finally:

@@ -355,3 +355,231 @@ async def test_socket_backlog_when_the_host_does_not_read() -> None:
     finally:
         await server.stop()
         await tgt.close()
+
+
+# --- review fixes: atomicity, bounded tables and batches, failures, polling ----------------------------
+
+
+async def _settle() -> None:
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+async def test_r2t_write_leaves_the_disk_alone_until_its_data_is_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """H2CData arrives cut at any byte: placed straight into the RAM disk, a read meanwhile would see
+    half a block (AWUN 0 promises single-block atomicity). The disk changes only once the write has all
+    its data, in one copy when it executes."""
+    _use_batch(monkeypatch)
+    tgt = make_target()
+    disk = tgt.subsystems[SUBNQN].namespaces[1].backend.memory_view()
+    assert disk is not None
+    _admin, cntlid = await admin_session(tgt, SUBNQN)
+    rec = await _io_recording(tgt, cntlid, sqflow_off=False)
+    r2ts: list[Any] = []
+    rec.r2t_hook = lambda ev: r2ts.append(ev) or True
+    data = random.Random(11).randbytes(64 * 1024)
+    before = bytes(disk[:len(data)])
+    fut = rec.send(*_wr(0, data)[:2])
+    await _settle()
+    assert len(r2ts) == 1 and r2ts[0].length == len(data)
+    rec.conn.send_h2c_data(r2ts[0].cccid, r2ts[0].ttag, 0, data, last=True)
+    wire = b"".join(bytes(b) for b in rec.conn.data_to_send())
+    assert rec.transport is not None
+    for pos in range(0, len(wire) - 1, 5000):   # all but the last byte, in pieces
+        rec.transport.write(wire[pos:min(pos + 5000, len(wire) - 1)])
+        await _settle()
+        assert bytes(disk[:len(data)]) == before, f"the disk changed with {pos + 5000} of {len(wire)} bytes"
+    rec.transport.write(wire[-1:])
+    assert (await asyncio.wait_for(fut, 5)).status == 0
+    assert bytes(disk[:len(data)]) == data
+    await tgt.close()
+
+
+async def _cid_session() -> tuple[bytes, list[Any]]:
+    """Reads and in-capsule writes under CIDs spread over 0..65535, each CID twice (a reply slot's
+    second use), through one I/O queue."""
+    tgt = make_target()
+    _admin, cntlid = await admin_session(tgt, SUBNQN)
+    rec = await _io_recording(tgt, cntlid, sqflow_off=False)
+    rng = random.Random(4)
+    cids = [0, 65535, *rng.sample(range(1, 65535), 298)]
+    seen: list[Any] = []
+    for _ in range(2):
+        for start in range(0, len(cids), 50):
+            rec.hold = True
+            futs = []
+            for cid in cids[start:start + 50]:
+                rec.next_cid = cid
+                send = _wr(cid % 2000, rng.randbytes(512)) if cid % 7 == 0 else _rd(cid % 2000, 1 + cid % 8)
+                futs.append(rec.send(send[0], send[1], read_len=send[2]))
+            rec.hold = False
+            rec.flush()
+            seen += [(r.status, r.data) for r in await asyncio.wait_for(asyncio.gather(*futs), 10)]
+    await tgt.close()
+    return bytes(rec.received), seen
+
+
+async def test_reply_slots_stay_within_their_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host cycling through all CIDs keeps only TCP_BATCH_REPLY_SLOTS reply slots per queue (the cap
+    made small here); the CIDs past it get replies of their own, byte for byte the stream engine's."""
+    stream = await _cid_session()
+    _use_batch(monkeypatch)
+    monkeypatch.setattr(tcp_batch, "_MAX_SLOTS", 64)
+    batch = await _cid_session()
+    assert batch[1] == stream[1] and batch[0] == stream[0]
+    assert all(status == 0 for status, _ in batch[1])
+    io_conn = next(c for c in BatchLoopConnection.instances if c.queue.qid == 1)
+    assert len(io_conn._slots) == 64
+    assert io_conn.fast_commands == len(batch[1])
+
+
+async def test_one_wake_up_queues_a_bounded_backlog() -> None:
+    """A receive buffer full of 128 KiB reads from a host that does not read its replies: the batch
+    stops once its replies pass TCP_WRITE_HIGH_WATER, the rest of the buffer waits, and everything is
+    answered, whole and in order, once the host reads again."""
+    from nvmeof import defaults
+
+    tgt = make_target()
+    server = await _listen(tgt, 0)
+    try:
+        _admin, io = await _tinyhost_io(server.port, SUBNQN)
+        data = random.Random(10).randbytes(1 << 20)
+        assert (await io.cmd(Command(IoOpcode.WRITE, nsid=1, cdw10=0, cdw12=2047), data)).status == 0
+        assert io.transport is not None
+        conn = next(c for c in server.connections if c.queue.qid == 1)
+        conn.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 32 * 1024)
+        io.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 * 1024)
+        io.transport.pause_reading()
+        count = 150   # 10.8 KB of commands (one receive), 18.75 MiB of replies
+        done = conn.fast_commands
+        flush = io.flush
+        io.flush = lambda: None   # type: ignore[method-assign]   # all the commands in one write
+        futs = [io.send(Command(IoOpcode.READ, nsid=1, cdw10=256 * (i % 8), cdw12=255), read_len=128 * 1024)
+                for i in range(count)]
+        io.flush = flush   # type: ignore[method-assign]
+        io.flush()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while conn.transport.get_write_buffer_size() == 0 and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)   # more wake-ups, were the connection still reading
+        queued = conn.transport.get_write_buffer_size()
+        # under the high-water mark (still writing), then one more batch: at most the mark and one read more
+        bound = 2 * defaults.TCP_WRITE_HIGH_WATER + 128 * 1024 + 4096
+        assert 0 < queued <= bound, f"{queued} bytes queued"
+        assert conn.fast_commands - done < count
+        io.transport.resume_reading()
+        results = await asyncio.wait_for(asyncio.gather(*futs), 20)
+        for i, r in enumerate(results):
+            assert r.status == 0 and r.data == data[(i % 8) * 128 * 1024:(i % 8 + 1) * 128 * 1024]
+        assert conn.fast_commands - done == count
+    finally:
+        await server.stop()
+        await tgt.close()
+
+
+class _Recorder(asyncio.BufferedProtocol):
+    """A protocol on a SocketTransport that keeps what it receives, or raises at the first bytes."""
+
+    def __init__(self, fail: bool) -> None:
+        from types import SimpleNamespace
+
+        self.fail = fail
+        self.buf = bytearray(4096)
+        self.got = bytearray()
+        self.lost: asyncio.Future[Exception | None] = asyncio.get_running_loop().create_future()
+        self.queue = SimpleNamespace(peer="peer-under-test", qid=7)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return memoryview(self.buf)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.fail:
+            raise RuntimeError("half a batch done")
+        self.got += self.buf[:nbytes]
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost.set_result(exc)
+
+
+async def test_protocol_exception_closes_the_connection(caplog: pytest.LogCaptureFixture) -> None:
+    """An exception from the protocol on received bytes closes that connection (logged with its peer
+    and queue), does not reach the loop's exception handler, and the loop serves the others on."""
+    loop = asyncio.get_running_loop()
+    handled: list[Any] = []
+    loop.set_exception_handler(lambda _loop, context: handled.append(context))
+    bad_sock, bad_peer = socket.socketpair()
+    good_sock, good_peer = socket.socketpair()
+    try:
+        bad, good = _Recorder(True), _Recorder(False)
+        bad_transport = tcp_batch.SocketTransport(loop, bad_sock, bad)
+        good_transport = tcp_batch.SocketTransport(loop, good_sock, good)
+        bad_peer.sendall(b"x")
+        good_peer.sendall(b"hello ")
+        exc = await asyncio.wait_for(bad.lost, 2)
+        assert isinstance(exc, RuntimeError) and bad_transport.is_closing()
+        bad_peer.settimeout(5)
+        assert bad_peer.recv(1) == b""   # the descriptor is closed: the host sees the FIN
+        good_peer.sendall(b"world")
+        deadline = loop.time() + 5
+        while bytes(good.got) != b"hello world" and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        assert bytes(good.got) == b"hello world" and not good.lost.done()
+        assert not handled
+        assert any("peer-under-test" in r.getMessage() and "qid 7" in r.getMessage() for r in caplog.records)
+        good_transport.abort()
+        await asyncio.wait_for(good.lost, 2)
+    finally:
+        loop.set_exception_handler(None)
+        for sock in (bad_sock, bad_peer, good_sock, good_peer):
+            sock.close()
+
+
+def test_polling_holds_the_loop_one_slice_at_most(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection whose every poll finds data polls on only TCP_POLL_SLICE_US per wake-up, however
+    long --poll-us is (a clock that moves 10 µs per look, a socket that always has data)."""
+    from nvmeof import defaults
+
+    clock = [0]
+
+    def fake_ns() -> int:
+        clock[0] += 10_000
+        return clock[0]
+
+    loop = asyncio.new_event_loop()
+    sock, peer = socket.socketpair()
+    try:
+        transport = tcp_batch.SocketTransport(loop, sock, _Idle(), poll_us=20_000)
+        monkeypatch.setattr(tcp_batch, "_perf_ns", fake_ns)
+        monkeypatch.setattr(transport, "_recv_once", lambda: True)
+        monkeypatch.setattr(transport, "_poller", type("P", (), {"poll": staticmethod(lambda _t: [(0, 1)])})())
+        transport._read_ready()
+        assert clock[0] <= (defaults.TCP_POLL_SLICE_US + 30) * 1000
+        transport.abort()
+        loop.run_until_complete(asyncio.sleep(0))
+    finally:
+        loop.close()
+        sock.close()
+        peer.close()
+
+
+class _Idle(asyncio.BufferedProtocol):
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return memoryview(bytearray(16))
+
+    def buffer_updated(self, nbytes: int) -> None:
+        pass
+
+
+def test_poll_us_above_the_slice_is_refused(tmp_path: Any) -> None:
+    from nvmeof import defaults
+    from nvmeof.cli.daemon import Daemon, DaemonError
+
+    options, _ = _daemon_options(tmp_path, poll_us=defaults.POLL_US_MAX + 1)
+    with pytest.raises(DaemonError, match=rf"--poll-us {defaults.POLL_US_MAX + 1}: give at most "
+                                          rf"{defaults.POLL_US_MAX} µs"):
+        Daemon(options)
+    Daemon(_daemon_options(tmp_path, poll_us=defaults.POLL_US_MAX)[0])

@@ -132,6 +132,10 @@ class TcpLimits:
                 raise ValueError(f"{name} {count}: give at least 1 connection")
         if self.poll_us < 0:
             raise ValueError(f"--poll-us {self.poll_us}: give 0 (no polling) or a positive number of microseconds")
+        if self.poll_us > defaults.POLL_US_MAX:
+            # SocketTransport polls at most TCP_POLL_SLICE_US per wake-up: more would hold the event loop
+            raise ValueError(f"--poll-us {self.poll_us}: give at most {defaults.POLL_US_MAX} µs (one connection's "
+                             "polling may hold the event loop only that long per wake-up)")
         if self.h2c_global_budget < 1:
             # Any positive budget works: one write always goes when none holds any (a budget below
             # one transfer serializes the writes, it never stops them).

@@ -16,9 +16,16 @@ fast path in front of it for the commands that dominate a data plane and can fin
   A RAM disk's read goes out as a view of the disk's memory (``Backend.memory_view``: no copy, no
   call per command);
 - all replies of the wake-up leave in one ``writelines``, which `SocketTransport` turns into one
-  ``socket.sendmsg`` with the list of buffers;
-- the H2CData of a larger (R2T) Write to a RAM disk is received straight into the disk's memory
-  (the sans-IO ``place`` hook, ``_place``).
+  ``socket.sendmsg`` with the list of buffers; a batch stops taking commands once its replies pass
+  ``TCP_WRITE_HIGH_WATER`` bytes and, while the socket does not take them, the rest of the receive
+  buffer waits (carried) until the backlog drained (a host that never reads cannot make one wake-up
+  queue more than that).
+
+The H2CData of a larger (R2T) Write is received into the write's own buffer (the stream engine's
+``place`` hook), never straight into a RAM disk's memory: H2CData arrives cut at any byte, so a
+read running meanwhile would see half a block, and two overlapping writes on two queues could leave
+one block mixing both (AWUN 0 promises single-block atomicity). nvmet receives into its own pages
+too (nvmet_tcp_map_data) and the backend copies them when the command executes, in one step.
 
 Anything else (ICReq, Fabrics and admin commands, a queue that is not connected, enabled or
 authenticated yet, any command that fails a check, R2T writes and their H2CData, TermReq, a
@@ -102,6 +109,10 @@ _READ = IoOpcode.READ.value
 _WRITE = IoOpcode.WRITE.value
 _SGL_FLAGS = SQE_FLAGS_PSDT_SGL
 _MAX_TRANSFER = defaults.MAX_TRANSFER
+# A host may cycle through all 65,536 CIDs (Linux: a generation counter in the top bits, nvme_cid): with
+# a slot each, ~737 bytes apiece, one queue would hold ~48 MB. Only so many CIDs keep theirs.
+_MAX_SLOTS = defaults.TCP_BATCH_REPLY_SLOTS
+_HIGH_WATER = defaults.TCP_WRITE_HIGH_WATER
 _SQHD_DISABLED = 0xFFFF
 _NO_OFFSET = bytes(8)
 _perf_ns = time.perf_counter_ns
@@ -130,21 +141,6 @@ class _Slot:
         self.length = length
 
 
-def _disk_destination(req: Any) -> memoryview | None:
-    """Where a Write's data belongs in its namespace's memory (a RAM disk), if it has one."""
-    ns = req.ns
-    if req.cmd.opcode != _WRITE or ns is None or not ns.writable:
-        return None
-    memory_view = getattr(ns.backend, "memory_view", None)
-    disk = memory_view() if memory_view is not None else None
-    if disk is None:
-        return None
-    offset = req.cmd.slba << ns.lba_shift
-    if offset + req.data_len > len(disk):
-        return None   # resized meanwhile: the write's own checks report it
-    return disk[offset:offset + req.data_len]
-
-
 class BatchMixin:
     """The batch fast path in front of a TargetConnection (see the module docstring); mixed into the
     connection classes of this process, of ``--workers`` (main and worker processes) and of tests."""
@@ -157,12 +153,15 @@ class BatchMixin:
     _recv_direct: bool
     _closed: bool
     _deadline: Any
+    _write_paused: bool
 
     def _batch_init(self) -> None:
         self._carry = 0                       # bytes of a partial CapsuleCmd kept at the start of _recv
-        self._slots: dict[int, _Slot] = {}    # cid -> its reply slot, made once
+        self._slots: dict[int, _Slot] = {}    # cid -> its reply slot, made once (at most _MAX_SLOTS of them)
         self._fast_sgl = SGL_ID_TRANSPORT if SGL_ID_TRANSPORT in self.queue.ops.sgl_types else -1
         self.fast_commands = 0                # commands the fast path completed (tests, diagnostics)
+        self._fast_full = False               # the last _fast stopped at its bound of queued reply bytes
+        self._held = False                    # the carry is the rest of a read waiting for the socket to drain
 
     # --- BufferedProtocol -----------------------------------------------------------------------
 
@@ -181,6 +180,7 @@ class BatchMixin:
         size = len(buf)
         total = self._carry + nbytes
         self._carry = 0
+        self._held = False   # what was held goes now, with what came behind it
         if total == size:
             if size < RECV_BUFFER_MAX:
                 # The read filled the buffer, so more is waiting: take it in fewer, larger reads.
@@ -194,20 +194,10 @@ class BatchMixin:
         if self._carry:
             joined = bytes(self._recv[:self._carry]) + bytes(data)
             self._carry = 0
+            self._held = False
             data = joined
         mv = data if isinstance(data, memoryview) else memoryview(data)
         self._receive(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv)
-
-    # --- H2CData straight into a RAM disk ---------------------------------------------------------
-
-    def _place(self, cccid: int, ttag: int, datao: int, datal: int) -> memoryview | None:
-        """A Write's H2CData payloads go straight into the RAM disk's memory where its data lands
-        (nvmet's bdev path DMAs into the page the same way); its execute then copies nothing new.
-        A write that fails part way leaves its blocks undefined, as NVMe allows."""
-        pending = self._h2c.get(ttag)   # type: ignore[attr-defined]
-        if pending is not None and pending.buf is None and datao == 0:
-            pending.buf = _disk_destination(pending.req)
-        return super()._place(cccid, ttag, datao, datal)   # type: ignore[misc]
 
     # --- the fast path --------------------------------------------------------------------------
 
@@ -217,6 +207,13 @@ class BatchMixin:
         while not self._closed:
             if self._fast_ready():
                 pos = self._fast(mv, pos)
+                if self._fast_full and pos < end:
+                    # The batch's replies reached the high-water mark: if the socket did not take them
+                    # (pause_writing came), the rest waits for the backlog to drain (resume_writing).
+                    if self._write_paused:
+                        self._hold(mv, pos, end - pos)
+                        return
+                    continue
             rest = end - pos
             if not rest or self._closed or self._fast_tail(mv, pos, rest):
                 return
@@ -231,6 +228,30 @@ class BatchMixin:
                     continue
             self._stream(mv[pos:] if pos else mv)
             return
+
+    def _hold(self, mv: memoryview, pos: int, rest: int) -> None:
+        """Keep the unread rest of a batch at the start of the receive buffer, with room behind it."""
+        recv = self._recv
+        if len(recv) - rest < RECV_BUFFER_MIN:
+            recv = memoryview(bytearray(rest + RECV_BUFFER_MIN))
+        recv[:rest] = mv[pos:pos + rest]   # memoryview assignment copies overlapping bytes as memmove does
+        self._recv = recv
+        self._carry = rest
+        self._held = True
+
+    def resume_writing(self) -> None:
+        super().resume_writing()   # type: ignore[misc]
+        if self._held and not self._closed:
+            # Not from inside the transport's write callback: the commands held may queue and close.
+            asyncio.get_running_loop().call_soon(self._release_held)
+
+    def _release_held(self) -> None:
+        if not self._held or self._closed or self._write_paused:
+            return   # taken with a read meanwhile, gone, or the socket is full again (resume_writing comes)
+        self._held = False
+        carry = self._carry
+        self._carry = 0
+        self._receive(self._recv[:carry])
 
     def _stream(self, data: memoryview) -> None:
         """Bytes for the stream engine: the data_received of the connection class this is mixed into."""
@@ -299,7 +320,10 @@ class BatchMixin:
         reads = writes = read_bytes = write_bytes = 0
         done_reads = done_writes = done_read_bytes = 0   # of the namespaces counted before the current one
         wrap = sqsize if sqsize > 1 else 0x10000   # SQHD wraps at the queue size (nvmet_update_sq_head)
-        while end - pos >= _CMD_HLEN:
+        # Reply bytes this batch may queue: past them it stops, so that a host that does not read its
+        # replies cannot make one wake-up queue what a whole receive buffer of reads asks for.
+        budget = _HIGH_WATER
+        while end - pos >= _CMD_HLEN and read_bytes < budget:
             head, opcode, flags, cid, nsid, sgl_len, sgl_id, slba, cdw12 = _unpack_cmd(mv, pos)
             # The hot lane: a RAM-disk read of the namespace and length this CID had last time. Every
             # check of the general path below, in the fewest steps; anything else goes there.
@@ -339,6 +363,7 @@ class BatchMixin:
                     done_reads += reads
                     done_writes += writes
                     done_read_bytes += read_bytes
+                    budget = _HIGH_WATER - done_read_bytes
                     reads = writes = read_bytes = write_bytes = 0
                     start = _perf_ns()
                 ns = namespaces.get(nsid)
@@ -383,7 +408,9 @@ class BatchMixin:
             pos += plen
             slot = slots.get(cid)
             if slot is None:
-                slot = slots[cid] = _Slot(cid, qid, flow_off)
+                slot = _Slot(cid, qid, flow_off)
+                if len(slots) < _MAX_SLOTS:
+                    slots[cid] = slot   # past the cap the reply has a slot of its own, gone once it is sent
             # TargetQueue.complete (nvmet_update_sq_head), then TargetConnection.queue_response
             if opcode == _READ:
                 if slot.length != length:
@@ -398,6 +425,7 @@ class BatchMixin:
                     sqhd = 0
                 _pack_sqhd(slot.buf, _SLOT_SQHD, sqhd)
             append(slot.resp)
+        self._fast_full = read_bytes >= budget
         if last_nsid != -1 and ns is not None and (reads or writes):
             self._count(ns, reads, read_bytes, writes, write_bytes, start)
         if out:
@@ -457,7 +485,9 @@ class SocketTransport(asyncio.Transport):
         self._fd = sock.fileno()
         self._protocol = protocol
         self._poll_ns = max(0, poll_us) * 1000
-        self._slice_ns = max(self._poll_ns, defaults.TCP_POLL_SLICE_US * 1000)
+        # Polling renews its deadline with every receive that finds data: one wake-up of a busy connection
+        # would never end but for this bound, whatever poll_us says (TcpLimits.check keeps it below).
+        self._slice_ns = defaults.TCP_POLL_SLICE_US * 1000
         if self._poll_ns:
             self._poller = select.poll()
             self._poller.register(self._fd, select.POLLIN)
@@ -544,19 +574,37 @@ class SocketTransport(asyncio.Transport):
         protocol = self._protocol
         try:
             buf = protocol.get_buffer(-1)
+        except Exception as exc:
+            self._fatal_error(exc, "get_buffer")
+            return False
+        try:
             n = self._sock.recv_into(buf)
         except _TRY_AGAIN:
             return False
         except OSError as exc:
             self._force_close(exc)
             return False
-        if not n:
-            self._stop_reading()
-            if not protocol.eof_received():
-                self.close()
+        try:
+            if not n:
+                self._stop_reading()
+                if not protocol.eof_received():
+                    self.close()
+                return False
+            protocol.buffer_updated(n)
+        except Exception as exc:
+            self._fatal_error(exc, "eof_received" if not n else "buffer_updated")
             return False
-        protocol.buffer_updated(n)
         return True
+
+    def _fatal_error(self, exc: Exception, where: str) -> None:
+        """The protocol failed on received bytes: what it had half done cannot go on, so the connection
+        goes (asyncio's _SelectorTransport._fatal_error), instead of the exception reaching the loop's
+        handler with the connection still registered."""
+        queue = getattr(self._protocol, "queue", None)
+        peer = getattr(queue, "peer", None) or self._extra.get("peername") or "?"
+        log.error("NVMe/TCP connection from %s (qid %s): %s raised %s: %s; closing it", peer,
+                  getattr(queue, "qid", "?"), where, type(exc).__name__, exc, exc_info=exc)
+        self._force_close(exc)
 
     # --- writing ------------------------------------------------------------------------------------
 

@@ -131,7 +131,8 @@ def _api(value: str):
                    "batch and sends each batch's replies in one sendmsg; stream is the event-per-PDU path (A/B).")
 @click.option("--poll-us", type=click.IntRange(min=0), default=defaults.POLL_US, show_default=True, metavar="N",
               help="Batch engine: after a batch, keep trying non-blocking receives for up to N microseconds before "
-                   "sleeping (hybrid polling: lower QD1 latency for CPU time); 0 turns it off.")
+                   f"sleeping (hybrid polling: lower QD1 latency for CPU time); 0 turns it off, at most "
+                   f"{defaults.POLL_US_MAX}.")
 @click.option("--cntlid-range", "cntlid_range", default=None, metavar="LO-HI",
               help=f"Give controllers IDs only in LO..HI (within {defaults.CNTLID_MIN}-{defaults.CNTLID_MAX}), so "
                    "several targets serving one subsystem to a host never hand out the same ID.")
