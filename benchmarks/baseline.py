@@ -51,30 +51,35 @@ class _Server(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
-        buf = self.buf
-        buf += data
-        pos = 0
-        out: list[bytes | memoryview] = []
-        n = len(buf)
-        while n - pos >= REQUEST_SIZE:
-            magic, op, length, tag = REQUEST.unpack_from(buf, pos)
-            if magic != MAGIC or length > len(self.payload):
-                assert self.transport is not None
-                self.transport.close()
-                return
-            if op == OP_READ:
-                pos += REQUEST_SIZE
-                out.append(self.payload[:length])
-            else:
-                if n - pos < REQUEST_SIZE + length:
-                    break
-                pos += REQUEST_SIZE + length
-                out.append(tag.to_bytes(REPLY_SIZE, "little"))
-        if pos:
-            del buf[:pos]
-        if out:
-            assert self.transport is not None
+        self.buf += data
+        out = _answer(self.buf, self.payload)
+        assert self.transport is not None
+        if out is None:
+            self.transport.close()
+        elif out:
             self.transport.writelines(out)
+
+
+def _answer(buf: bytearray, payload: memoryview) -> list[bytes | memoryview] | None:
+    """The replies to every complete request at the start of ``buf``, which loses those bytes (a read
+    answers with ``payload``'s first bytes, a write with its tag); None for a bad request."""
+    pos, n = 0, len(buf)
+    out: list[bytes | memoryview] = []
+    while n - pos >= REQUEST_SIZE:
+        magic, op, length, tag = REQUEST.unpack_from(buf, pos)
+        if magic != MAGIC or length > len(payload):
+            return None
+        if op == OP_READ:
+            pos += REQUEST_SIZE
+            out.append(payload[:length])
+        else:
+            if n - pos < REQUEST_SIZE + length:
+                break
+            pos += REQUEST_SIZE + length
+            out.append(tag.to_bytes(REPLY_SIZE, "little"))
+    if pos:
+        del buf[:pos]
+    return out
 
 
 async def serve(host: str, port: int, max_bs: int) -> None:
@@ -194,24 +199,10 @@ class _PingConn:
             return None
         if not data:
             return None
-        buf = self.buf
-        buf += data
-        pos, n = 0, len(buf)
-        out: list[bytes | memoryview] = []
-        while n - pos >= REQUEST_SIZE:
-            magic, op, length, tag = REQUEST.unpack_from(buf, pos)
-            if magic != MAGIC or length > len(self.payload):
-                return None
-            if op == OP_READ:
-                pos += REQUEST_SIZE
-                out.append(self.payload[:length])
-            else:
-                if n - pos < REQUEST_SIZE + length:
-                    break
-                pos += REQUEST_SIZE + length
-                out.append(tag.to_bytes(REPLY_SIZE, "little"))
-        if pos:
-            del buf[:pos]
+        self.buf += data
+        out = _answer(self.buf, self.payload)
+        if out is None:
+            return None
         if out:
             _send_all(self.sock, out)
         return len(data)
