@@ -41,7 +41,7 @@ from nvmeof.auth import AuthFailure, generate_secret
 from nvmeof.status import NvmeError
 from tests.interop import vm
 from tests.interop.ourtarget import OurTarget, serve_target
-from tests.interop.test_kernel_host import GUEST_PREAMBLE, Barrier, Report, _parse_guest, guest_script_text
+from tests.interop.test_kernel_host import GUEST_PREAMBLE, Barrier, Report, _parse_guest, drive_guest, guest_script_text
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(900)]
 
@@ -352,19 +352,9 @@ def kernel_host_run(auth_assets: vm.Assets, tmp_path_factory: pytest.TempPathFac
             try:
                 guest.start(_kernel_host_script(target, barrier.port, matrix, hosts, new_key))
                 report.boot_seconds = guest.boot_seconds
-                try:
-                    pos = 0
-                    while True:
-                        match = guest.wait_for(r"@@HOST (\S+)@@", STEP_TIMEOUT, start=pos)
-                        pos = match.end()
-                        _parse_guest(guest.output, report)
-                        if _host_step(match.group(1), target, barrier, report, hosts["rotate"], new_key):
-                            break
-                    code = guest.wait_exit(60)
-                    if code != 0:
-                        report.error = f"guest script exited with status {code}"
-                except (vm.GuestExited, vm.GuestTimeout) as exc:
-                    report.error = exc.args[0].splitlines()[0]
+                drive_guest(guest, report,
+                            lambda step: _host_step(step, target, barrier, report, hosts["rotate"], new_key),
+                            step_timeout=STEP_TIMEOUT)
             finally:
                 report.console.write_text(guest.output)
                 guest.stop()

@@ -386,15 +386,26 @@ def _poll(condition: Callable[[], bool], timeout: float) -> bool:
         time.sleep(0.2)
 
 
-def _host_steps(guest: vm.Guest, target: OurTarget, barrier: Barrier, sniffer: IcSniffer, report: Report) -> None:
-    """React to the guest's @@HOST step@@ lines in order; record the host-side checks."""
-    pos = 0
-    while True:
-        match = guest.wait_for(r"@@HOST (\S+)@@", STEP_TIMEOUT, start=pos)
-        pos = match.end()
-        _parse_guest(guest.output, report)
-        if _host_step(match.group(1), target, barrier, sniffer, report):
-            return
+def drive_guest(guest: vm.Guest, report: Report, on_step: Callable[[str], bool], *, step_timeout: float,
+                on_output: Callable[[str], None] | None = None) -> None:
+    """Answer the guest's @@HOST step@@ lines in order with ``on_step`` (True after the last one), then
+    wait for the script to exit; a guest that exits early, stalls past ``step_timeout`` or fails becomes
+    the report's error. ``on_output`` sees the console after each step line (more to parse)."""
+    try:
+        pos = 0
+        while True:
+            match = guest.wait_for(r"@@HOST (\S+)@@", step_timeout, start=pos)
+            pos = match.end()
+            _parse_guest(guest.output, report)
+            if on_output is not None:
+                on_output(guest.output)
+            if on_step(match.group(1)):
+                break
+        code = guest.wait_exit(60)
+        if code != 0:
+            report.error = f"guest script exited with status {code}"
+    except (vm.GuestExited, vm.GuestTimeout) as exc:
+        report.error = exc.args[0].splitlines()[0]
 
 
 def _namespace_ids(target: OurTarget) -> set[int]:
@@ -468,13 +479,8 @@ def kernel_host_report(vm_assets: vm.Assets, tmp_path_factory: pytest.TempPathFa
                                       digest_port=sniffer.port, go_port=barrier.port, subnqn=target.subnqn)
                 guest.start(script)
                 report.boot_seconds = guest.boot_seconds
-                try:
-                    _host_steps(guest, target, barrier, sniffer, report)
-                    code = guest.wait_exit(60)
-                    if code != 0:
-                        report.error = f"guest script exited with status {code}"
-                except (vm.GuestExited, vm.GuestTimeout) as exc:
-                    report.error = exc.args[0].splitlines()[0]
+                drive_guest(guest, report, lambda step: _host_step(step, target, barrier, sniffer, report),
+                            step_timeout=STEP_TIMEOUT)
             finally:
                 report.console.write_text(guest.output)
                 guest.stop()

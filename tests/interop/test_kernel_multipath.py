@@ -51,6 +51,7 @@ from tests.interop.test_kernel_host import (
     Report,
     _parse_guest,
     _poll,
+    drive_guest,
     guest_script_text,
 )
 
@@ -801,20 +802,7 @@ def multipath_report(vm_assets: vm.Assets, tmp_path_factory: pytest.TempPathFact
         try:
             guest.start(script)
             report.boot_seconds = guest.boot_seconds
-            try:
-                pos = 0
-                while True:
-                    match = guest.wait_for(r"@@HOST (\S+)@@", STEP_TIMEOUT, start=pos)
-                    pos = match.end()
-                    _parse_guest(guest.output, report)
-                    run.parse_subsys(guest.output)
-                    if run.step(match.group(1)):
-                        break
-                code = guest.wait_exit(60)
-                if code != 0:
-                    report.error = f"guest script exited with status {code}"
-            except (vm.GuestExited, vm.GuestTimeout) as exc:
-                report.error = exc.args[0].splitlines()[0]
+            drive_guest(guest, report, run.step, step_timeout=STEP_TIMEOUT, on_output=run.parse_subsys)
         finally:
             report.console.write_text(guest.output)
             guest.stop()

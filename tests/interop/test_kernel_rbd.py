@@ -24,6 +24,7 @@ from tests.interop.test_kernel_host import (
     Barrier,
     Report,
     _parse_guest,
+    drive_guest,
     guest_script_text,
 )
 
@@ -156,19 +157,7 @@ def rbd_kernel_report(vm_assets: vm.Assets, ceph_cluster: CephCluster,
                     "@RESIZED@": str(RESIZED), "@RESIZED_OUTSIDE@": str(RESIZED_OUTSIDE), "@DD_MIB@": str(DD_MIB),
                 }))  # fmt: skip
                 report.boot_seconds = guest.boot_seconds
-                try:
-                    pos = 0
-                    while True:
-                        match = guest.wait_for(r"@@HOST (\S+)@@", STEP_TIMEOUT, start=pos)
-                        pos = match.end()
-                        _parse_guest(guest.output, report)
-                        if run.step(match.group(1)):
-                            break
-                    code = guest.wait_exit(60)
-                    if code != 0:
-                        report.error = f"guest script exited with status {code}"
-                except (vm.GuestExited, vm.GuestTimeout) as exc:
-                    report.error = exc.args[0].splitlines()[0]
+                drive_guest(guest, report, run.step, step_timeout=STEP_TIMEOUT)
             finally:
                 report.console.write_text(guest.output)
                 guest.stop()
