@@ -105,6 +105,8 @@ class FeatureId(enum.IntEnum):
     KATO = 0x0F
     HOST_BEHAVIOR = 0x16
     HOST_ID = 0x81
+    RESV_MASK = 0x82
+    RESV_PERSIST = 0x83
 
 
 # Feature names as nvme-cli prints them (src/nvme-print.c ``nvme_feature_to_string``; others: "Unknown"),
@@ -118,7 +120,8 @@ FEATURE_NAMES = {
     FeatureId.ASYNC_EVENT: "Async Event Configuration", FeatureId.AUTO_PST: "Autonomous Power State Transition",
     FeatureId.HOST_MEM_BUF: "Host Memory Buffer", FeatureId.TIMESTAMP: "Timestamp",
     FeatureId.KATO: "Keep Alive Timer", FeatureId.HOST_BEHAVIOR: "Host Behavior",
-    FeatureId.HOST_ID: "Host Identifier",
+    FeatureId.HOST_ID: "Host Identifier", FeatureId.RESV_MASK: "Reservation Notification Mask",
+    FeatureId.RESV_PERSIST: "Reservation Persistence",
 }
 SELECT_NAMES = {0: "Current", 1: "Default", 2: "Saved", 3: "Supported capabilities"}
 
@@ -131,6 +134,7 @@ class LogPageId(enum.IntEnum):
     CMD_EFFECTS = 0x05
     ANA = 0x0C
     DISCOVERY = 0x70
+    RESERVATION = 0x80
 
 
 class Cns(enum.IntEnum):
