@@ -23,8 +23,9 @@ from construct import Container
 from initiator import commands as c
 from initiator.auth import authenticate_queue, parse_secret
 from initiator.engine import BatchQueue, open_batch_queue
-from initiator.nvm import Buffer, NamespaceGeometry, NvmIo, check_nsid
+from initiator.nvm import Buffer, NamespaceGeometry, check_nsid
 from initiator.queue import DEFAULT_TIMEOUT, HostQueue, TransportError, open_queue
+from initiator.reservations import ReservationIo, ReservationNotification
 from nvmeof import defaults
 from nvmeof.auth import AuthFailure, DhchapSecret
 from nvmeof.spec.fabrics import CONNECT_ADMIN_CNTLID, CONNECT_IATTR_DATA, Property
@@ -52,6 +53,7 @@ from nvmeof.spec.nvme import (
     FeatureId,
     LogPageId,
 )
+from nvmeof.spec.reservations import AEN_INFO_RESERVATION_LOG
 from nvmeof.status import NvmeError, Status
 
 log = logging.getLogger(__name__)
@@ -109,6 +111,8 @@ class AsyncEvent:
     dw0: int
     changed_nsids: tuple[int, ...] = ()   # for a namespace-attribute notice: log 04h's content
     ana_log: AnaLog | None = None         # for an ANA change notice: log 0Ch as re-read because of it
+    # for Reservation Log Page Available (type 6h, info 0): the page of log 80h read because of it
+    reservation: ReservationNotification | None = None
 
     @property
     def description(self) -> str:
@@ -140,7 +144,7 @@ def _parse_secrets(host: str | DhchapSecret | None,
     return host_secret, ctrl_secret
 
 
-class HostController(NvmIo):
+class HostController(ReservationIo):
     """The public async API of one connected controller; see :func:`initiator.connect`."""
 
     def __init__(self, traddr: str, trsvcid: int | str = defaults.TCP_IO_PORT,
@@ -584,6 +588,15 @@ class HostController(NvmIo):
                     ev = dataclasses.replace(ev, changed_nsids=tuple(parse_changed_ns_list(page)))
                 except (NvmeError, ValueError) as err:
                     log.warning("%s: reading the Changed Namespace List failed: %s", self._queue_name(0), err)
+                except TransportError:
+                    return
+            elif ev.type == AsyncEventType.IO_CMD_SET and ev.info == AEN_INFO_RESERVATION_LOG:
+                # reading log 80h without RAE is what lets the controller report the next page
+                try:
+                    ev = dataclasses.replace(ev, reservation=await self.get_reservation_log())
+                except (NvmeError, ValueError) as err:
+                    log.warning("%s: reading the Reservation Notification log failed: %s",
+                                self._queue_name(0), err)
                 except TransportError:
                     return
             if self._events.qsize() >= MAX_QUEUED_EVENTS:
