@@ -63,6 +63,7 @@ SHUTDOWN_TIMEOUT = 5.0       # Linux nvme_core shutdown_timeout
 CHANGED_NS_LOG_SIZE = 4096
 AEN_MASK = OAES_NS_ATTR | OAES_DISC_CHANGE | OAES_ANA   # the notices this host acts on
 MAX_QUEUED_EVENTS = 1024
+MAX_RESERVATION_PAGES = 256   # log 80h pages read for one event (NALP counts up to 255 more)
 
 
 HOSTNQN_FILE = "/etc/nvme/hostnqn"
@@ -111,8 +112,8 @@ class AsyncEvent:
     dw0: int
     changed_nsids: tuple[int, ...] = ()   # for a namespace-attribute notice: log 04h's content
     ana_log: AnaLog | None = None         # for an ANA change notice: log 0Ch as re-read because of it
-    # for Reservation Log Page Available (type 6h, info 0): the page of log 80h read because of it
-    reservation: ReservationNotification | None = None
+    # for Reservation Log Page Available (type 6h, info 0): the pages of log 80h read because of it
+    reservations: tuple[ReservationNotification, ...] = ()
 
     @property
     def description(self) -> str:
@@ -591,9 +592,10 @@ class HostController(ReservationIo):
                 except TransportError:
                     return
             elif ev.type == AsyncEventType.IO_CMD_SET and ev.info == AEN_INFO_RESERVATION_LOG:
-                # reading log 80h without RAE is what lets the controller report the next page
+                # reading log 80h without RAE is what lets the controller report again; NALP says whether
+                # more pages wait behind the one read
                 try:
-                    ev = dataclasses.replace(ev, reservation=await self.get_reservation_log())
+                    ev = dataclasses.replace(ev, reservations=await self._drain_reservation_log())
                 except (NvmeError, ValueError) as err:
                     log.warning("%s: reading the Reservation Notification log failed: %s",
                                 self._queue_name(0), err)
@@ -609,6 +611,17 @@ class HostController(ReservationIo):
                         await result
                 except Exception:
                     log.exception("%s: event callback failed", self._queue_name(0))
+
+    async def _drain_reservation_log(self) -> tuple[ReservationNotification, ...]:
+        pages: list[ReservationNotification] = []
+        while len(pages) < MAX_RESERVATION_PAGES:
+            page = await self.get_reservation_log()
+            if page.empty:
+                break
+            pages.append(page)
+            if not page.nalp:
+                break
+        return tuple(pages)
 
     async def events(self) -> AsyncIterator[AsyncEvent]:
         """Asynchronous events as they arrive; the iteration ends when the controller is closed."""
