@@ -55,6 +55,7 @@ TCP_RECV_BUFFER_MIN = 16 * 1024       # receive buffer of an idle NVMe/TCP conne
 TCP_RECV_BUFFER_MAX = 256 * 1024      # what it grows to while reads keep filling it
 TCP_LIMIT_LOG_INTERVAL = 1.0          # seconds: at most one log line per kind of refusal/timeout, the rest counted
 BACKING_DIR = "disks"                 # in the state directory: where file namespaces live unless --backing-dir
+RESERVATIONS_DIR = "reservations"   # <state dir>/reservations: namespaces' reservation states kept while PTPL is on
 MAX_FILE_SIZE = (1 << 63) - 1         # off_t: the largest file length ftruncate(2) can be asked for
 
 

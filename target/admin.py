@@ -6,6 +6,7 @@ discovery.py reuses the Identify Controller builder, the log-page arguments and 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import struct
 import time
@@ -31,7 +32,15 @@ from nvmeof.spec.logs import (
     log_slice,
 )
 from nvmeof.spec.nvme import NSID_ALL, AdminOpcode, Cns, Direction, FeatureId, IoOpcode, LogPageId
+from nvmeof.spec.reservations import (
+    MASK_ALL,
+    PTPL_FEATURE_BIT,
+    RESCAP_ALL,
+    RESCAP_PTPL,
+    ReservationNotificationLog,
+)
 from nvmeof.status import NvmeError, Status
+from target import pr
 from target.controller import (
     AEC_SMART_MASK,
     AEN_BIT_ANA_CHANGE,
@@ -41,6 +50,7 @@ from target.controller import (
     SMART_TEMPERATURE_K,
     Controller,
 )
+from target.reservations import Outcome
 
 if TYPE_CHECKING:
     from target.model import Namespace
@@ -60,7 +70,9 @@ ADMIN_OPCODES = (AdminOpcode.GET_LOG_PAGE, AdminOpcode.IDENTIFY, AdminOpcode.ABO
 IO_EFFECTS = {IoOpcode.FLUSH: EFFECTS_CSUPP, IoOpcode.WRITE: EFFECTS_CSUPP | EFFECTS_LBCC,
               IoOpcode.READ: EFFECTS_CSUPP, IoOpcode.COMPARE: EFFECTS_CSUPP,
               IoOpcode.WRITE_ZEROES: EFFECTS_CSUPP | EFFECTS_LBCC,
-              IoOpcode.DATASET_MANAGEMENT: EFFECTS_CSUPP | EFFECTS_LBCC}
+              IoOpcode.DATASET_MANAGEMENT: EFFECTS_CSUPP | EFFECTS_LBCC,
+              IoOpcode.RESV_REGISTER: EFFECTS_CSUPP, IoOpcode.RESV_REPORT: EFFECTS_CSUPP,
+              IoOpcode.RESV_ACQUIRE: EFFECTS_CSUPP, IoOpcode.RESV_RELEASE: EFFECTS_CSUPP}
 _EFFECTS_LOG = build_effects_log({op: EFFECTS_CSUPP for op in ADMIN_OPCODES}, IO_EFFECTS)
 
 
@@ -130,10 +142,18 @@ def _identify_namespace(req: Request, ctrl: Controller) -> bytes:
     ns = ctrl.subsystem.namespaces.get(nsid)
     if ns is None or not ns.enabled:
         return bytes(IDENTIFY_DATA_SIZE)   # an inactive NSID reads as zeros (nvmet does the same)
-    return identify_namespace(ns)
+    return identify_namespace(ns, rescap=_rescap(ctrl))
 
 
-def identify_namespace(ns: Namespace) -> bytes:
+def _rescap(ctrl: Controller) -> int:
+    """RESCAP: every type and IEKEY as NVMe 1.3 defines it; PTPL only where the state can be kept."""
+    target = ctrl.target
+    if not target.reservations_supported:
+        return 0
+    return RESCAP_ALL if target.pr_store is not None else RESCAP_ALL & ~RESCAP_PTPL
+
+
+def identify_namespace(ns: Namespace, *, rescap: int = 0) -> bytes:
     nsze = ns.nsze
     thin = ns.backend.can_deallocate
     return IdentifyNamespace.build({
@@ -144,6 +164,7 @@ def identify_namespace(ns: Namespace) -> bytes:
         "nlbaf": 0,
         "flbas": 0,
         "nmic": idf.NMIC_SHARED,
+        "rescap": rescap,
         # DLFEAT: deallocated blocks read as zeros (001b) and Write Zeroes may deallocate (bit 3)
         "dlfeat": 0x09 if thin else 0,
         "nsattr": 0 if ns.writable else 1,
@@ -201,7 +222,8 @@ def identify_controller(ctrl: Controller, ops: TransportOps) -> bytes:
             "anacap": ANACAP,
             "anagrpmax": defaults.ANAGRPMAX,
             "nanagrpid": defaults.ANAGRPMAX,
-            "oncs": idf.ONCS_COMPARE | idf.ONCS_DSM | idf.ONCS_WRITE_ZEROES,
+            "oncs": idf.ONCS_COMPARE | idf.ONCS_DSM | idf.ONCS_WRITE_ZEROES
+            | (idf.ONCS_RESERVATIONS if ctrl.target.reservations_supported else 0),
             # present, and Flush with NSID FFFFFFFFh flushes every namespace (bits 2:1 = 11b)
             "vwc": idf.VWC_PRESENT | VWC_FLUSH_BROADCAST,
             "ioccsz": (64 + ops.io_incapsule) // 16,
@@ -258,6 +280,11 @@ async def _get_log_page(req: Request) -> None:
         page = ana_log(ctrl, rgo=bool((req.cmd.cdw10 >> 8) & ANA_LOG_RGO))
         if not rae:
             ctrl.clear_aen_mask(AEN_BIT_ANA_CHANGE)   # nvmet_clear_aen_bit: the next change is told again
+    elif lid == LogPageId.RESERVATION and ctrl.target.reservations_supported:
+        # each read takes the oldest page (nvmet_execute_get_log_page_resv); a count that skips numbers
+        # tells the host how many pages a full queue lost
+        count, kind, nsid, waiting = ctrl.take_reservation_log()
+        page = ReservationNotificationLog.build({"count": count, "type": kind, "nalp": waiting, "nsid": nsid})
     else:
         raise NvmeError(Status.INVALID_LOG_PAGE, f"log page {lid:#04x} is not supported")
     reply_log(req, page, lid, offset)
@@ -328,10 +355,41 @@ _DISCOVERY_FEATURES = frozenset({FeatureId.KATO, FeatureId.ASYNC_EVENT})
 _IO_FEATURES = frozenset({FeatureId.ARBITRATION, FeatureId.POWER_MGMT, FeatureId.TEMP_THRESHOLD,
                           FeatureId.ERR_RECOVERY, FeatureId.VOLATILE_WC, FeatureId.NUM_QUEUES,
                           FeatureId.IRQ_COALESCE, FeatureId.ASYNC_EVENT, FeatureId.KATO, FeatureId.HOST_ID})
+_RESV_FEATURES = frozenset({FeatureId.RESV_MASK, FeatureId.RESV_PERSIST})
+CAP_NS_SPECIFIC = 1 << 1
 
 
 def _supported(ctrl: Controller, fid: int) -> bool:
+    if fid in _RESV_FEATURES:
+        return not ctrl.is_discovery and ctrl.target.reservations_supported
     return fid in (_DISCOVERY_FEATURES if ctrl.is_discovery else _IO_FEATURES)
+
+
+async def _set_resv_feature(req: Request, ctrl: Controller, fid: int, value: int) -> None:
+    nsid = req.cmd.nsid
+    if fid == FeatureId.RESV_MASK:
+        # Reservation Notification Mask: per controller and namespace; NSID FFFFFFFFh sets every namespace
+        if value & ~MASK_ALL:
+            raise NvmeError(Status.INVALID_FIELD, f"Reservation Notification Mask {value:#x}: only bits 1-3 exist")
+        nsids = ctrl.subsystem.active_nsids() if nsid == NSID_ALL else [_find_ns(ctrl, nsid).nsid]
+        for n in nsids:
+            ctrl.resv_masks[n] = value
+        req.dw0 = value
+        return
+    ns = _find_ns(ctrl, nsid)
+    ptpl = bool(value & PTPL_FEATURE_BIT)
+    if ptpl and ctrl.target.pr_store is None:
+        raise NvmeError(Status.INVALID_FIELD, "Reservation Persistence: this target keeps no state across a restart "
+                        "(RESCAP bit 0 clear)")
+    await pr.change(ctrl.target, ctrl.subsystem, ns,
+                    lambda s: Outcome(dataclasses.replace(s, ptpl=ptpl)))
+
+
+def _get_resv_feature(ctrl: Controller, fid: int, nsid: int) -> int:
+    ns = _find_ns(ctrl, nsid)
+    if fid == FeatureId.RESV_MASK:
+        return ctrl.resv_masks.get(ns.nsid, 0)
+    return PTPL_FEATURE_BIT if ns.pr.ptpl else 0
 
 
 def _num_queues_value(nsq: int, ncq: int) -> int:
@@ -347,7 +405,9 @@ async def set_features(req: Request) -> None:
         raise NvmeError(Status.INVALID_FIELD, f"Set Features: feature {fid:#04x} is not supported")
     if cmd.cdw10 & (1 << 31):
         raise NvmeError(Status.FEATURE_NOT_SAVEABLE, f"Set Features {fid:#04x} with SV: nothing is saveable")
-    if fid == FeatureId.NUM_QUEUES:
+    if fid in _RESV_FEATURES:
+        await _set_resv_feature(req, ctrl, fid, value)
+    elif fid == FeatureId.NUM_QUEUES:
         nsqr, ncqr = value & 0xFFFF, value >> 16
         if nsqr == 0xFFFF or ncqr == 0xFFFF:
             raise NvmeError(Status.INVALID_FIELD, f"Number of Queues {value:#x}: 65536 queues cannot be requested")
@@ -459,6 +519,11 @@ async def get_features(req: Request) -> None:
         raise NvmeError(Status.INVALID_FIELD, f"Get Features select {sel} is reserved")
     if sel == SEL_SUPPORTED:
         req.dw0 = 0 if fid == FeatureId.HOST_ID else CAP_CHANGEABLE
+        if fid in _RESV_FEATURES:
+            req.dw0 |= CAP_NS_SPECIFIC
+        return
+    if fid in _RESV_FEATURES:
+        req.dw0 = _get_resv_feature(ctrl, fid, cmd.nsid)
         return
     if fid == FeatureId.HOST_ID:
         if not cmd.cdw11 & 1:

@@ -40,6 +40,7 @@ from nvmeof.spec.registers import (
     NVM_IOCQES,
     NVM_IOSQES,
 )
+from nvmeof.spec.reservations import AEN_INFO_RESERVATION_LOG
 from nvmeof.status import encode_status
 from target.model import NamespaceStats
 
@@ -59,6 +60,7 @@ SMART_TEMPERATURE_K = 300
 AEN_BIT_NS_ATTR = 8
 AEN_BIT_ANA_CHANGE = 11
 AEN_BIT_DISC_CHANGE = 31
+RESV_LOG_PAGES = 64               # reservation notification pages kept per controller (nvmet keeps 64 too)
 # Asynchronous Event Configuration bits a host may set: SMART critical warnings (7:0) plus what OAES lists
 AEC_SMART_MASK = 0xFF
 _NOT_BLOCKED: dict[int, int] = {}   # the ana_blocked of a controller without a listener: never written
@@ -150,6 +152,13 @@ class Controller:
         self.pending_events: collections.deque[AsyncEvent] = collections.deque()
         self.changed_nsids: set[int] = set()
         self.changed_ns_overflow = False
+        # Reservation notifications (log 80h): pages waiting, oldest first, the per-controller page counter,
+        # pages lost to a full queue, and the Reservation Notification Mask (feature 82h) per NSID
+        self.resv_log: collections.deque[tuple[int, int, int]] = collections.deque()
+        self.resv_log_count = 0
+        self.resv_log_lost = 0
+        self.resv_masks: dict[int, int] = {}
+        self.resv_aen_pending = False
         # error log
         self.error_count = 0
         self.errors: collections.deque[ErrorRecord] = collections.deque(maxlen=ERROR_LOG_ENTRIES)
@@ -251,6 +260,31 @@ class Controller:
         if self._aen_allowed(AEN_BIT_NS_ATTR):
             self._post_event(AsyncEvent(AsyncEventType.NOTICE, AsyncEventNotice.NS_ATTR_CHANGED,
                                         LogPageId.CHANGED_NS))
+
+    def reservation_notice(self, kind: int, nsid: int) -> None:
+        """Queue one Reservation Notification log page and post its AEN (type 6h, info 00h), unless the
+        host masked that kind for ``nsid`` (feature 82h) (nvmet_pr_add_resv_log)."""
+        if self.resv_masks.get(nsid, 0) & (1 << kind):
+            return
+        self.resv_log_count = (self.resv_log_count + 1) & 0xFFFFFFFFFFFFFFFF or 1   # 0 is never a count
+        if len(self.resv_log) >= RESV_LOG_PAGES:
+            self.resv_log_lost += 1
+            self.resv_log.popleft()
+        self.resv_log.append((self.resv_log_count, kind, nsid))
+        if not self.resv_aen_pending:
+            self.resv_aen_pending = True
+            self._post_event(AsyncEvent(AsyncEventType.IO_CMD_SET, AEN_INFO_RESERVATION_LOG, LogPageId.RESERVATION))
+
+    def take_reservation_log(self) -> tuple[int, int, int, int]:
+        """(count, type, nsid, pages still waiting) of the oldest page, removed; zeros when none waits.
+        One notice is outstanding until the host has read every page."""
+        if not self.resv_log:
+            self.resv_aen_pending = False
+            return 0, 0, 0, 0
+        count, kind, nsid = self.resv_log.popleft()
+        if not self.resv_log:
+            self.resv_aen_pending = False
+        return count, kind, nsid, min(len(self.resv_log), 255)
 
     def attach_listener(self, listener: Listener | None) -> None:
         """At admin Connect: the port this controller reports ANA states for."""

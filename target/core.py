@@ -22,6 +22,7 @@ from nvmeof.status import NvmeError, Status, describe
 from target import admin, auth, discovery, fabrics, io
 from target.controller import Controller, host_label
 from target.model import Listener, Referral, Subsystem
+from target.pr import PrStore
 from target.request import Request, TargetQueue
 from target.transports import ListenerServer, TransportEntry, TransportRegistry, transports_for
 
@@ -67,6 +68,10 @@ class Target:
         self._servers: dict[str, ListenerServer] = {}
         self._ka_task: asyncio.Task[None] | None = None
         self._closing = False
+        # Reservations (target/pr.py): where committed states go (None: RAM only, PTPL not offered; the
+        # daemon sets a LocalPrStore, a gateway group its group store), and whether this target serves them
+        self.pr_store: PrStore | None = None
+        self.reservations_supported = True
 
     # --- lookups --------------------------------------------------------------------------------
 

@@ -13,8 +13,10 @@ from typing import TYPE_CHECKING
 from nvmeof import defaults
 from nvmeof.spec.nvme import DSM_AD, DSM_RANGE_SIZE, NSID_ALL, RW_FUA, WZ_DEAC, Direction, DsmRange, IoOpcode
 from nvmeof.status import NvmeError, Status
+from target import pr
 from target.backends.base import BackendError, BackendUnavailable
 from target.model import LATENCY_SHIFT
+from target.reservations import allowed
 
 if TYPE_CHECKING:
     from target.model import Namespace, NamespaceStats
@@ -25,6 +27,7 @@ log = logging.getLogger(__name__)
 _perf_ns = time.perf_counter_ns
 _READ, _WRITE, _FLUSH = IoOpcode.READ.value, IoOpcode.WRITE.value, IoOpcode.FLUSH.value
 _COMPARE, _WZ, _DSM = IoOpcode.COMPARE.value, IoOpcode.WRITE_ZEROES.value, IoOpcode.DATASET_MANAGEMENT.value
+_RESV_OPS = frozenset(int(op) for op in pr.RESV_OPCODES)
 
 
 def parse(req: Request) -> None:
@@ -42,6 +45,18 @@ def parse(req: Request) -> None:
     blocked = ctrl.ana_blocked.get(ns.anagrpid)
     if blocked is not None:
         raise _ana_refused(blocked, ns, ctrl.cntlid)
+    if op in _RESV_OPS:
+        pr.parse(req, ns, ctrl.target)
+        return
+    resv = ns.pr
+    if resv.rtype and not allowed(resv, ctrl.hostid, op):
+        raise pr.conflict(ns, ctrl.hostid, op)
+    _parse_nvm(req, ns, op, cmd, ctrl.subsystem.nqn)
+    if resv.registrants:
+        req.execute = pr.tracked(req.execute)
+
+
+def _parse_nvm(req: Request, ns: Namespace, op: int, cmd, subnqn: str) -> None:
     if op == _READ or op == _WRITE or op == _COMPARE:
         _check_range(ns, cmd.slba, cmd.nlb)
         length = cmd.nlb << ns.lba_shift
@@ -51,7 +66,7 @@ def parse(req: Request) -> None:
         if op == _READ:
             req.expect(Direction.C2H, length, _read)
         elif op == _WRITE:
-            _check_writable(ns, ctrl.subsystem.nqn)
+            _check_writable(ns, subnqn)
             req.expect(Direction.H2C, length, _write)
         else:
             req.expect(Direction.H2C, length, _compare)
@@ -59,12 +74,12 @@ def parse(req: Request) -> None:
         req.expect(Direction.NONE, 0, _flush)
     elif op == _WZ:
         _check_range(ns, cmd.slba, cmd.nlb)
-        _check_writable(ns, ctrl.subsystem.nqn)
+        _check_writable(ns, subnqn)
         req.expect(Direction.NONE, 0, _write_zeroes)
     elif op == _DSM:
         nr = (cmd.cdw10 & 0xFF) + 1
         if cmd.cdw11 & DSM_AD:
-            _check_writable(ns, ctrl.subsystem.nqn)
+            _check_writable(ns, subnqn)
         req.expect(Direction.H2C, nr * DSM_RANGE_SIZE, _dsm)
     else:
         raise NvmeError(Status.INVALID_OPCODE, f"I/O opcode {op:#04x} is not supported")

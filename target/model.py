@@ -6,6 +6,7 @@ Identity: a subsystem by its NQN, a namespace by (subsystem NQN, NSID), a listen
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import uuid
 from dataclasses import dataclass, field
@@ -15,6 +16,8 @@ from nvmeof import defaults
 from nvmeof.spec.logs import AnaState
 from nvmeof.status import Status
 from target.backends.base import Backend
+from target.reservations import EMPTY as EMPTY_RESERVATION
+from target.reservations import ReservationState
 
 TrType = Literal["tcp", "rdma"]
 AdrFam = Literal["ipv4", "ipv6"]
@@ -114,6 +117,12 @@ class Namespace:
     anagrpid: int = defaults.DEFAULT_ANAGRPID  # its ANA group, 1..ANAGRPMAX (Identify Namespace ANAGRPID)
     spec: dict[str, Any] = field(default_factory=dict)  # the creation request, persisted as given
     stats: NamespaceStats = field(default_factory=NamespaceStats)
+    # Reservations (target/pr.py): the committed state, its version in the target's PrStore, the lock that
+    # serializes changes, and commands in flight per HOSTID while anyone is registered (preempt and abort)
+    pr: ReservationState = EMPTY_RESERVATION
+    pr_version: int = 0
+    pr_lock: asyncio.Lock | None = None
+    pr_inflight: dict[bytes, int] = field(default_factory=dict)
 
     @property
     def nsze(self) -> int:

@@ -26,12 +26,12 @@ import os
 import secrets
 import uuid as uuidlib
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from nvmeof import defaults
 from nvmeof.spec.logs import ANA_STATE_NAMES, AnaState, parse_ana_state
 from target import config as configmod
-from target import hostauth
+from target import hostauth, pr
 from target.backends import (
     BACKEND_OPTIONS,
     OPTION_KEYS,
@@ -52,6 +52,10 @@ from target.model import (
     endpoint_id,
 )
 from target.nqn import NqnError, generate_nqn, validate_nqn
+
+if TYPE_CHECKING:
+    from target.controller import Controller
+    from target.pr import PrStore
 
 SERIAL_MAX = 20  # Identify Controller SN, bytes
 MODEL_MAX = 40  # Identify Controller MN, bytes
@@ -93,6 +97,10 @@ class TargetHooks(Protocol):
     subsystems: dict[str, Subsystem]
     listeners: dict[str, Listener]
     referrals: list[Referral]
+    controllers: dict[int, Controller]
+    # reservations (target/pr.py): where states are kept (None: RAM only) and whether they are served
+    pr_store: PrStore | None
+    reservations_supported: bool
 
     def namespace_changed(self, subnqn: str, nsid: int) -> None: ...
     def discovery_changed(self) -> None: ...
@@ -893,6 +901,7 @@ class TargetService:
             anagrpid=anagrpid,
             spec=spec,
         )
+        await pr.clear_on_start(self.target, ns)   # what its reservation store keeps (PTPL, the group)
         sub.namespaces[nsid] = ns
 
         async def undo() -> None:
@@ -1037,6 +1046,18 @@ class TargetService:
             self._ana_changed(subnqn=subnqn, groups=(ns.anagrpid,))
             await self._settle()
             ns.backend.close()
+            await pr.forget(self.target, ns)
+
+    def namespace_reservations(self, subnqn: str, nsid: int) -> dict[str, Any]:
+        """The namespace's reservation holder, type, registrants (keys redacted) and generation; the host
+        NQNs of the controllers connected now with each registrant's HOSTID."""
+        ns = self.get_namespace(subnqn, nsid)
+        hostnqns: dict[bytes, list[str]] = {}
+        for ctrl in self.target.controllers.values():
+            if ctrl.subsystem.nqn == subnqn and ctrl.hostnqn not in hostnqns.get(ctrl.hostid, ()):
+                hostnqns.setdefault(ctrl.hostid, []).append(ctrl.hostnqn)
+        return {"subnqn": subnqn, "nsid": nsid, "supported": self.target.reservations_supported,
+                **pr.report(ns, hostnqns)}
 
     # --- Asymmetric Namespace Access -----------------------------------------------------------
 

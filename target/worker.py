@@ -83,6 +83,7 @@ class WorkerTarget(Target):
     def __init__(self, worker: Worker) -> None:
         super().__init__()
         self.worker = worker
+        self.reservations_supported = False   # the state lives in the main process only
 
     def queue_closed(self, queue: TargetQueue) -> None:
         had_ctrl = queue.ctrl is not None

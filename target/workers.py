@@ -614,6 +614,9 @@ class PooledTarget(Target):
         # TCP listeners hand their I/O queues to the workers; every other trtype is served as injected.
         self.transports = self.transports.with_entries({"tcp": POOLED_LISTENERS[tcp_engine]})
         self.pool = WorkerPool(self, workers, tcp_engine=tcp_engine)
+        # I/O queues run in the workers, which keep no reservation state: Identify clears ONCS bit 5 and the
+        # reservation commands answer Invalid Opcode rather than enforce nothing
+        self.reservations_supported = False
 
     async def start_workers(self) -> None:
         await self.pool.start()

@@ -35,6 +35,9 @@ class FakeTarget:
         self.servers: dict[str, asyncio.AbstractServer] = {}
         self.ctrls: dict[int, dict[str, Any]] = {}
         self.settles = 0
+        self.controllers: dict[int, Any] = {}
+        self.pr_store = None
+        self.reservations_supported = True
 
     def namespace_changed(self, subnqn: str, nsid: int) -> None:
         self.events.append(("namespace_changed", subnqn, nsid))

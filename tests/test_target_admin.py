@@ -81,7 +81,7 @@ async def test_identify_controller(target):
     assert idc.sqes == 0x66 and idc.cqes == 0x44
     assert idc.maxcmd == defaults.MAX_QUEUE_SIZE
     assert idc.nn == defaults.MAX_NAMESPACES
-    assert idc.oncs == idf.ONCS_COMPARE | idf.ONCS_DSM | idf.ONCS_WRITE_ZEROES
+    assert idc.oncs == idf.ONCS_COMPARE | idf.ONCS_DSM | idf.ONCS_WRITE_ZEROES | idf.ONCS_RESERVATIONS
     assert idc.vwc == 0x7   # present; broadcast Flush supported
     assert idc.sgls & 3 == 1 and not idc.sgls & idf.SGLS_KEYED and idc.sgls & idf.SGLS_OFFSET
     assert idc.kas == 1

@@ -236,6 +236,12 @@ class Daemon:
         else:
             self.target = Target(transports={"tcp": TCP_ENGINES[options.tcp_engine]})
         configure_tcp_port(self.target, options)
+        if self.target.reservations_supported:
+            from target.pr import LocalPrStore
+
+            # reservation states kept with PTPL (a gateway group replaces this with its own store at join)
+            self.target.pr_store = LocalPrStore(Path(options.state_dir or defaults.state_dir())
+                                                / defaults.RESERVATIONS_DIR)
         self.target.auth_timeout = options.auth_timeout
         if options.cntlid_range is not None:
             try:

@@ -367,7 +367,10 @@ class BatchMixin:
                     reads = writes = read_bytes = write_bytes = 0
                     start = _perf_ns()
                 ns = namespaces.get(nsid)
-                if ns is None or not ns.enabled or (ana_blocked and ns.anagrpid in ana_blocked):
+                # a namespace with registrants takes io.parse's road: the access table, and the count of
+                # each host's commands in flight that a preempt and abort waits for
+                if ns is None or not ns.enabled or (ana_blocked and ns.anagrpid in ana_blocked) or \
+                        ns.pr.registrants:
                     break
                 backend = ns.backend
                 memory_view = getattr(backend, "memory_view", None)
