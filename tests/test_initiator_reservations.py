@@ -184,3 +184,16 @@ def test_help_says_which_letters_differ_from_nvme_cli():
         assert res.exit_code == 0
         assert "--namespace-id" in res.output and "nvme-cli's -n/--namespace-id" in res.output
     assert "--racqa have no short form" in " ".join(run("resv-acquire", "--help").output.split())
+
+
+def test_shell_completion_offers_the_commands_and_names():
+    from click.shell_completion import BashComplete
+
+    def complete(args: list[str], incomplete: str) -> list[str]:
+        return [item.value for item in BashComplete(cli, {}, "nvmeof", "_NVMEOF_COMPLETE").get_completions(
+            args, incomplete)]
+
+    assert sorted(complete([], "resv-")) == ["resv-acquire", "resv-register", "resv-release", "resv-report"]
+    assert complete(["resv-acquire", "--rtype"], "write-exclusive-r") == ["write-exclusive-registrants-only",
+                                                                          "write-exclusive-reg-only"]
+    assert complete(["resv-release", "--rrela"], "") == ["release", "clear"]
