@@ -25,7 +25,7 @@ from initiator.auth import authenticate_queue, parse_secret
 from initiator.engine import BatchQueue, open_batch_queue
 from initiator.nvm import Buffer, NamespaceGeometry, check_nsid
 from initiator.queue import DEFAULT_TIMEOUT, HostQueue, TransportError, open_queue
-from initiator.reservations import ReservationIo, ReservationNotification
+from initiator.reservations import ReservationIo, ReservationNotification, parse_notification
 from nvmeof import defaults
 from nvmeof.auth import AuthFailure, DhchapSecret
 from nvmeof.spec.fabrics import CONNECT_ADMIN_CNTLID, CONNECT_IATTR_DATA, Property
@@ -53,7 +53,7 @@ from nvmeof.spec.nvme import (
     FeatureId,
     LogPageId,
 )
-from nvmeof.spec.reservations import AEN_INFO_RESERVATION_LOG
+from nvmeof.spec.reservations import AEN_INFO_RESERVATION_LOG, NOTIFICATION_LOG_SIZE
 from nvmeof.status import NvmeError, Status
 
 log = logging.getLogger(__name__)
@@ -744,6 +744,12 @@ class HostController(ReservationIo):
             return dict.fromkeys(await self.namespaces(), AnaState.OPTIMIZED)
         await self.get_ana_log()
         return dict(self._ana_nsids)
+
+    async def get_reservation_log(self) -> ReservationNotification:
+        """Get Log Page 80h (Reservation Notification): the oldest page waiting on this controller, which the
+        read takes off its queue (``nalp``: how many more wait). The event loop reads it on each Reservation
+        Log Page Available event (:attr:`AsyncEvent.reservations`), so this finds what that left."""
+        return parse_notification(await self.get_log_page(LogPageId.RESERVATION, NOTIFICATION_LOG_SIZE))
 
     async def get_features(self, fid: int, *, sel: int = 0, cdw11: int = 0, nsid: int = 0,
                            data_len: int = 0) -> int | tuple[int, bytes]:

@@ -1,4 +1,4 @@
-"""Reservations for HostController: Register, Acquire, Release, Report and the notification log (80h).
+"""Reservations for HostController: Register, Acquire, Release, Report, and the notification log record (80h).
 
 The commands go on an I/O queue like any NVM command; a failing status raises NvmeError (another host's
 reservation: Status.RESERVATION_CONFLICT). Keys travel in the command's data, never in a log line.
@@ -10,7 +10,6 @@ import dataclasses
 
 from initiator import commands as c
 from initiator.nvm import NvmIo, check_nsid
-from nvmeof.spec.nvme import NSID_ALL, LogPageId
 from nvmeof.spec.reservations import (
     ENTRY_SIZE,
     EXT_ENTRY_SIZE,
@@ -64,12 +63,8 @@ def report_size(regctl: int, *, eds: bool) -> int:
 
 
 class ReservationIo(NvmIo):
-    """The reservation commands of :class:`initiator.controller.HostController` (which provides
-    get_log_page), sent on its I/O queues with :meth:`NvmIo.io_command`."""
-
-    async def get_log_page(self, lid: int, length: int, *, offset: int = 0, nsid: int = NSID_ALL,
-                           rae: bool = False, lsp: int = 0, lsi: int = 0) -> bytes:
-        raise NotImplementedError
+    """The reservation commands of :class:`initiator.controller.HostController`, sent on its I/O queues
+    with :meth:`NvmIo.io_command` (the notification log, an admin command, is the controller's own)."""
 
     async def resv_register(self, nsid: int, *, nrkey: int = 0, crkey: int = 0,
                             rrega: RegisterAction | int = RegisterAction.REGISTER, iekey: bool = False,
@@ -123,8 +118,3 @@ class ReservationIo(NvmIo):
         128-bit host IDs when ``eds``. ``size`` as for :meth:`resv_report_raw`; REGCTL counts every
         registrant even when ``registrants`` holds only those the buffer had room for."""
         return parse_report(await self.resv_report_raw(nsid, eds=eds, size=size), eds=eds)
-
-    async def get_reservation_log(self) -> ReservationNotification:
-        """Get Log Page 80h (Reservation Notification), the oldest page waiting on this controller; reading
-        it takes it off the controller's queue (``nalp`` says how many more wait)."""
-        return parse_notification(await self.get_log_page(LogPageId.RESERVATION, NOTIFICATION_LOG_SIZE))

@@ -199,6 +199,18 @@ async def test_register_replace_unregister_and_wrong_keys():
             await a.resv_report(0)
 
 
+
+async def test_reconnecting_controller_forwards_the_reservation_methods():
+    async with hosts() as (tgt, _):
+        async with await initiator.connect("loop", 0, NQN, transport="loop", target=tgt, reconnect=True,
+                                           **host_identity("r")) as r:
+            await r.resv_register(1, nrkey=3)
+            await r.resv_acquire(1, crkey=3, rtype=ReservationType.EXCLUSIVE_ACCESS_REG_ONLY)
+            report = await r.resv_report(1)
+            assert [(x.rkey, x.holds) for x in report.registrants] == [(3, True)]
+            assert (await r.get_reservation_log()).empty
+
+
 async def test_report_sizes_and_the_regular_structure():
     async with hosts("a", "b", "c") as (_, h):
         for name in "abc":
