@@ -464,7 +464,8 @@ class MultipathController:
     # Every path connects with the same host NQN and host ID, and a target knows a registrant by its host
     # ID (NVMe Base 2.0, "Reservations"), so any usable path may carry the command, failing over as an I/O
     # does. A command retried after a lost path may have taken effect already: Register with the same key,
-    # Acquire of the type held and Release succeed again, so only an Unregister can come back as a conflict.
+    # Acquire of the type held and Release succeed again, while a retried Unregister, Replace or Preempt
+    # answers Reservation Conflict (its key is gone); the kernel's nvme_pr_* fail over the same way.
 
     async def resv_register(self, nsid: int, *, nrkey: int = 0, crkey: int = 0,
                             rrega: RegisterAction | int = RegisterAction.REGISTER, iekey: bool = False,
