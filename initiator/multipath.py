@@ -465,7 +465,8 @@ class MultipathController:
     # ID (NVMe Base 2.0, "Reservations"), so any usable path may carry the command, failing over as an I/O
     # does. A command retried after a lost path may have taken effect already: Register with the same key,
     # Acquire of the type held and Release succeed again, while a retried Unregister, Replace or Preempt
-    # answers Reservation Conflict (its key is gone); the kernel's nvme_pr_* fail over the same way.
+    # answers Reservation Conflict (its key is gone). (The kernel's nvme_send_ns_head_pr_command picks one
+    # path with nvme_find_path and does not retry on another.)
 
     async def resv_register(self, nsid: int, *, nrkey: int = 0, crkey: int = 0,
                             rrega: RegisterAction | int = RegisterAction.REGISTER, iekey: bool = False,
