@@ -78,7 +78,8 @@ class ReservationIo(NvmIo):
     async def resv_acquire(self, nsid: int, *, crkey: int, rtype: int, prkey: int = 0,
                            racqa: AcquireAction | int = AcquireAction.ACQUIRE, iekey: bool = False) -> None:
         """Reservation Acquire of type ``rtype`` (:class:`ReservationType`) with our key CRKEY; to preempt
-        (``racqa``), PRKEY names the registrant(s) to take it from."""
+        (``racqa``), PRKEY names the registrant(s) to take it from. ``iekey`` is for controllers before
+        NVMe 1.3: later ones (ours included) answer Invalid Field, in Release too."""
         check_nsid(nsid)
         cmd, data = c.resv_acquire(nsid, racqa=racqa, rtype=rtype, crkey=crkey, prkey=prkey, iekey=iekey)
         await self.io_command(cmd, data_out=data)
