@@ -189,6 +189,9 @@ async def test_register_replace_unregister_and_wrong_keys():
         report = await a.resv_report(1)
         assert [(r.rkey, r.holds) for r in report.registrants] == [(7, False)]
         assert await status_of(a.resv_acquire(1, crkey=6, rtype=ReservationType.WRITE_EXCLUSIVE)) == conflict
+        # IEKEY reaches the target on Acquire and Release too, where NVMe 1.3+ makes it an invalid field
+        assert await status_of(a.resv_acquire(1, crkey=7, rtype=1, iekey=True)) == Status.INVALID_FIELD
+        assert await status_of(a.resv_release(1, crkey=7, rtype=1, iekey=True)) == Status.INVALID_FIELD
         assert await status_of(a.resv_register(1, crkey=6, rrega=RegisterAction.UNREGISTER)) == conflict
         await a.resv_register(1, crkey=7, rrega=RegisterAction.UNREGISTER)
         assert (await a.resv_report(1)).regctl == 0
