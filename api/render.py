@@ -6,6 +6,7 @@ from typing import Any
 
 from api import schemas
 from nvmeof.spec.logs import ANA_STATE_NAMES
+from nvmeof.spec.reservations import RTYPE_NAMES
 from target import hostauth
 from target.backends import OPTION_KEYS
 
@@ -26,6 +27,8 @@ def namespace(ns: Any) -> schemas.NamespaceOut:
         read_only=ns.read_only or ns.backend.read_only,
         enabled=ns.enabled,
         anagrpid=ns.anagrpid,
+        reservation=RTYPE_NAMES.get(ns.pr.rtype, "none") if ns.pr.rtype else "none",
+        registrants=len(ns.pr.registrants),
         **{key: ns.spec[key] for key in OPTION_KEYS if key in ns.spec},
     )
 

@@ -80,6 +80,27 @@ class NamespaceStatsOut(BaseModel):
     write_latency_ns: int = Field(description="Sum over all writes")
 
 
+class RegistrantOut(BaseModel):
+    hostid: str = Field(description="The host's 128-bit Host Identifier (Connect HOSTID), hex")
+    hostnqns: list[str] = Field(description="Host NQNs of the controllers of that host connected now")
+    holds: bool = Field(description="Whether this registrant holds the reservation")
+    rkey: str = Field(description="Always redacted: a registration key lets a host preempt another")
+
+
+class ReservationOut(BaseModel):
+    subnqn: str
+    nsid: int
+    supported: bool = Field(description="False where this target serves no reservations (serve --workers)")
+    generation: int = Field(description="The Reservation Report's GEN: counts registrations, preempts, clears")
+    rtype: int = Field(description="Reservation type 1..6, 0: none")
+    type: str = Field(description="The type as a word (write-exclusive, ..., none)")
+    ptpl: bool = Field(description="Persist Through Power Loss: kept across a restart of the target")
+    holder: str | None = Field(description="HOSTID of the holder; null without a reservation or for the "
+                               "all-registrants types, where every registrant holds it")
+    all_registrants_hold: bool
+    registrants: list[RegistrantOut]
+
+
 class NamespaceOut(BaseModel):
     nsid: int
     backend: str
@@ -93,6 +114,9 @@ class NamespaceOut(BaseModel):
     read_only: bool
     enabled: bool
     anagrpid: int = Field(defaults.DEFAULT_ANAGRPID, description="ANA group (1..ANAGRPMAX)")
+    reservation: str = Field("none", description="Persistent reservation type (none, write-exclusive, ...); "
+                             "GET .../reservations has the holder and registrants")
+    registrants: int = Field(0, description="Hosts registered for reservations on this namespace")
     pool: str | None = Field(None, description="RBD pool (backend 'rbd')")
     image: str | None = Field(None, description="RBD image (backend 'rbd')")
     rbd_namespace: str | None = Field(None, description="RADOS namespace of the image, if any")

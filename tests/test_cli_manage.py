@@ -391,3 +391,24 @@ def test_output_format_json_on_every_management_command(run, server):
     r = run("ns", "resize", NQN, "1", "2M", "-o", "json")
     assert json.loads(r.stdout)["size"] == 2 << 20
     assert "'xml' is not one of 'normal', 'json'" in run("subsystem", "list", "-o", "xml", code=2).stderr
+
+
+def test_ns_reservations_view_redacts_keys(run, server):
+    from target.reservations import ReservationState
+
+    run("subsystem", "add", NQN)
+    run("ns", "add", NQN, "--backend", "ram", "--size", "1M")
+    out = run("ns", "reservations", NQN, "1").stdout
+    assert "type:         none" in out and "registrants:  none" in out
+    ns = server.service.target.subsystems[NQN].namespaces[1]
+    a, b = bytes(range(16)), bytes(range(16, 32))
+    ns.pr = ReservationState(generation=3, registrants=((a, 0x1234567), (b, 0x89ABCDE)), rtype=3, holder=a, ptpl=True)
+    shown = json.loads(run("ns", "reservations", NQN, "1", "-o", "json").stdout)
+    assert shown["type"] == "write-exclusive-registrants-only" and shown["holder"] == a.hex()
+    assert shown["generation"] == 3 and shown["ptpl"] is True
+    assert [(r["hostid"], r["holds"], r["rkey"]) for r in shown["registrants"]] == \
+        [(a.hex(), True, "<redacted>"), (b.hex(), False, "<redacted>")]
+    text = run("ns", "reservations", NQN, "1").stdout
+    assert a.hex() in text and "<redacted>" in text and "1234567" not in text and str(0x1234567) not in text
+    r = run("ns", "reservations", NQN, "7", code=1)
+    assert "namespace 7" in r.stderr

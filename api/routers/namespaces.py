@@ -70,3 +70,9 @@ async def set_namespace_anagrpid(
 @router.get("/{nsid}/stats", response_model=schemas.NamespaceStatsOut)
 async def namespace_stats(nqn: str, service: Service, nsid: int = Nsid) -> schemas.NamespaceStatsOut:
     return render.stats(service.get_namespace(nqn, nsid))
+
+
+@router.get("/{nsid}/reservations", response_model=schemas.ReservationOut)
+async def namespace_reservations(nqn: str, service: Service, nsid: int = Nsid) -> dict:
+    """The namespace's persistent reservation: holder, type, registrants (keys redacted), generation."""
+    return service.namespace_reservations(nqn, nsid)

@@ -228,6 +228,8 @@ function namespaceTable(sub) {
       el("td", {}, ns.nsid), el("td", {}, ns.backend), el("td", { class: "mono" }, ns.path || ""),
       el("td", {}, `${(ns.size / MiB).toFixed(0)} MiB`), el("td", {}, ns.block_size),
       el("td", {}, ns.enabled ? (ns.read_only ? "read-only" : "read-write") : "disabled"),
+      el("td", { class: "reservation", title: "persistent reservation (nvmeof ns reservations NQN NSID)" },
+        ns.registrants ? `${ns.reservation}, ${ns.registrants} registrant${ns.registrants === 1 ? "" : "s"}` : "none"),
       el("td", {}, el("form", { class: "inline resize", onsubmit: (e) => {
         e.preventDefault();
         const bytes = Number(size.value) * MiB;
@@ -242,7 +244,7 @@ function namespaceTable(sub) {
       } }, "Remove")));
   });
   return el("table", { class: "namespaces" },
-    el("thead", {}, el("tr", {}, ...["nsid", "backend", "path", "size", "block", "state", "", ""].map((h) => el("th", {}, h)))),
+    el("thead", {}, el("tr", {}, ...["nsid", "backend", "path", "size", "block", "state", "reservation", "", ""].map((h) => el("th", {}, h)))),
     el("tbody", {}, ...body));
 }
 

@@ -470,6 +470,30 @@ def ns_set_anagrpid(api: Api, as_json: bool, nqn: str, nsid: int, anagrpid: int)
         click.echo(f"namespace {nsid} of {nqn} is in ANA group {result['anagrpid']}")
 
 
+@api_command(ns, "reservations")
+@click.argument("nqn")
+@click.argument("nsid", type=click.IntRange(1, 0xFFFFFFFE))
+def ns_reservations(api: Api, as_json: bool, nqn: str, nsid: int) -> None:
+    """Show a namespace's persistent reservation: holder, type, registrants (keys redacted), generation."""
+    resv = api.call("GET", _ns_path(nqn, nsid, "reservations"))
+    if as_json:
+        echo_json(resv)
+        return
+    if not resv["supported"]:
+        click.echo("reservations: not served by this target (serve --workers)")
+        return
+    click.echo(f"{'generation:':<14}{resv['generation']}")
+    click.echo(f"{'type:':<14}{resv['type']}" + (f" ({resv['rtype']})" if resv["rtype"] else ""))
+    holder = "every registrant" if resv["all_registrants_hold"] else (resv["holder"] or "-")
+    click.echo(f"{'holder:':<14}{holder}")
+    click.echo(f"{'ptpl:':<14}{_yes(resv['ptpl'])}")
+    if not resv["registrants"]:
+        click.echo("registrants:  none")
+        return
+    rows = [(r["hostid"], _yes(r["holds"]), r["rkey"], ", ".join(r["hostnqns"]) or "-") for r in resv["registrants"]]
+    click.echo(table(("HOSTID", "HOLDS", "KEY", "HOST NQN"), rows))
+
+
 @api_command(ns, "del")
 @click.argument("nqn")
 @click.argument("nsid", type=click.IntRange(1, 0xFFFFFFFE))
