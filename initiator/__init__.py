@@ -11,13 +11,24 @@ from initiator.multipath import MultipathController, MultipathError, NoPathError
 from initiator.nvm import NamespaceGeometry
 from initiator.queue import CommandTimeout, HostQueue, TransportError
 from initiator.reconnect import ReconnectingController
+from initiator.reservations import ReservationNotification
 from nvmeof.auth import AuthFailure, generate_secret
+from nvmeof.spec.reservations import (
+    AcquireAction,
+    Cptpl,
+    RegisterAction,
+    ReleaseAction,
+    ReservationReport,
+    ReservationType,
+)
 from nvmeof.status import NvmeError, Status
 
 __all__ = [
+    "AcquireAction",
     "AsyncEvent",
     "AuthFailure",
     "CommandTimeout",
+    "Cptpl",
     "DiscoveryEntry",
     "DiscoveryLogChanging",
     "HostController",
@@ -29,6 +40,11 @@ __all__ = [
     "NvmeError",
     "PathInfo",
     "ReconnectingController",
+    "RegisterAction",
+    "ReleaseAction",
+    "ReservationNotification",
+    "ReservationReport",
+    "ReservationType",
     "Status",
     "TransportError",
     "connect",

@@ -50,6 +50,16 @@ from nvmeof.spec.registers import (  # noqa: F401  (re-exported for the controll
     cap_mqes,
     cap_timeout_s,
 )
+from nvmeof.spec.reservations import (
+    ACTION_MASK,
+    CPTPL_SHIFT,
+    IEKEY,
+    REPORT_EDS,
+    RTYPE_SHIFT,
+    AcquireData,
+    RegisterData,
+    ReleaseData,
+)
 
 # Connect response DW0
 CONNECT_AUTHREQ_ATR = 1 << 17
@@ -172,3 +182,53 @@ def flush(nsid: int) -> Command:
 
 def dataset_management(nsid: int, nr: int, *, attributes: int = DSM_AD) -> Command:
     return Command(IoOpcode.DATASET_MANAGEMENT, nsid=nsid, cdw10=nr - 1, cdw11=attributes)
+
+
+# ---- reservations (NVM Command Set; libnvme nvme_init_resv_register/_acquire/_release/_report) ----------
+# Each builder returns the SQE and the data it carries out (CRKEY, then NRKEY or PRKEY, little-endian).
+
+def _key(name: str, value: int) -> int:
+    if not 0 <= value < 1 << 64:
+        raise ValueError(f"{name} must be a 64-bit key (0..2**64-1), got {value}")
+    return value
+
+
+def _field(name: str, value: int, top: int) -> int:
+    if not 0 <= value <= top:
+        raise ValueError(f"{name} must be 0..{top}, got {value}")
+    return int(value)
+
+
+def resv_register(nsid: int, *, rrega: int, crkey: int = 0, nrkey: int = 0, iekey: bool = False,
+                  cptpl: int = 0) -> tuple[Command, bytes]:
+    """Reservation Register: CDW10 RREGA 2:0, IEKEY 3, CPTPL 31:30."""
+    cdw10 = (_field("rrega", rrega, ACTION_MASK) | (IEKEY if iekey else 0)
+             | (_field("cptpl", cptpl, 3) << CPTPL_SHIFT))
+    data = RegisterData.build({"crkey": _key("crkey", crkey), "nrkey": _key("nrkey", nrkey)})
+    return Command(IoOpcode.RESV_REGISTER, nsid=nsid, cdw10=cdw10), data
+
+
+def resv_acquire(nsid: int, *, racqa: int, rtype: int, crkey: int = 0, prkey: int = 0,
+                 iekey: bool = False) -> tuple[Command, bytes]:
+    """Reservation Acquire: CDW10 RACQA 2:0, IEKEY 3, RTYPE 15:8."""
+    cdw10 = (_field("racqa", racqa, ACTION_MASK) | (IEKEY if iekey else 0)
+             | (_field("rtype", rtype, 0xFF) << RTYPE_SHIFT))
+    data = AcquireData.build({"crkey": _key("crkey", crkey), "prkey": _key("prkey", prkey)})
+    return Command(IoOpcode.RESV_ACQUIRE, nsid=nsid, cdw10=cdw10), data
+
+
+def resv_release(nsid: int, *, rrela: int, rtype: int = 0, crkey: int = 0,
+                 iekey: bool = False) -> tuple[Command, bytes]:
+    """Reservation Release: CDW10 RRELA 2:0, IEKEY 3, RTYPE 15:8."""
+    cdw10 = (_field("rrela", rrela, ACTION_MASK) | (IEKEY if iekey else 0)
+             | (_field("rtype", rtype, 0xFF) << RTYPE_SHIFT))
+    data = ReleaseData.build({"crkey": _key("crkey", crkey)})
+    return Command(IoOpcode.RESV_RELEASE, nsid=nsid, cdw10=cdw10), data
+
+
+def resv_report(nsid: int, length: int, *, eds: bool = True) -> Command:
+    """Reservation Report into ``length`` bytes: CDW10 NUMD (dwords, 0's based), CDW11 bit 0 EDS."""
+    if length <= 0 or length % 4 or length > 4 << 32:
+        raise ValueError(f"reservation report length must be a positive multiple of 4 bytes up to 16 GiB, "
+                         f"got {length}")
+    return Command(IoOpcode.RESV_REPORT, nsid=nsid, cdw10=length // 4 - 1, cdw11=REPORT_EDS if eds else 0)

@@ -23,8 +23,9 @@ from construct import Container
 from initiator import commands as c
 from initiator.auth import authenticate_queue, parse_secret
 from initiator.engine import BatchQueue, open_batch_queue
-from initiator.nvm import Buffer, NamespaceGeometry, NvmIo, check_nsid
+from initiator.nvm import Buffer, NamespaceGeometry, check_nsid
 from initiator.queue import DEFAULT_TIMEOUT, HostQueue, TransportError, open_queue
+from initiator.reservations import ReservationIo, ReservationNotification, parse_notification
 from nvmeof import defaults
 from nvmeof.auth import AuthFailure, DhchapSecret
 from nvmeof.spec.fabrics import CONNECT_ADMIN_CNTLID, CONNECT_IATTR_DATA, Property
@@ -52,6 +53,7 @@ from nvmeof.spec.nvme import (
     FeatureId,
     LogPageId,
 )
+from nvmeof.spec.reservations import AEN_INFO_RESERVATION_LOG, NOTIFICATION_LOG_SIZE
 from nvmeof.status import NvmeError, Status
 
 log = logging.getLogger(__name__)
@@ -61,6 +63,7 @@ SHUTDOWN_TIMEOUT = 5.0       # Linux nvme_core shutdown_timeout
 CHANGED_NS_LOG_SIZE = 4096
 AEN_MASK = OAES_NS_ATTR | OAES_DISC_CHANGE | OAES_ANA   # the notices this host acts on
 MAX_QUEUED_EVENTS = 1024
+MAX_RESERVATION_PAGES = 256   # log 80h pages read for one event (NALP counts up to 255 more)
 
 
 HOSTNQN_FILE = "/etc/nvme/hostnqn"
@@ -109,6 +112,8 @@ class AsyncEvent:
     dw0: int
     changed_nsids: tuple[int, ...] = ()   # for a namespace-attribute notice: log 04h's content
     ana_log: AnaLog | None = None         # for an ANA change notice: log 0Ch as re-read because of it
+    # for Reservation Log Page Available (type 6h, info 0): the pages of log 80h read because of it
+    reservations: tuple[ReservationNotification, ...] = ()
 
     @property
     def description(self) -> str:
@@ -140,7 +145,7 @@ def _parse_secrets(host: str | DhchapSecret | None,
     return host_secret, ctrl_secret
 
 
-class HostController(NvmIo):
+class HostController(ReservationIo):
     """The public async API of one connected controller; see :func:`initiator.connect`."""
 
     def __init__(self, traddr: str, trsvcid: int | str = defaults.TCP_IO_PORT,
@@ -586,6 +591,16 @@ class HostController(NvmIo):
                     log.warning("%s: reading the Changed Namespace List failed: %s", self._queue_name(0), err)
                 except TransportError:
                     return
+            elif ev.type == AsyncEventType.IO_CMD_SET and ev.info == AEN_INFO_RESERVATION_LOG:
+                # reading log 80h without RAE is what lets the controller report again; NALP says whether
+                # more pages wait behind the one read
+                try:
+                    ev = dataclasses.replace(ev, reservations=await self._drain_reservation_log())
+                except (NvmeError, ValueError) as err:
+                    log.warning("%s: reading the Reservation Notification log failed: %s",
+                                self._queue_name(0), err)
+                except TransportError:
+                    return
             if self._events.qsize() >= MAX_QUEUED_EVENTS:
                 self._events.get_nowait()  # nobody is reading events(): keep the newest ones only
             self._events.put_nowait(ev)
@@ -596,6 +611,17 @@ class HostController(NvmIo):
                         await result
                 except Exception:
                     log.exception("%s: event callback failed", self._queue_name(0))
+
+    async def _drain_reservation_log(self) -> tuple[ReservationNotification, ...]:
+        pages: list[ReservationNotification] = []
+        while len(pages) < MAX_RESERVATION_PAGES:
+            page = await self.get_reservation_log()
+            if page.empty:
+                break
+            pages.append(page)
+            if not page.nalp:
+                break
+        return tuple(pages)
 
     async def events(self) -> AsyncIterator[AsyncEvent]:
         """Asynchronous events as they arrive; the iteration ends when the controller is closed."""
@@ -718,6 +744,12 @@ class HostController(NvmIo):
             return dict.fromkeys(await self.namespaces(), AnaState.OPTIMIZED)
         await self.get_ana_log()
         return dict(self._ana_nsids)
+
+    async def get_reservation_log(self) -> ReservationNotification:
+        """Get Log Page 80h (Reservation Notification): the oldest page waiting on this controller, which the
+        read takes off its queue (``nalp``: how many more wait). The event loop reads it on each Reservation
+        Log Page Available event (:attr:`AsyncEvent.reservations`), so this finds what that left."""
+        return parse_notification(await self.get_log_page(LogPageId.RESERVATION, NOTIFICATION_LOG_SIZE))
 
     async def get_features(self, fid: int, *, sel: int = 0, cdw11: int = 0, nsid: int = 0,
                            data_len: int = 0) -> int | tuple[int, bytes]:

@@ -37,6 +37,7 @@ from nvmeof import defaults
 from nvmeof.spec.identify import CMIC_MULTI_CTRL
 from nvmeof.spec.logs import ANA_STATE_NAMES, AnaState
 from nvmeof.spec.nvme import Command, Completion
+from nvmeof.spec.reservations import AcquireAction, Cptpl, RegisterAction, ReleaseAction, ReservationReport
 from nvmeof.status import NvmeError, StatusCodeType
 
 log = logging.getLogger(__name__)
@@ -458,6 +459,34 @@ class MultipathController:
                 raise r
         if not ctrls or len(failures) == len(ctrls):
             raise NoPathError(f"Flush on {self.subnqn}: no live path took it: {self._down_reasons()}")
+
+    # ---- reservations: the host's, whichever controller carries them -----------------------------
+    # Every path connects with the same host NQN and host ID, and a target knows a registrant by its host
+    # ID (NVMe Base 2.0, "Reservations"), so any usable path may carry the command, failing over as an I/O
+    # does. A command retried after a lost path may have taken effect already: Register with the same key,
+    # Acquire of the type held and Release succeed again, while a retried Unregister, Replace or Preempt
+    # answers Reservation Conflict (its key is gone). (The kernel's nvme_send_ns_head_pr_command picks one
+    # path with nvme_find_path and does not retry on another.)
+
+    async def resv_register(self, nsid: int, *, nrkey: int = 0, crkey: int = 0,
+                            rrega: RegisterAction | int = RegisterAction.REGISTER, iekey: bool = False,
+                            cptpl: Cptpl | int = Cptpl.NO_CHANGE) -> None:
+        await self._route(nsid, "Reservation Register", lambda ctrl: ctrl.resv_register(
+            nsid, nrkey=nrkey, crkey=crkey, rrega=rrega, iekey=iekey, cptpl=cptpl))
+
+    async def resv_acquire(self, nsid: int, *, crkey: int, rtype: int, prkey: int = 0,
+                           racqa: AcquireAction | int = AcquireAction.ACQUIRE, iekey: bool = False) -> None:
+        await self._route(nsid, "Reservation Acquire", lambda ctrl: ctrl.resv_acquire(
+            nsid, crkey=crkey, rtype=rtype, prkey=prkey, racqa=racqa, iekey=iekey))
+
+    async def resv_release(self, nsid: int, *, crkey: int, rtype: int = 0,
+                           rrela: ReleaseAction | int = ReleaseAction.RELEASE, iekey: bool = False) -> None:
+        await self._route(nsid, "Reservation Release", lambda ctrl: ctrl.resv_release(
+            nsid, crkey=crkey, rtype=rtype, rrela=rrela, iekey=iekey))
+
+    async def resv_report(self, nsid: int, *, eds: bool = True, size: int | None = 4096) -> ReservationReport:
+        return await self._route(nsid, "Reservation Report",
+                                 lambda ctrl: ctrl.resv_report(nsid, eds=eds, size=size))
 
     # ---- admin look-ups through any live path ----------------------------------------------------
 

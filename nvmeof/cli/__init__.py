@@ -26,10 +26,11 @@ def cli(log_level: str, log_format: str) -> None:
 
 
 def _register() -> None:
-    from nvmeof.cli.commands import host, serve
+    from nvmeof.cli.commands import host, resv, serve
 
     serve.register(cli)
     host.register(cli)
+    resv.register(cli)
     from nvmeof.cli.commands import manage
 
     manage.register(cli)

@@ -295,3 +295,45 @@ def kernel_list_text(ctrls: Sequence[Mapping[str, Any]], table: Callable[..., st
                  [[c["name"], c["cntlid"], c.get("serial", ""), c.get("model", ""), c.get("firmware", ""),
                    c["transport"], c["address"], c["state"], c["subsysnqn"],
                    " ".join(c["block_devices"]) or "-"] for c in ctrls])
+
+
+# -- reservation status: json_nvme_resv_report / stdout_resv_report ------------------------------------
+
+
+def _hostid_value(hostid: bytes, eds: bool) -> int | str:
+    """nvme-cli shows an 8-byte host ID as the little-endian u64 it reads, a 128-bit one as its bytes in hex."""
+    return hostid.hex() if eds else int.from_bytes(hostid[:8], "little")
+
+
+def resv_report_json(report: Any, eds: bool) -> dict[str, object]:
+    """gen, rtype, regctl, ptpls, then "regctls" (or "regctlext" with EDS) as json_nvme_resv_report has them."""
+    out: dict[str, object] = {"gen": report.gen, "rtype": report.rtype, "regctl": report.regctl,
+                              "ptpls": int(report.ptpls)}
+    entries = []
+    for r in report.registrants:
+        rcsts = int(r.holds)
+        if eds:
+            entries.append({"cntlid": r.cntlid, "rcsts": rcsts, "rkey": r.rkey,
+                            "hostid": _hostid_value(r.hostid, True)})
+        else:
+            entries.append({"cntlid": r.cntlid, "rcsts": rcsts, "hostid": _hostid_value(r.hostid, False),
+                            "rkey": r.rkey})
+    out["regctlext" if eds else "regctls"] = entries
+    return out
+
+
+def resv_report_text(report: Any, eds: bool) -> str:
+    """nvme-cli's "NVME Reservation status:" block: the header fields, then each registrant (hex values).
+
+    An extended host ID is printed as 32 hex digits (nvme-cli's JSON form; its text drops leading zeros
+    per byte with %x)."""
+    lines = ["", "NVME Reservation status:", "", f"gen       : {report.gen}", f"rtype     : {report.rtype}",
+             f"regctl    : {report.regctl}", f"ptpls     : {int(report.ptpls)}"]
+    for i, r in enumerate(report.registrants):
+        if eds:
+            lines += [f"regctlext[{i}] :", f"  cntlid     : {r.cntlid:x}", f"  rcsts      : {int(r.holds):x}",
+                      f"  rkey       : {r.rkey:x}", f"  hostid     : {r.hostid.hex()}"]
+        else:
+            lines += [f"regctl[{i}] :", f"  cntlid  : {r.cntlid:x}", f"  rcsts   : {int(r.holds):x}",
+                      f"  hostid  : {_hostid_value(r.hostid, False):x}", f"  rkey    : {r.rkey:x}"]
+    return "\n".join(lines) + "\n"
