@@ -357,9 +357,3 @@ class ErrorOut(BaseModel):
 class DisconnectedOut(BaseModel):
     disconnected: int = Field(description="How many controllers were disconnected by this change (their hosts "
                                           "lose access at once)")
-
-
-def hex_or_none(value: Any) -> str | None:
-    if value is None:
-        return None
-    return bytes(value).hex()
