@@ -29,6 +29,8 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from nvmeof import defaults
+from nvmeof.spec.fabrics import PORTID_MAX
+from nvmeof.spec.identify import NSID_MAX
 from nvmeof.spec.logs import ANA_STATE_NAMES, AnaState, parse_ana_state
 from target import config as configmod
 from target import hostauth
@@ -55,8 +57,6 @@ from target.nqn import NqnError, generate_nqn, validate_nqn
 
 SERIAL_MAX = 20  # Identify Controller SN, bytes
 MODEL_MAX = 40  # Identify Controller MN, bytes
-NSID_MAX = 0xFFFFFFFE  # 0xFFFFFFFF is the broadcast NSID
-PORTID_MAX = 0xFFFE
 
 Undo = Callable[[], Awaitable[None]]
 
@@ -1269,7 +1269,9 @@ class TargetService:
             raise ServiceError(409, f"listener {lid} already exists")
         used = {lst.portid for lst in self.target.listeners.values()}
         if portid is None:
-            portid = next(p for p in range(1, PORTID_MAX + 2) if p not in used)
+            portid = next((p for p in range(1, PORTID_MAX + 1) if p not in used), None)
+            if portid is None:
+                raise ServiceError(409, f"every port id 1..{PORTID_MAX} is used by a listener")
         else:
             portid = _int(portid, "portid", 1, PORTID_MAX)
             if portid in used:
