@@ -14,9 +14,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from nvmeof import defaults
+from nvmeof.spec.fabrics import PORTID_MAX
+from nvmeof.spec.identify import NSID_MAX
 from target.backends import KINDS
 
-NSID_MAX = 0xFFFFFFFE  # 0 and 0xFFFFFFFF (broadcast) are not namespace IDs
 HEX_NGUID = r"^[0-9A-Fa-f]{32}$"
 HEX_EUI64 = r"^[0-9A-Fa-f]{16}$"
 
@@ -248,7 +249,7 @@ class ListenerCreate(_Request):
     trsvcid: int = Field(defaults.TCP_IO_PORT, ge=1, le=65535)
     adrfam: AdrFam | None = Field(None, description="Derived from traddr when omitted")
     discovery: bool = Field(False, description="Serve the discovery subsystem on this listener")
-    portid: int | None = Field(None, ge=1, le=0xFFFE, description="Discovery log port ID; a free one if omitted")
+    portid: int | None = Field(None, ge=1, le=PORTID_MAX, description="Discovery log port ID; a free one if omitted")
 
 
 class ListenerOut(BaseModel):
@@ -299,7 +300,7 @@ class ReferralCreate(_Request):
     trsvcid: int = Field(defaults.TCP_DISCOVERY_PORT, ge=1, le=65535)
     adrfam: AdrFam | None = None
     subnqn: str = defaults.DISCOVERY_NQN
-    portid: int = Field(0, ge=0, le=0xFFFF)
+    portid: int = Field(0, ge=0, le=PORTID_MAX)
 
 
 class ReferralOut(BaseModel):
@@ -381,9 +382,3 @@ class ErrorOut(BaseModel):
 class DisconnectedOut(BaseModel):
     disconnected: int = Field(description="How many controllers were disconnected by this change (their hosts "
                                           "lose access at once)")
-
-
-def hex_or_none(value: Any) -> str | None:
-    if value is None:
-        return None
-    return bytes(value).hex()

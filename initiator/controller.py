@@ -23,16 +23,17 @@ from construct import Container
 from initiator import commands as c
 from initiator.auth import authenticate_queue, parse_secret
 from initiator.engine import BatchQueue, open_batch_queue
-from initiator.nvm import Buffer, NamespaceGeometry, check_nsid
+from initiator.nvm import Buffer, NamespaceGeometry
 from initiator.queue import DEFAULT_TIMEOUT, HostQueue, TransportError, open_queue
 from initiator.reservations import ReservationIo, ReservationNotification, parse_notification
 from nvmeof import defaults
 from nvmeof.auth import AuthFailure, DhchapSecret
-from nvmeof.spec.fabrics import CONNECT_ADMIN_CNTLID, CONNECT_IATTR_DATA, Property
+from nvmeof.spec.fabrics import CONNECT_ADMIN_CNTLID, CONNECT_IATTR_DATA, Property, parse_connect_invalid_param
 from nvmeof.spec.identify import (
     CMIC_ANA,
     CNTRLTYPE_DISCOVERY,
     IDENTIFY_DATA_SIZE,
+    NSID_MAX,
     OAES_ANA,
     OAES_DISC_CHANGE,
     OAES_NS_ATTR,
@@ -40,6 +41,7 @@ from nvmeof.spec.identify import (
     SGLS_OFFSET,
     IdentifyController,
     IdentifyNamespace,
+    check_nsid,
     parse_active_ns_list,
     parse_ns_descriptor_list,
 )
@@ -344,7 +346,7 @@ class HostController(ReservationIo):
     def _connect_error(self, err: NvmeError, qid: int) -> NvmeError:
         what = f"Connect (qid {qid}) to {self.traddr}:{self.trsvcid}"
         if err.status == Status.CONNECT_INVALID_PARAM:
-            iattr, ipo = (err.result >> 16) & 0xFF, err.result & 0xFFFF
+            iattr, ipo = parse_connect_invalid_param(err.result)
             if iattr & CONNECT_IATTR_DATA:
                 field = _CONNECT_DATA_FIELDS.get(ipo, f"byte {ipo}")
                 if field == "subsysnqn":
@@ -683,7 +685,7 @@ class HostController(ReservationIo):
         while True:
             page = parse_active_ns_list(await self.identify(Cns.ACTIVE_NS_LIST, nsid=start))
             out.extend(page)
-            if len(page) < IDENTIFY_DATA_SIZE // 4 or page[-1] >= 0xFFFFFFFE:
+            if len(page) < IDENTIFY_DATA_SIZE // 4 or page[-1] >= NSID_MAX:
                 return out
             start = page[-1]
 

@@ -187,11 +187,6 @@ class NvmIo:
         await self._run_all(pieces)
 
 
-def check_nsid(nsid: int) -> None:
-    if not 1 <= nsid <= 0xFFFFFFFE:
-        raise ValueError(f"nsid must be 1..0xFFFFFFFE, got {nsid}")
-
-
 def _check_lba(slba: int, nlb: int) -> None:
     if slba < 0 or slba >= 1 << 64:
         raise ValueError(f"slba must be 0..2**64-1, got {slba}")

@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 
 from initiator import commands as c
-from initiator.nvm import NvmIo, check_nsid
+from initiator.nvm import NvmIo
+from nvmeof.spec.identify import check_nsid
 from nvmeof.spec.reservations import (
     ENTRY_SIZE,
     EXT_ENTRY_SIZE,

@@ -177,8 +177,3 @@ class NvmeError(Exception):
 def encode_status(status: int, *, dnr: bool = False, more: bool = False) -> int:
     """15-bit CQE status (SC bits 7:0, SCT 10:8, CRD 12:11, More 13, DNR 14)."""
     return (status & 0x7FF) | (STATUS_MORE if more else 0) | (STATUS_DNR if dnr else 0)
-
-
-def decode_status(field: int) -> tuple[int, bool, bool]:
-    """Inverse of :func:`encode_status`: (SCT<<8|SC, dnr, more)."""
-    return field & 0x7FF, bool(field & STATUS_DNR), bool(field & STATUS_MORE)

@@ -117,7 +117,7 @@ async def _identify(req: Request) -> None:
         req.reply = _identify_namespace(req, ctrl)
     elif cns == Cns.ACTIVE_NS_LIST:
         nsid = req.cmd.nsid
-        if nsid >= 0xFFFFFFFE:
+        if nsid >= idf.NSID_MAX:  # no NSID follows the last one
             raise NvmeError(Status.INVALID_NS, f"active namespace list after NSID {nsid:#x}")
         req.reply = idf.build_active_ns_list(ctrl.subsystem.active_nsids(), nsid)
     elif cns == Cns.NS_DESC_LIST:

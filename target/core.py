@@ -46,6 +46,9 @@ class Target:
         self.subsystems: dict[str, Subsystem] = {}
         self.listeners: dict[str, Listener] = {}
         self.referrals: list[Referral] = []
+        # A gateway group member's view of the other live members' I/O listeners (set_peer_listeners):
+        # its discovery log lists them too, so a host discovering one gateway finds every path.
+        self.peer_listeners: list[Listener] = []
         self.discovery_subsystem = Subsystem(nqn=defaults.DISCOVERY_NQN, serial=discovery_serial,
                                              allow_any_host=True, max_namespaces=0, subtype="discovery")
         self.controllers: dict[int, Controller] = {}
@@ -66,6 +69,8 @@ class Target:
         # trtype -> listener factory: the standard ones, or what the daemon (or PooledTarget) injects
         self.transports = transports_for(transports)
         self._servers: dict[str, ListenerServer] = {}
+        # What a transport keeps per Target across its listeners, by trtype (TcpPort.of: limits, caps, budget)
+        self.transport_state: dict[str, Any] = {}
         self._ka_task: asyncio.Task[None] | None = None
         self._closing = False
         # Reservations (target/pr.py): where committed states go (None: RAM only, PTPL not offered; the
@@ -236,6 +241,12 @@ class Target:
         for ctrl in list(self.controllers.values()):
             if ctrl.is_discovery:
                 ctrl.discovery_changed()
+
+    def set_peer_listeners(self, peers: list[Listener]) -> None:
+        """The gateway group's other members' I/O listeners as they are now; a change is a discovery log change."""
+        if [p.id for p in peers] != [p.id for p in self.peer_listeners]:
+            self.peer_listeners = list(peers)
+            self.discovery_changed()
 
     async def settle(self) -> None:
         """Return once every process serving I/O queues has applied the changes announced so far;

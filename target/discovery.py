@@ -125,7 +125,7 @@ def discovery_log_page(ctrl: Controller, via: Listener | None, local_addr: str =
     io_listeners = [lst for lst in target.listeners.values() if not lst.discovery]
     # A gateway group member lists every live member's I/O listeners too (target/gateway/group.py sets
     # them), so a host discovering one gateway finds every path of the subsystem.
-    io_listeners += getattr(target, "peer_listeners", [])
+    io_listeners += target.peer_listeners
     for sub in target.subsystems.values():
         if sub.subtype != "nvm" or not sub.host_allowed(ctrl.hostnqn):
             continue

@@ -26,6 +26,7 @@ from nvmeof.spec.fabrics import (
     ConnectData,
     ConnectDataCompiled,
     Property,
+    connect_invalid_param_result,
 )
 from nvmeof.spec.fields import field_offset
 from nvmeof.spec.nvme import Direction, FabricsType
@@ -51,7 +52,7 @@ IPO_DATA_HOSTNQN = field_offset(ConnectData, "hostnqn")      # 512
 
 
 def _invalid_param(iattr: int, ipo: int, detail: str) -> NvmeError:
-    return NvmeError(Status.CONNECT_INVALID_PARAM, detail, result=(iattr << 16) | ipo)
+    return NvmeError(Status.CONNECT_INVALID_PARAM, detail, result=connect_invalid_param_result(iattr, ipo))
 
 
 def _rejected(err: NvmeError, req: Request) -> NvmeError:
@@ -134,7 +135,7 @@ def _execute_connect(target: Target, req: Request) -> None:
                                  "check the NQN with 'nvme discover'")
         if not subsystem.host_allowed(hostnqn):
             raise NvmeError(Status.CONNECT_INVALID_HOST, _not_allowed(hostnqn, subnqn),
-                            result=(CONNECT_IATTR_DATA << 16) | IPO_DATA_HOSTNQN)
+                            result=connect_invalid_param_result(CONNECT_IATTR_DATA, IPO_DATA_HOSTNQN))
         ctrl = target.create_controller(subsystem, hostnqn, data.hostid, kato)
         ctrl.attach_listener(queue.listener)
         log.info("controller %d created for subsystem %s, host %s (%s, KATO %d ms)", ctrl.cntlid,

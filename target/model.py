@@ -7,7 +7,6 @@ Identity: a subsystem by its NQN, a namespace by (subsystem NQN, NSID), a listen
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -210,11 +209,6 @@ def format_address(traddr: str, trsvcid: int | str) -> str:
     if ":" in traddr and not traddr.startswith("["):
         return f"[{traddr}]:{trsvcid}"
     return f"{traddr}:{trsvcid}"
-
-
-def address_family(traddr: str) -> AdrFam:
-    """``ipv4`` or ``ipv6`` for an IP literal; ValueError if it is not one."""
-    return "ipv6" if ipaddress.ip_address(traddr).version == 6 else "ipv4"
 
 
 def endpoint_id(trtype: str, traddr: str, trsvcid: int | str) -> str:

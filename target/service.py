@@ -29,6 +29,8 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from nvmeof import defaults
+from nvmeof.spec.fabrics import PORTID_MAX
+from nvmeof.spec.identify import NSID_MAX
 from nvmeof.spec.logs import ANA_STATE_NAMES, AnaState, parse_ana_state
 from target import config as configmod
 from target import hostauth, pr
@@ -59,10 +61,15 @@ if TYPE_CHECKING:
 
 SERIAL_MAX = 20  # Identify Controller SN, bytes
 MODEL_MAX = 40  # Identify Controller MN, bytes
-NSID_MAX = 0xFFFFFFFE  # 0xFFFFFFFF is the broadcast NSID
-PORTID_MAX = 0xFFFE
 
 Undo = Callable[[], Awaitable[None]]
+
+
+def _sync(fn: Callable[[], object]) -> Undo:
+    """A plain call as an entry of an undo or notice log (whose entries are awaited)."""
+    async def run() -> None:
+        fn()
+    return run
 
 log = logging.getLogger(__name__)
 
@@ -978,59 +985,71 @@ class TargetService:
         RAM and null namespaces are no user files: they resize either way."""
         async with self._lock:
             ns = self.get_namespace(subnqn, nsid)
-            size = _int(size, "size", 1, defaults.MAX_FILE_SIZE)
-            allow_shrink = _bool(allow_shrink, "allow_shrink")
-            if size % ns.block_size:
-                raise _bad(f"size {size} is not a multiple of the block size {ns.block_size}")
-            old_size = ns.backend.size
-            if size == old_size:
+            undo = await self._resize_step(ns, size, allow_shrink=_bool(allow_shrink, "allow_shrink"))
+            if undo is None:
                 return ns
-            store = ns.backend
-            old_length: int | None = None
-            try:
-                if store.holds_user_data:
-                    old_length = await store.resize(size, allow_shrink=allow_shrink)
-                else:
-                    await store.resize(size)
-            except BackendError as exc:
-                raise _bad(str(exc)) from None
-            old_spec_size = ns.spec.get("size")
-            ns.spec["size"] = size
-
-            async def undo() -> None:
-                if old_spec_size is None:
-                    ns.spec.pop("size", None)
-                else:
-                    ns.spec["size"] = old_spec_size
-                try:
-                    if store.holds_user_data:
-                        await store.revert_resize(old_size, old_length)
-                    else:
-                        await store.resize(old_size)
-                except BackendError:
-                    pass
-
             await self._commit(True, undo)
             self.target.namespace_changed(subnqn, nsid)
             await self._settle()
             return ns
 
+    async def _resize_step(self, ns: Namespace, size: int, *, allow_shrink: bool) -> Undo | None:
+        """The resize itself, unsaved and unannounced (resize_namespace and reload); None: no change."""
+        size = _int(size, "size", 1, defaults.MAX_FILE_SIZE)
+        if size % ns.block_size:
+            raise _bad(f"size {size} is not a multiple of the block size {ns.block_size}")
+        old_size = ns.backend.size
+        if size == old_size:
+            return None
+        store = ns.backend
+        old_length: int | None = None
+        try:
+            if store.holds_user_data:
+                old_length = await store.resize(size, allow_shrink=allow_shrink)
+            else:
+                await store.resize(size)
+        except BackendError as exc:
+            raise _bad(str(exc)) from None
+        old_spec_size = ns.spec.get("size")
+        ns.spec["size"] = size
+
+        async def undo() -> None:
+            if old_spec_size is None:
+                ns.spec.pop("size", None)
+            else:
+                ns.spec["size"] = old_spec_size
+            try:
+                if store.holds_user_data:
+                    await store.revert_resize(old_size, old_length)
+                else:
+                    await store.resize(old_size)
+            except BackendError:
+                pass
+
+        return undo
+
     async def set_namespace_enabled(self, subnqn: str, nsid: int, enabled: bool) -> Namespace:
         async with self._lock:
             ns = self.get_namespace(subnqn, nsid)
-            enabled = _bool(enabled, "enabled")
-            if ns.enabled == enabled:
+            undo = self._enabled_step(ns, enabled)
+            if undo is None:
                 return ns
-            ns.enabled = enabled
-
-            async def undo() -> None:
-                ns.enabled = not enabled
-
             await self._commit(True, undo)
             self.target.namespace_changed(subnqn, nsid)
             self._ana_changed(subnqn=subnqn, groups=(ns.anagrpid,))   # the group's NSID list changed
             await self._settle()
             return ns
+
+    def _enabled_step(self, ns: Namespace, enabled: bool) -> Undo | None:
+        enabled = _bool(enabled, "enabled")
+        if ns.enabled == enabled:
+            return None
+        ns.enabled = enabled
+
+        async def undo() -> None:
+            ns.enabled = not enabled
+
+        return undo
 
     async def remove_namespace(self, subnqn: str, nsid: int) -> None:
         async with self._lock:
@@ -1076,20 +1095,27 @@ class TargetService:
         log lists it there from now on and every controller of the subsystem gets the ANA change AEN."""
         async with self._lock:
             ns = self.get_namespace(subnqn, nsid)
-            anagrpid = _anagrpid(anagrpid)
             old = ns.anagrpid
-            if old == anagrpid:
+            undo = self._anagrpid_step(ns, anagrpid)
+            if undo is None:
                 return ns
-            ns.anagrpid = anagrpid
-
-            async def undo() -> None:
-                ns.anagrpid = old
-
             await self._commit(True, undo)
-            log.info("namespace %d of %s moved from ANA group %d to %d", nsid, subnqn, old, anagrpid)
-            self._ana_changed(subnqn=subnqn, groups=(old, anagrpid))
+            log.info("namespace %d of %s moved from ANA group %d to %d", nsid, subnqn, old, ns.anagrpid)
+            self._ana_changed(subnqn=subnqn, groups=(old, ns.anagrpid))
             await self._settle()
             return ns
+
+    def _anagrpid_step(self, ns: Namespace, anagrpid: int) -> Undo | None:
+        anagrpid = _anagrpid(anagrpid)
+        old = ns.anagrpid
+        if old == anagrpid:
+            return None
+        ns.anagrpid = anagrpid
+
+        async def undo() -> None:
+            ns.anagrpid = old
+
+        return undo
 
     async def set_ana_state(self, listener_id: str, anagrpid: int, state: AnaState | str, *,
                             persist: bool = True) -> Listener:
@@ -1124,26 +1150,16 @@ class TargetService:
         stepping down at its fencing deadline must not wait for a mutation in progress (or its store call).
         One ANA change AEN per controller concerned; returns whether anything changed (then await
         target.settle() for worker processes). Nothing is persisted."""
-        changed: list[Listener] = []
-        groups: set[int] = set()
-        for lst in [x for x in self.target.listeners.values() if not x.discovery]:
-            moved = [g for g, st in states.items() if lst.ana_state(g) != st]
-            for g in moved:
-                log.info("listener %s: ANA group %d %s -> %s", lst.id, g, ANA_STATE_NAMES[lst.ana_state(g)],
-                         ANA_STATE_NAMES[states[g]])
-                lst.set_ana_state(g, states[g])
-            if moved:
-                changed.append(lst)
-                groups.update(moved)
+        changed, groups = self._serve_ana(states, [x for x in self.target.listeners.values() if not x.discovery])
         if changed:
             self._ana_changed(listeners=changed, groups=groups)
         return bool(changed)
 
-    async def _apply_ana(self, states: dict[int, AnaState], listeners: list[Listener], *, persist: bool) -> None:
+    @staticmethod
+    def _serve_ana(states: Mapping[int, AnaState], listeners: list[Listener]) -> tuple[list[Listener], set[int]]:
+        """Set what ``listeners`` serve; returns the listeners and groups that changed (for the AEN)."""
         changed: list[Listener] = []
         groups: set[int] = set()
-        before = [(lst, dict(lst.ana_states)) for lst in listeners]
-        saved_before = copy.deepcopy(self._ana_saved)
         for lst in listeners:
             moved = [g for g, st in states.items() if lst.ana_state(g) != st]
             for g in moved:
@@ -1153,7 +1169,25 @@ class TargetService:
             if moved:
                 changed.append(lst)
                 groups.update(moved)
-            if persist:
+        return changed, groups
+
+    async def _apply_ana(self, states: dict[int, AnaState], listeners: list[Listener], *, persist: bool) -> None:
+        saved_before = copy.deepcopy(self._ana_saved)
+        undo, changed, groups = self._ana_step(states, listeners, persist=persist)
+        if persist and self._ana_saved != saved_before:
+            await self._commit(True, undo)
+        if changed:
+            self._ana_changed(listeners=changed, groups=groups)
+            await self._settle()   # with worker processes: their I/O queues check the new states
+
+    def _ana_step(self, states: dict[int, AnaState], listeners: list[Listener], *,
+                  persist: bool) -> tuple[Undo, list[Listener], set[int]]:
+        """Served (and with ``persist`` configured) states, unsaved and unannounced; the undo and what changed."""
+        before = [(lst, dict(lst.ana_states)) for lst in listeners]
+        saved_before = copy.deepcopy(self._ana_saved)
+        changed, groups = self._serve_ana(states, listeners)
+        if persist:
+            for lst in listeners:
                 saved = self._ana_saved.setdefault(lst.id, {})
                 for g, st in states.items():
                     if st == AnaState.OPTIMIZED:
@@ -1169,25 +1203,20 @@ class TargetService:
             self._ana_saved.clear()
             self._ana_saved.update(saved_before)
 
-        if persist and self._ana_saved != saved_before:
-            await self._commit(True, undo)
-        if changed:
-            self._ana_changed(listeners=changed, groups=groups)
-            await self._settle()   # with worker processes: their I/O queues check the new states
+        return undo, changed, groups
 
-    async def _reload_ana(self, listener_id: str, states: dict[str, Any]) -> None:
+    def _reload_ana(self, listener_id: str, states: dict[str, Any]) -> tuple[Undo, list[Listener], set[int]] | None:
         """A reloaded file's ana_states of a listener that stays: exactly those (groups it no longer
-        names are optimized again)."""
+        names are optimized again). None when a gateway group decides them."""
         if self.gateway is not None:
             log.warning("listener %s: its ana_states in the reloaded configuration are ignored: gateway group %s "
                         "decides the ANA states", listener_id, self.gateway.store.group)
-            return
-        async with self._lock:
-            listener = self.get_listener(listener_id)
-            wanted = {int(g): parse_ana_state(st) for g, st in states.items()}
-            for grp in self._ana_saved.get(listener_id, {}):
-                wanted.setdefault(grp, AnaState.OPTIMIZED)
-            await self._apply_ana(wanted, [listener], persist=True)
+            return None
+        listener = self.get_listener(listener_id)
+        wanted = {int(g): parse_ana_state(st) for g, st in states.items()}
+        for grp in self._ana_saved.get(listener_id, {}):
+            wanted.setdefault(grp, AnaState.OPTIMIZED)
+        return self._ana_step(wanted, [listener], persist=True)
 
     def _restore_ana(self, listener: Listener, states: dict[str, Any] | None) -> None:
         """A configuration's ``ana_states`` of a listener it just added (config.item_problems checked them)."""
@@ -1261,7 +1290,9 @@ class TargetService:
             raise ServiceError(409, f"listener {lid} already exists")
         used = {lst.portid for lst in self.target.listeners.values()}
         if portid is None:
-            portid = next(p for p in range(1, PORTID_MAX + 2) if p not in used)
+            portid = next((p for p in range(1, PORTID_MAX + 1) if p not in used), None)
+            if portid is None:
+                raise ServiceError(409, f"every port id 1..{PORTID_MAX} is used by a listener")
         else:
             portid = _int(portid, "portid", 1, PORTID_MAX)
             if portid in used:
@@ -1668,8 +1699,11 @@ class TargetService:
         load_config) says, change by change (target/reload.py plans them), so the controllers of
         whatever stays keep running. All or nothing: returns the reasons when refused, and then
         nothing changed; [] when applied (the file is then saved back in canonical form, with the
-        nsids and identifiers it left out). Items still waiting from a failed restore that the file
-        keeps as they were stay waiting; those it dropped are forgotten."""
+        nsids and identifiers it left out). Every step runs under the lock into one undo log and the
+        result is saved once (a gateway group's store first, through on_change): a step, the store or
+        the save refusing undoes them all, which is what a gateway group applying the store's version
+        relies on. Items still waiting from a failed restore that the file keeps as they were stay
+        waiting; those it dropped are forgotten."""
         from target.reload import plan_reload
 
         async with self._lock:
@@ -1683,8 +1717,15 @@ class TargetService:
                 return errors
             saved = (self.backing, self._config_backing, list(self._unrestored))
             before = self._inventory()
-            undo: list[Callable[[], None]] = []
-            later: list[Undo] = []
+            undo: list[Undo] = []   # one log for every step: any failure, the save's included, undoes them all
+            later: list[Undo] = []  # what hosts are told, once the whole reload is saved
+
+            async def roll_back() -> None:
+                for step in reversed(undo):
+                    await step()
+                await self._take_out(before, saved[2])
+                self.backing, self._config_backing = saved[0], saved[1]
+
             self._unrestored = []
             self._config_policy(config, errors, start_up=True)
             try:
@@ -1697,29 +1738,55 @@ class TargetService:
                 if not errors:
                     for item in plan.access:
                         self._reload_access(item, undo)
-                if not errors and self.config_path is not None:
-                    self._unrestored = pending
-                    await asyncio.to_thread(configmod.save_config, self.config_path, self.snapshot())
+                    await self._reload_live(plan, undo, later)
             except (ServiceError, configmod.ConfigError) as exc:
                 errors.append(exc.message if isinstance(exc, ServiceError) else str(exc))
+            except BaseException:  # a bug or a cancellation leaves nothing half applied either
+                await roll_back()
+                raise
             if errors:
-                for step in reversed(undo):
-                    step()
-                await self._take_out(before, saved[2])
-                self.backing, self._config_backing = saved[0], saved[1]
+                await roll_back()
                 return errors
             self._unrestored = pending
+            try:
+                await self._commit(True, roll_back)  # the group's store, then the file: once, for all steps
+            except ServiceError as exc:
+                return [exc.message]
             await self._reload_side_effects(plan, later, saved[2])
-        for nqn, nsid, size in plan.resized:  # checked above; each saves the file again
-            await self.resize_namespace(nqn, nsid, size, allow_shrink=True)
-        for nqn, nsid, enabled in plan.enabled:
-            await self.set_namespace_enabled(nqn, nsid, enabled)
-        for nqn, nsid, anagrpid in plan.anagrpid:
-            await self.set_namespace_anagrpid(nqn, nsid, anagrpid)
-        for lid, states in plan.ana_states:
-            await self._reload_ana(lid, states)
         log.info("configuration %s reloaded: %s", self.config_path, plan.summary())
         return []
+
+    async def _reload_live(self, plan: Any, undo: list[Undo], later: list[Undo]) -> None:
+        """The changes to namespaces and listeners that stay: sizes (_resize_problems checked them), enabled,
+        ANA groups and ANA states, each undoable, unsaved; their notices wait in ``later``."""
+        for nqn, nsid, size in plan.resized:
+            step = await self._resize_step(self.get_namespace(nqn, nsid), size, allow_shrink=True)
+            if step is not None:
+                undo.append(step)
+                later.append(_sync(lambda nqn=nqn, nsid=nsid: self.target.namespace_changed(nqn, nsid)))
+        for nqn, nsid, enabled in plan.enabled:
+            ns = self.get_namespace(nqn, nsid)
+            step = self._enabled_step(ns, enabled)
+            if step is not None:
+                undo.append(step)
+                later.append(_sync(lambda nqn=nqn, ns=ns: (self.target.namespace_changed(nqn, ns.nsid),
+                                                           self._ana_changed(subnqn=nqn, groups=(ns.anagrpid,)))))
+        for nqn, nsid, anagrpid in plan.anagrpid:
+            ns = self.get_namespace(nqn, nsid)
+            old = ns.anagrpid
+            step = self._anagrpid_step(ns, anagrpid)
+            if step is not None:
+                undo.append(step)
+                later.append(_sync(lambda nqn=nqn, groups=(old, ns.anagrpid): self._ana_changed(subnqn=nqn,
+                                                                                                groups=groups)))
+        for lid, states in plan.ana_states:
+            done = self._reload_ana(lid, states)
+            if done is not None:
+                undo.append(done[0])
+                changed, groups = done[1], done[2]
+                if changed:
+                    later.append(_sync(lambda changed=changed, groups=groups: self._ana_changed(listeners=changed,
+                                                                                                groups=groups)))
 
     def _resize_problems(self, resized: list[tuple[str, int, int]]) -> list[str]:
         problems = []
@@ -1733,21 +1800,21 @@ class TargetService:
                                 f"({ns.backend.size} -> {size} bytes); shrink it through the API with allow_shrink")
         return problems
 
-    def _reload_take_away(self, plan: Any, undo: list[Callable[[], None]], later: list[Undo]) -> None:
+    def _reload_take_away(self, plan: Any, undo: list[Undo], later: list[Undo]) -> None:
         """The removals, in memory only (undoable); ``later`` disconnects and closes once saved,
         as remove_namespace/remove_subsystem/remove_listener do."""
         for nqn, nsid in plan.removed_namespaces:
             sub = self.target.subsystems[nqn]
             ns = sub.namespaces.pop(nsid)
-            undo.append(lambda sub=sub, ns=ns: sub.namespaces.__setitem__(ns.nsid, ns))
+            undo.append(_sync(lambda sub=sub, ns=ns: sub.namespaces.__setitem__(ns.nsid, ns)))
             later.append(lambda nqn=nqn, ns=ns: self._dropped_namespace(nqn, ns))
         for nqn in plan.removed_subsystems:
             sub = self.target.subsystems.pop(nqn)
-            undo.append(lambda sub=sub: self.target.subsystems.__setitem__(sub.nqn, sub))
+            undo.append(_sync(lambda sub=sub: self.target.subsystems.__setitem__(sub.nqn, sub)))
             later.append(lambda sub=sub: self._dropped_subsystem(sub))
         for lid in plan.removed_listeners:
             lst = self.target.listeners.pop(lid)
-            undo.append(lambda lid=lid, lst=lst: self.target.listeners.__setitem__(lid, lst))
+            undo.append(_sync(lambda lid=lid, lst=lst: self.target.listeners.__setitem__(lid, lst)))
             later.append(lambda lst=lst: self._dropped_listener(lst))
         self.target.referrals[:] = [r for r in self.target.referrals if r.id not in plan.removed_referrals]
 
@@ -1765,7 +1832,7 @@ class TargetService:
         self.target.disconnect_listener(listener)
         await self.target.stop_listener(listener)
 
-    def _reload_access(self, item: dict[str, Any], undo: list[Callable[[], None]]) -> None:
+    def _reload_access(self, item: dict[str, Any], undo: list[Undo]) -> None:
         """Hosts, allow_any_host and DH-HMAC-CHAP lists of a subsystem as ``item`` has them, checked as
         add_subsystem checks them; the hosts it no longer admits lose their controllers afterwards."""
         sub = self.target.subsystems[item["nqn"]]
@@ -1782,7 +1849,7 @@ class TargetService:
             raise _bad(f"subsystem {sub.nqn}: {exc}") from None
         old = (sub.hosts, sub.host_auth, sub.allow_any_host, sub.dhchap_hash, sub.dhchap_dhgroup)
 
-        def back() -> None:
+        async def back() -> None:
             sub.hosts, sub.host_auth, sub.allow_any_host, sub.dhchap_hash, sub.dhchap_dhgroup = old
 
         undo.append(back)

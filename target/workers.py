@@ -32,15 +32,12 @@ import asyncio
 import contextlib
 import logging
 import os
-import struct
 import subprocess
 import sys
 import time
 from typing import TYPE_CHECKING, Any
 
 from nvmeof import defaults
-from nvmeof.spec.fabrics import FABRICS_OPCODE
-from nvmeof.spec.nvme import FabricsType
 from nvmeof.tcp import HandoffRefused, HandoffState, State
 from target.backends.base import BackendError
 from target.controller import ErrorRecord
@@ -61,12 +58,6 @@ SETTLE_TIMEOUT = 5.0        # seconds a management call waits for workers to app
 STOP_TIMEOUT = 5.0          # seconds workers get to exit before they are killed
 HANDOFF_DRAIN_TIMEOUT = 5.0  # seconds the Connect response may take to leave before the socket moves
 RESTART_BACKOFF = 1.0       # seconds before restarting a worker that died within RESTART_BACKOFF of its start
-_QID_OFFSET = 42            # Connect SQE: QID is the upper half of CDW10 (bytes 40-43)
-
-
-def _is_io_connect(sqe: memoryview) -> bool:
-    return sqe[0] == FABRICS_OPCODE and sqe[4] == FabricsType.CONNECT and \
-        struct.unpack_from("<H", sqe, _QID_OFFSET)[0] != 0
 
 
 class WorkerHandle:

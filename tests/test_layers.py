@@ -8,11 +8,18 @@
 Module-level and function-level imports count alike (a lazy import is still an arrow), and so does
 ``importlib.import_module("...")`` / ``__import__("...")`` with a literal name. Inside the initiator,
 no two modules may import each other, directly or around a longer loop.
+
+Nor does a module set an attribute on another object's instance (``obj.x = ...``, not ``self``/``cls``)
+with ``# type: ignore``: an attribute the owner does not declare is an interface nobody can see; the
+owner declares it (or offers a method), as Target does for peer_listeners and transport_state.
 """
 
 from __future__ import annotations
 
 import ast
+import io
+import re
+import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -157,7 +164,38 @@ def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
     return cycles
 
 
+def undeclared_writes(source: str, path: str) -> list[str]:
+    """``path:line: obj.attr`` for each assignment to another object's attribute silenced with # type: ignore."""
+    # a bare ignore, or attr-defined: the attribute is not declared. [assignment] / [method-assign] on a declared
+    # one (worker.py's RemoteController as queue.ctrl, FastAPI's documented app.openapi override) are typing
+    # matters, not hidden interfaces.
+    ignored = {tok.start[0] for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+               if tok.type == tokenize.COMMENT and re.search(r"type:\s*ignore(?!\[)|type:\s*ignore\[[^]]*attr-defined",
+                                                             tok.string)}
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        else:
+            continue
+        flat = [t for target in targets for t in (target.elts if isinstance(target, ast.Tuple) else [target])]
+        lines = set(range(node.lineno, (node.end_lineno or node.lineno) + 1))
+        for t in flat:
+            if isinstance(t, ast.Attribute) and not (isinstance(t.value, ast.Name) and t.value.id in ("self", "cls")) \
+                    and lines & ignored:
+                found.append(f"{path}:{node.lineno}: {ast.unparse(t)}")
+    return found
+
+
 # --------------------------------------------------------------------------- the tree
+
+
+def test_no_attribute_is_set_on_another_object_with_type_ignore() -> None:
+    bad = [w for package in PACKAGES for path, text in _sources(package).items()
+           for w in undeclared_writes(text, path)]
+    assert not bad, "undeclared attributes set from outside (declare them on the owner):\n" + "\n".join(bad)
 
 
 def test_layers_point_down() -> None:
@@ -250,3 +288,17 @@ def test_cycle_checker_catches_a_planted_cycle() -> None:
         "initiator/d.py": "from initiator import x\nfrom initiator.a import x\n",  # imports, is not imported
     }
     assert import_cycles(sources) == [["initiator.a", "initiator.b", "initiator.c"]]
+
+
+@pytest.mark.parametrize(("source", "found"), [
+    ("target.peer_listeners = peers  # type: ignore[attr-defined]\n", ["m.py:1: target.peer_listeners"]),
+    ("def f(h):\n    h._ours = True  # type: ignore\n", ["m.py:2: h._ours"]),
+    ("a.b.c, x = (\n    1, 2)  # type: ignore\n", ["m.py:1: a.b.c"]),
+    ("obj.n += 1  # type: ignore[attr-defined]\n", ["m.py:1: obj.n"]),
+    ("self.x = 1  # type: ignore\ncls.y = 2  # type: ignore\n", []),     # the owner itself
+    ("obj.declared = 1\n", []),                                            # nothing silenced
+    ("queue.ctrl = remote  # type: ignore[assignment]\n", []),             # declared, another type
+    ("x = obj.attr  # type: ignore\n", []),                               # a read
+])
+def test_undeclared_write_checker(source: str, found: list[str]) -> None:
+    assert undeclared_writes(source, "m.py") == found

@@ -38,6 +38,7 @@ from raw_pdu import (
 
 from nvmeof import defaults
 from nvmeof.spec.nvme import Command, IoOpcode
+from target.core import Target
 from target.transports.tcp import RECV_BUFFER_MIN, TargetConnection, TcpLimits, TcpPort, fd_headroom
 from tests.ports import free_ports
 
@@ -195,12 +196,10 @@ def test_the_cap_stays_below_rlimit_nofile():
 def test_the_daemon_raises_its_soft_fd_limit_for_the_cap():
     code = textwrap.dedent("""
         import resource
+        from target.core import Target
         from target.transports.tcp import TcpLimits, TcpPort
         resource.setrlimit(resource.RLIMIT_NOFILE, (256, 4096))
-        class T:
-            pass
-        t = T()
-        port = TcpPort.of(t)
+        port = TcpPort.of(Target())
         port.configure(TcpLimits(max_connections=1000), raise_fd_limit=True)
         print(resource.getrlimit(resource.RLIMIT_NOFILE)[0], port.max_total)
         resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
@@ -474,3 +473,11 @@ def _host_io(io: int) -> None:
         ctrl.write(1, 8, data)
         assert ctrl.read(1, 8, 16) == data
 
+
+
+def test_each_target_keeps_its_own_port_state() -> None:
+    """TcpPort.of lives in the Target's declared transport_state: one per Target, gone with it."""
+    a, b = Target(), Target()
+    port = TcpPort.of(a)
+    assert TcpPort.of(a) is port and a.transport_state == {"tcp": port}
+    assert TcpPort.of(b) is not port and b.transport_state["tcp"] is TcpPort.of(b)

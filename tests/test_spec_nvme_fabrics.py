@@ -124,3 +124,11 @@ def test_discovery_log_entry_offsets():
     hdr = f.DiscoveryLogHeader.build(dict(genctr=7, numrec=2, recfmt=0))
     assert hdr[:8] == (7).to_bytes(8, "little") and hdr[8:16] == (2).to_bytes(8, "little")
     assert f.DiscoveryLogEntryCompiled.parse(raw).traddr == "10.0.2.2"
+
+
+def test_connect_invalid_param_result_layout():
+    """IATTR in DW0 bits 23:16, IPO in bits 15:0; the target builds it and the initiator reads it with one pair."""
+    assert f.connect_invalid_param_result(f.CONNECT_IATTR_DATA, 512) == 0x0001_0200
+    assert f.connect_invalid_param_result(f.CONNECT_IATTR_SQE, 44) == 44
+    assert f.parse_connect_invalid_param(0x0001_0100) == (f.CONNECT_IATTR_DATA, 256)
+    assert f.parse_connect_invalid_param(0xFF00_002C) == (0, 44)

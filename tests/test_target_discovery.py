@@ -119,3 +119,22 @@ async def test_discovery_change_aen(target):
     target.discovery_changed()
     await asyncio.sleep(0.02)
     assert not io_aer.done()
+
+
+async def test_peer_listeners_are_listed_and_a_change_bumps_genctr(target):
+    """A gateway group member's peers (Target.set_peer_listeners) are entries of its discovery log; setting
+    the same peers again is no change."""
+    peer = Listener("tcp", "ipv4", "192.0.2.20", 4420, portid=3)
+    genctr = target.genctr
+    target.set_peer_listeners([peer])
+    assert target.genctr == genctr + 1
+    target.set_peer_listeners([Listener("tcp", "ipv4", "192.0.2.20", 4420, portid=3)])
+    assert target.genctr == genctr + 1 and target.peer_listeners == [peer]
+    host, _ = await admin_session(target, defaults.DISCOVERY_NQN)
+    page = await read_log(host)
+    hdr = DiscoveryLogHeader.parse(page[:1024])
+    entries = [DiscoveryLogEntry.parse(page[1024 * (i + 1):1024 * (i + 2)]) for i in range(hdr.numrec)]
+    assert [(e.traddr, e.portid) for e in entries if e.subtype == SubType.NVME] == [("192.0.2.10", 1),
+                                                                                 ("192.0.2.20", 3)]
+    target.set_peer_listeners([])
+    assert target.genctr == genctr + 2 and target.peer_listeners == []

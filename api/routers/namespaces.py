@@ -7,12 +7,13 @@ from fastapi import APIRouter, Path, Response, status
 from api import render, schemas
 from api.deps import JsonRoute, Service
 from api.errors import ERRORS
+from nvmeof.spec.identify import NSID_MAX
 from target.backends import OPTION_KEYS
 
 router = APIRouter(prefix="/subsystems/{nqn}/namespaces", tags=["namespaces"], responses=ERRORS,
                    route_class=JsonRoute)
 
-Nsid = Path(ge=1, le=schemas.NSID_MAX, description="Namespace ID")
+Nsid = Path(ge=1, le=NSID_MAX, description="Namespace ID")
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=schemas.NamespaceOut)

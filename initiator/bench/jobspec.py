@@ -7,6 +7,7 @@ from typing import Any
 
 from initiator.bench.verify import DEFAULT_VERIFY_SEED, VERIFY_HEADER_SIZE, VERIFY_MODES
 from nvmeof import defaults
+from nvmeof.spec.identify import NSID_MAX
 
 RW_MODES = ("read", "write", "randread", "randwrite", "randrw", "readwrite", "rw")
 DEFAULT_RANDSEED = 0x3C5A7E19
@@ -103,8 +104,8 @@ class JobSpec:
             raise BenchError(f"--size {self.size} must be positive")
         if self.offset < 0:
             raise BenchError(f"--offset {self.offset} must not be negative")
-        if not 1 <= self.nsid <= 0xFFFFFFFE:
-            raise BenchError(f"--nsid {self.nsid} is not a valid namespace ID (1 to 0xFFFFFFFE)")
+        if not 1 <= self.nsid <= NSID_MAX:
+            raise BenchError(f"--nsid {self.nsid} is not a valid namespace ID (1 to {NSID_MAX:#X})")
         if self.verify is not None:
             if self.verify not in VERIFY_MODES:
                 raise BenchError(f"--verify {self.verify!r} is not supported: use {', '.join(VERIFY_MODES)}")

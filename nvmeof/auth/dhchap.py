@@ -30,10 +30,6 @@ DHGROUP_NAMES: dict[int, str] = {0: "null", 1: "ffdhe2048", 2: "ffdhe3072", 3: "
 DHGROUP_BITS: dict[int, int] = {1: 2048, 2: 3072, 3: 4096, 4: 6144, 5: 8192}
 
 
-def hash_len(hash_id: int) -> int:
-    return HASH_LENGTHS[hash_id]
-
-
 def hmac_digest(hash_id: int, key: bytes, *parts: bytes) -> bytes:
     mac = hmac.new(key, digestmod=HASH_NAMES[hash_id])
     for part in parts:

@@ -37,15 +37,18 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, ensure_ascii=False, default=str)
 
 
+class _OurHandler(logging.StreamHandler):
+    """The stderr handler configure() installs, told apart from anyone else's."""
+
+
 def configure(level: str, fmt: str = "text") -> None:
     """Log to stderr (journald under systemd, `docker logs` in a container) at ``level``. Like
     logging.basicConfig, nothing changes when someone else (pytest, an embedding program) already
     set up the root logger; a handler of ours from an earlier call is replaced."""
     root = logging.getLogger()
-    if any(not getattr(h, "_nvmeof", False) for h in root.handlers):
+    if any(not isinstance(h, _OurHandler) for h in root.handlers):
         return
-    handler = logging.StreamHandler(sys.stderr)
-    handler._nvmeof = True  # type: ignore[attr-defined]
+    handler = _OurHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
     root.handlers[:] = [handler]
     root.setLevel(getattr(logging, level.upper()))

@@ -17,6 +17,9 @@ DISCOVERY_LOG_HEADER_SIZE = 1024
 DISCOVERY_LOG_ENTRY_SIZE = 1024
 NQN_FIELD_SIZE = 256
 NVMF_NQN_SIZE = 223  # longest NQN, bytes of UTF-8
+# Discovery Log Page Entry PORTID is 16 bits with no value reserved; nvmet takes any u16 for a port
+# (nvmet_ports_make) and a referral (nvmet_addr_portid_store), and nvmetcli passes it through.
+PORTID_MAX = 0xFFFF
 
 # Connect CATTR bits
 CATTR_PRIORITY_MASK = 0x3
@@ -153,6 +156,11 @@ CONNECT_IATTR_DATA = 1
 
 def connect_invalid_param_result(iattr: int, ipo: int) -> int:
     return ((iattr & 0xFF) << 16) | (ipo & 0xFFFF)
+
+
+def parse_connect_invalid_param(result: int) -> tuple[int, int]:
+    """(IATTR, IPO) of a refused Connect's DW0."""
+    return (result >> 16) & 0xFF, result & 0xFFFF
 
 
 ConnectCommand = Struct(

@@ -696,11 +696,6 @@ class RbdBackend(Backend):
                 raise BackendError(f"{self._name()} is closed (its namespace was removed)")
             self._image.lock_break(mode, owner)
 
-    def client_cluster(self) -> Any:
-        """The librados handle this image is opened through (None once closed)."""
-        conn = self._conn
-        return conn.cluster if conn is not None else None
-
     # identity -----------------------------------------------------------------------------------
 
     def stored_identity(self) -> dict[str, str] | None:

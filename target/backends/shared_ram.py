@@ -115,9 +115,6 @@ class SharedRamBackend(MappedRam):
         if size != self._size:
             self._set_map(_map(self._fd, size), size)
 
-    def set_read_only(self, read_only: bool) -> None:
-        self._read_only = read_only
-
     def close(self) -> None:
         if self._closed:
             return

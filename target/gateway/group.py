@@ -573,11 +573,7 @@ class GatewayGroup:
                                           trsvcid=int(entry["trsvcid"]), portid=int(entry["portid"])))
                 except (KeyError, TypeError, ValueError):
                     continue
-        target = self.service.target
-        old = getattr(target, "peer_listeners", [])
-        if [p.id for p in old] != [p.id for p in peers]:
-            target.peer_listeners = peers  # type: ignore[attr-defined]
-            target.discovery_changed()
+        self.service.target.set_peer_listeners(peers)
 
     # --- report (gateway list, REST) ---------------------------------------------------------------
     async def report(self) -> dict[str, Any]:

@@ -31,7 +31,6 @@ import os
 import resource
 import socket
 import time
-import weakref
 from collections import deque
 from collections.abc import Awaitable
 from dataclasses import dataclass
@@ -283,8 +282,6 @@ class TcpPort:
     """One Target's NVMe/TCP port state: limits, the connection counts behind the caps, the global
     H2C budget, and the rate-limited log lines of refusals and timeouts."""
 
-    _ports: weakref.WeakKeyDictionary[Any, TcpPort] = weakref.WeakKeyDictionary()
-
     def __init__(self) -> None:
         self.limits = TcpLimits()
         self.h2c = H2CBudget(self.limits.h2c_global_budget)
@@ -322,10 +319,11 @@ class TcpPort:
         _malloc_trim(0)
 
     @classmethod
-    def of(cls, target: Any) -> TcpPort:
-        port = cls._ports.get(target)
+    def of(cls, target: Target) -> TcpPort:
+        """The one TcpPort of ``target``, kept in its declared ``transport_state``."""
+        port = target.transport_state.get("tcp")
         if port is None:
-            port = cls._ports[target] = cls()
+            port = target.transport_state["tcp"] = cls()
         return port
 
     def configure(self, limits: TcpLimits, *, raise_fd_limit: bool = False) -> None:

@@ -12,6 +12,7 @@ from typing import Any, TextIO
 import click
 
 from nvmeof import __version__, defaults
+from nvmeof.spec.identify import NSID_MAX
 
 from .common import parse_size, run_async
 from .host import dhchap_options
@@ -234,7 +235,7 @@ def format_normal(report: Any) -> str:
               help="Region length from --offset (default: to the end of the namespace); also the "
                    "amount of I/O per job unless --time_based.")
 @click.option("--offset", type=SIZE, default="0", help="Start of the region on the namespace.")
-@click.option("--nsid", type=click.IntRange(1, 0xFFFFFFFE), default=1, help="Namespace ID.")
+@click.option("--nsid", type=click.IntRange(1, NSID_MAX), default=1, help="Namespace ID.")
 @click.option("--verify", type=click.Choice(["crc32c", "none"]), default="none",
               help="crc32c: write a checkable pattern (write jobs), read it back and check it.")
 @click.option("--verify_seed", "verify_seed", type=int, default=None, hidden=True)

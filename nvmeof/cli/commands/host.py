@@ -15,6 +15,7 @@ import click
 
 from nvmeof import defaults
 from nvmeof.auth import AuthFailure
+from nvmeof.spec.identify import NSID_MAX
 from nvmeof.spec.nvme import FeatureId, LogPageId
 from nvmeof.status import NvmeError
 
@@ -176,7 +177,7 @@ async def _read(conn: dict, nsid: int, slba: int, nlb: int) -> bytes:
 
 @click.command()
 @connection_options(defaults.TCP_IO_PORT)
-@click.option("--nsid", type=click.IntRange(1, 0xFFFFFFFE), default=1, show_default=True)
+@click.option("--nsid", type=click.IntRange(1, NSID_MAX), default=1, show_default=True)
 @click.option("--slba", "-z", type=click.IntRange(0), default=0, show_default=True, help="Starting LBA.")
 @click.option("--nlb", "-c", type=click.IntRange(1), default=1, show_default=True, help="Number of blocks.")
 @click.option("-d", "--data", "--output", "output", type=click.File("wb"), default="-",
@@ -202,7 +203,7 @@ async def _write(conn: dict, nsid: int, slba: int, data: bytes, fua: bool) -> in
 
 @click.command()
 @connection_options(defaults.TCP_IO_PORT)
-@click.option("--nsid", type=click.IntRange(1, 0xFFFFFFFE), default=1, show_default=True)
+@click.option("--nsid", type=click.IntRange(1, NSID_MAX), default=1, show_default=True)
 @click.option("--slba", "-z", type=click.IntRange(0), default=0, show_default=True, help="Starting LBA.")
 @click.option("-i", "--input", "input_", type=click.File("rb"), default="-",
               help="Data to write (default stdin); padded with zeros to a whole block.")

@@ -24,6 +24,8 @@ from urllib.parse import quote
 import click
 
 from nvmeof import defaults
+from nvmeof.spec.fabrics import PORTID_MAX
+from nvmeof.spec.identify import NSID_MAX
 from nvmeof.spec.logs import ANA_STATE_NAMES
 from nvmeof.uri import parse_address
 from target.backends import KINDS
@@ -222,7 +224,7 @@ def subsystem() -> None:
 @click.option("--allow-any-host/--no-allow-any-host", default=None,
               help="Let any host connect (the default when no --host is given).")
 @click.option("--host", "hosts", multiple=True, metavar="HOSTNQN", help="Allowed host NQN (repeatable).")
-@click.option("--max-namespaces", type=click.IntRange(1, 0xFFFFFFFE), default=defaults.MAX_NAMESPACES,
+@click.option("--max-namespaces", type=click.IntRange(1, NSID_MAX), default=defaults.MAX_NAMESPACES,
               show_default=True)
 @click.option("--dhchap-hash", "dhchap_hash", multiple=True, metavar="HASH[,HASH]",
               help="DH-HMAC-CHAP hashes its hosts may use, in order of preference (default: all).")
@@ -357,7 +359,7 @@ def _ns_path(nqn: str, nsid: int | None = None, action: str = "") -> str:
                              "--backing-dir), or of a block device it allows (file backend).")
 @click.option("--size", callback=_size, metavar="SIZE", help="Bytes, or with K/M/G/T (ram, null, --create).")
 @click.option("--block-size", type=click.Choice(["512", "4096"]), default="512", show_default=True)
-@click.option("--nsid", type=click.IntRange(1, 0xFFFFFFFE), help="Namespace ID; the lowest free one if omitted.")
+@click.option("--nsid", type=click.IntRange(1, NSID_MAX), help="Namespace ID; the lowest free one if omitted.")
 @click.option("--uuid", "ns_uuid", help="Namespace UUID; generated if omitted.")
 @click.option("--nguid", help="32 hexadecimal digits; generated if omitted.")
 @click.option("--eui64", help="16 hexadecimal digits; generated if omitted.")
@@ -404,7 +406,7 @@ def ns_list(api: Api, as_json: bool, nqn: str) -> None:
 
 @api_command(ns, "show")
 @click.argument("nqn")
-@click.argument("nsid", type=click.IntRange(1, 0xFFFFFFFE))
+@click.argument("nsid", type=click.IntRange(1, NSID_MAX))
 def ns_show(api: Api, as_json: bool, nqn: str, nsid: int) -> None:
     """Show one namespace and its I/O statistics."""
     namespace = api.call("GET", _ns_path(nqn, nsid))
@@ -420,7 +422,7 @@ def ns_show(api: Api, as_json: bool, nqn: str, nsid: int) -> None:
 
 @api_command(ns, "resize")
 @click.argument("nqn")
-@click.argument("nsid", type=click.IntRange(1, 0xFFFFFFFE))
+@click.argument("nsid", type=click.IntRange(1, NSID_MAX))
 @click.argument("size", callback=_size)
 @click.option("--allow-shrink", is_flag=True,
               help="Allow a smaller SIZE: hosts lose the namespace's tail (its file is cut if it covered it all).")
@@ -441,7 +443,7 @@ def ns_resize(api: Api, as_json: bool, nqn: str, nsid: int, size: int, allow_shr
 def _ns_state(action: str) -> Callable:
     @api_command(ns, action)
     @click.argument("nqn")
-    @click.argument("nsid", type=click.IntRange(1, 0xFFFFFFFE))
+    @click.argument("nsid", type=click.IntRange(1, NSID_MAX))
     def change(api: Api, as_json: bool, nqn: str, nsid: int) -> None:
         result = api.call("POST", _ns_path(nqn, nsid, action))
         if as_json:
@@ -459,7 +461,7 @@ ns_disable = _ns_state("disable")
 
 @api_command(ns, "set-anagrpid")
 @click.argument("nqn")
-@click.argument("nsid", type=click.IntRange(1, 0xFFFFFFFE))
+@click.argument("nsid", type=click.IntRange(1, NSID_MAX))
 @click.argument("anagrpid", type=click.IntRange(1, defaults.ANAGRPMAX))
 def ns_set_anagrpid(api: Api, as_json: bool, nqn: str, nsid: int, anagrpid: int) -> None:
     """Move a namespace to ANA group ANAGRPID (connected hosts are told and re-read the ANA log)."""
@@ -472,7 +474,7 @@ def ns_set_anagrpid(api: Api, as_json: bool, nqn: str, nsid: int, anagrpid: int)
 
 @api_command(ns, "reservations")
 @click.argument("nqn")
-@click.argument("nsid", type=click.IntRange(1, 0xFFFFFFFE))
+@click.argument("nsid", type=click.IntRange(1, NSID_MAX))
 def ns_reservations(api: Api, as_json: bool, nqn: str, nsid: int) -> None:
     """Show a namespace's persistent reservation: holder, type, registrants (keys redacted), generation."""
     resv = api.call("GET", _ns_path(nqn, nsid, "reservations"))
@@ -496,7 +498,7 @@ def ns_reservations(api: Api, as_json: bool, nqn: str, nsid: int) -> None:
 
 @api_command(ns, "del")
 @click.argument("nqn")
-@click.argument("nsid", type=click.IntRange(1, 0xFFFFFFFE))
+@click.argument("nsid", type=click.IntRange(1, NSID_MAX))
 def ns_del(api: Api, as_json: bool, nqn: str, nsid: int) -> None:
     """Remove a namespace (its file is kept)."""
     api.call("DELETE", _ns_path(nqn, nsid))
@@ -682,7 +684,7 @@ def listener() -> None:
 @api_command(listener, "add")
 @click.argument("address", metavar="[tcp|rdma://]ADDR[:PORT]", callback=_address(defaults.TCP_IO_PORT))
 @click.option("--discovery", is_flag=True, help="Serve the discovery subsystem here (usually port 8009).")
-@click.option("--portid", type=click.IntRange(1, 0xFFFE), help="Port ID in the discovery log.")
+@click.option("--portid", type=click.IntRange(1, PORTID_MAX), help="Port ID in the discovery log.")
 def listener_add(api: Api, as_json: bool, address, discovery: bool, portid: int | None) -> None:
     """Start listening on ADDRESS (default port 4420)."""
     body = {"trtype": address.trtype, "traddr": address.traddr, "trsvcid": address.trsvcid,
@@ -760,7 +762,7 @@ def referral() -> None:
 @api_command(referral, "add")
 @click.argument("address", metavar="[tcp|rdma://]ADDR[:PORT]", callback=_address(defaults.TCP_DISCOVERY_PORT))
 @click.option("--subnqn", default=defaults.DISCOVERY_NQN, show_default=True)
-@click.option("--portid", type=click.IntRange(0, 0xFFFE), default=0, show_default=True)
+@click.option("--portid", type=click.IntRange(0, PORTID_MAX), default=0, show_default=True)
 def referral_add(api: Api, as_json: bool, address, subnqn: str, portid: int) -> None:
     """Add a referral to ADDRESS (default port 8009)."""
     body = {"trtype": address.trtype, "traddr": address.traddr, "trsvcid": address.trsvcid,

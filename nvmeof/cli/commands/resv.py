@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 import click
 
 from nvmeof import defaults
-from nvmeof.spec.identify import CTRATT_HOST_ID_128
+from nvmeof.spec.identify import CTRATT_HOST_ID_128, NSID_MAX
 from nvmeof.spec.reservations import (
     ACTION_MASK,
     EXT_HEADER_SIZE,
@@ -100,7 +100,7 @@ RTYPE_HELP = ("1 write-exclusive, 2 exclusive-access, 3 write-exclusive-registra
 
 
 def _nsid_option(f: Callable) -> Callable:
-    return click.option("--namespace-id", "--nsid", "nsid", type=click.IntRange(1, 0xFFFFFFFE), default=1,
+    return click.option("--namespace-id", "--nsid", "nsid", type=click.IntRange(1, NSID_MAX), default=1,
                         show_default=True, help="Namespace ID (nvme-cli's -n; -n is the subsystem NQN here).")(f)
 
 
