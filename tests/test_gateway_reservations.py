@@ -97,3 +97,28 @@ def test_reservation_survives_the_crash_of_the_member_it_was_taken_on(tmp_path: 
             await b.stop()
 
     asyncio.run(go())
+
+
+def test_a_restart_of_the_whole_group_clears_states_without_ptpl(tmp_path: Path) -> None:
+    async def go() -> None:
+        a = await Member(tmp_path, "gw-a").start(first=True)
+        ha = await tcp_host(a.port, HOST_A, "aaaa")
+        assert (await ha.register(0xA1)).status == 0                 # no PTPL
+        assert (await ha.acquire(0xA1, T.WRITE_EXCLUSIVE)).status == 0
+        await a.crash()
+        a2 = await Member(tmp_path, "gw-a").start()                   # nobody else alive: a power loss
+        try:
+            assert not a2.target.subsystems[SUB].namespaces[1].pr.registrants
+            ha = await tcp_host(a2.port, HOST_A, "aaaa")
+            assert (await ha.register(0xA1, cptpl=3)).status == 0     # now with PTPL
+            assert (await ha.acquire(0xA1, T.WRITE_EXCLUSIVE)).status == 0
+        finally:
+            await a2.crash()
+        a3 = await Member(tmp_path, "gw-a").start()
+        try:
+            ns = a3.target.subsystems[SUB].namespaces[1]
+            assert ns.pr.rtype == T.WRITE_EXCLUSIVE and ns.pr.ptpl
+        finally:
+            await a3.stop()
+
+    asyncio.run(go())

@@ -147,6 +147,12 @@ class GatewayGroup:
         # reservations live in the group's store from now on, before any namespace is restored here
         self.prstore = GroupPrStore(self.store, self.service.target)
         self.service.target.pr_store = self.prstore
+        members = await self._run(self.store.members)
+        if not any(m.alive and m.name != self.name for m in members):
+            cleared = await self._run(self.prstore.forget_volatile)
+            if cleared:
+                log.info("gateway %s: the whole group was down; %d reservation state(s) without PTPL cleared",
+                         self.name, cleared)
         self.store.watch(self._notified)
         log.info("gateway %s joined group %s (%s) as member %d: controller IDs %d-%d", self.name, self.store.group,
                  self.store.where, self.index, lo, hi)

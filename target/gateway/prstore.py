@@ -97,6 +97,21 @@ class GroupPrStore(PrStore):
         except StoreError as exc:
             log.warning("cannot acknowledge the applied reservation versions: %s", exc)
 
+    def forget_volatile(self) -> int:
+        """The first member of a group to start (none other alive): the whole group was down, which is the
+        group's power loss, so states without PTPL end as the spec says; returns how many were cleared."""
+        cleared = 0
+        for key in self.store.reservation_versions():
+            version, record = self.store.get_reservation(key)
+            state = (record or {}).get("state") or {}
+            if state and not state.get("ptpl"):
+                try:
+                    self.store.put_reservation(key, {"state": {}, "change": {}}, version)
+                    cleared += 1
+                except ConfigConflict:
+                    continue   # another member started meanwhile and changed it: it is live state
+        return cleared
+
     async def sync(self) -> None:
         """Apply every version another member committed since (the store notified a change)."""
         versions = await asyncio.to_thread(self.store.reservation_versions)
