@@ -55,6 +55,7 @@ RESV_OPCODES = frozenset({IoOpcode.RESV_REGISTER, IoOpcode.RESV_REPORT, IoOpcode
                           IoOpcode.RESV_RELEASE})
 COMMIT_RETRIES = 8          # compare-and-swap rounds a command tries before it reports the store busy
 ABORT_DRAIN_TIMEOUT = 30.0  # seconds preempt-and-abort waits for the preempted hosts' commands
+RESV_DATA_MAX = 4096        # the most data a Register/Acquire/Release may carry (only the first 8-16 bytes count)
 REPORT_MAX = 64 * 1024      # the most a Reservation Report returns (NUMD beyond: cut, as REGCTL still counts all)
 
 
@@ -166,16 +167,29 @@ def parse(req: Request, ns: Namespace, target: Target) -> None:
                         "(serve --workers keeps no reservation state in its worker processes)")
     op = req.cmd.opcode
     if op == IoOpcode.RESV_REGISTER:
-        req.expect(Direction.H2C, REGISTER_DATA_SIZE, _register)
+        req.expect(Direction.H2C, _data_len(req, REGISTER_DATA_SIZE), _register)
     elif op == IoOpcode.RESV_ACQUIRE:
-        req.expect(Direction.H2C, ACQUIRE_DATA_SIZE, _acquire)
+        req.expect(Direction.H2C, _data_len(req, ACQUIRE_DATA_SIZE), _acquire)
     elif op == IoOpcode.RESV_RELEASE:
-        req.expect(Direction.H2C, RELEASE_DATA_SIZE, _release)
+        req.expect(Direction.H2C, _data_len(req, RELEASE_DATA_SIZE), _release)
     else:
         size = 4 * ((req.cmd.cdw10 & 0xFFFFFFFF) + 1)
         if size > REPORT_MAX:
             raise NvmeError(Status.INVALID_FIELD, f"Reservation Report NUMD asks {size} bytes; at most {REPORT_MAX}")
         req.expect(Direction.C2H, size, _report)
+
+
+def _data_len(req: Request, needed: int) -> int:
+    """What the host sends may be longer than the command's data: the Linux host sends Reservation Release with
+    its 16-byte buffer (nvme_send_pr_command), and nvmet reads only the first bytes (nvmet_copy_from_sgl)."""
+    length = req.cmd.sgl().length
+    if length < needed:
+        raise NvmeError(Status.SGL_INVALID_DATA, f"opcode {req.cmd.opcode:#04x} carries {needed} bytes of data; the "
+                        f"SGL describes {length}")
+    if length > RESV_DATA_MAX:
+        raise NvmeError(Status.SGL_INVALID_DATA, f"opcode {req.cmd.opcode:#04x} with {length} bytes of data "
+                        f"(at most {RESV_DATA_MAX})")
+    return length
 
 
 def conflict(ns: Namespace, ctrl_hostid: bytes, op: int) -> NvmeError:

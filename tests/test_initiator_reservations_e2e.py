@@ -198,7 +198,7 @@ async def test_register_replace_unregister_and_wrong_keys():
         with pytest.raises(NvmeError) as info:
             await a.resv_release(1, crkey=7, rtype=ReservationType.WRITE_EXCLUSIVE)
         assert info.value.status == conflict      # a host that is not registered cannot release
-        with pytest.raises(ValueError, match="nsid must be"):
+        with pytest.raises(ValueError, match="NSID 0 is outside"):
             await a.resv_report(0)
 
 

@@ -304,3 +304,15 @@ async def test_batch_engine_fast_path_enforces_the_reservation():
     finally:
         await server.stop()
         await tgt.close()
+
+
+async def test_release_with_the_linux_hosts_16_byte_buffer(target, hosts):
+    """nvme_pr_release sends Release with 16 bytes of data (the kernel's IOC_PR_RELEASE / IOC_PR_CLEAR)."""
+    a, _, c = hosts
+    await a.register(5)
+    await a.acquire(5, T.EXCLUSIVE_ACCESS)
+    res = await a.io.cmd(Command(IoOpcode.RESV_RELEASE, nsid=1, cdw10=int(T.EXCLUSIVE_ACCESS) << 8),
+                         struct.pack("<QQ", 5, 0))
+    assert res.status == 0 and (await c.read()).status == 0
+    short = await a.io.cmd(Command(IoOpcode.RESV_REGISTER, nsid=1, cdw10=0), struct.pack("<Q", 5))
+    assert short.status == Status.SGL_INVALID_DATA
