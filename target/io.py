@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 _perf_ns = time.perf_counter_ns
 _READ, _WRITE, _FLUSH = IoOpcode.READ.value, IoOpcode.WRITE.value, IoOpcode.FLUSH.value
 _COMPARE, _WZ, _DSM = IoOpcode.COMPARE.value, IoOpcode.WRITE_ZEROES.value, IoOpcode.DATASET_MANAGEMENT.value
+DSM_DATA_MAX = 256 * DSM_RANGE_SIZE   # 256 ranges (NR is 8 bits); longer transfers are refused
 _RESV_OPS = frozenset(int(op) for op in pr.RESV_OPCODES)
 
 
@@ -80,7 +81,14 @@ def _parse_nvm(req: Request, ns: Namespace, op: int, cmd, subnqn: str) -> None:
         nr = (cmd.cdw10 & 0xFF) + 1
         if cmd.cdw11 & DSM_AD:
             _check_writable(ns, subnqn)
-        req.expect(Direction.H2C, nr * DSM_RANGE_SIZE, _dsm)
+        # The transfer may be longer than the NR ranges: mkfs.xfs discards with one range in a 4 KiB buffer, and
+        # nvmet accepts any length from the ranges' up (nvmet_check_data_len_lte); only the ranges are read.
+        needed = nr * DSM_RANGE_SIZE
+        length = cmd.sgl().length
+        if length < needed or length > DSM_DATA_MAX:
+            raise NvmeError(Status.SGL_INVALID_DATA, f"Dataset Management of {nr} range(s) needs {needed} bytes "
+                            f"(at most {DSM_DATA_MAX}); the SGL describes {length}")
+        req.expect(Direction.H2C, length, _dsm)
     else:
         raise NvmeError(Status.INVALID_OPCODE, f"I/O opcode {op:#04x} is not supported")
 
@@ -226,7 +234,7 @@ async def _dsm(req: Request) -> None:
         return   # integral read/write hints only: nothing to do
     data = req.data
     ranges = []
-    for i in range(0, len(data), DSM_RANGE_SIZE):
+    for i in range(0, ((req.cmd.cdw10 & 0xFF) + 1) * DSM_RANGE_SIZE, DSM_RANGE_SIZE):
         rng = DsmRange.parse(data[i:i + DSM_RANGE_SIZE])
         _check_range(ns, rng.slba, rng.nlb)
         ranges.append((rng.slba, rng.nlb))

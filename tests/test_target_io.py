@@ -218,6 +218,12 @@ async def test_dataset_management(target):
     # NR says 2 ranges, the data holds 1
     res = await io.cmd(Command(IoOpcode.DATASET_MANAGEMENT, nsid=1, cdw10=1, cdw11=DSM_AD), ranges[:16])
     assert res.status == Status.SGL_INVALID_DATA
+    # one range in a 4 KiB buffer, as mkfs.xfs sends it (blktests nvme/012): only NR+1 ranges are read
+    padded = DsmRange.build({"cattr": 0, "nlb": 4, "slba": 60}) + os.urandom(4096 - 16)
+    res = await io.cmd(Command(IoOpcode.DATASET_MANAGEMENT, nsid=1, cdw10=0, cdw11=DSM_AD), padded)
+    assert res.status == 0 and (await read(io, 0, 64)).data == data[:60 * 512] + bytes(4 * 512)
+    too_long = await io.cmd(Command(IoOpcode.DATASET_MANAGEMENT, nsid=1, cdw10=0, cdw11=DSM_AD), bytes(4112))
+    assert too_long.status == Status.SGL_INVALID_DATA
 
 
 async def test_compare(target):
