@@ -3,16 +3,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
+import uuid as uuid_mod
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+import initiator
 from nvmeof.auth.secret import generate_secret
+from nvmeof.status import NvmeError, Status
 
 _REPO = Path(__file__).resolve().parents[1]
 if str(_REPO) not in sys.path:
@@ -58,6 +62,17 @@ def show(env: dict[str, str], what: str) -> str:
     assert proc.returncode == 0, (what, proc.stderr)
     assert proc.stdout.endswith("\n") and proc.stdout.count("\n") == 1, proc.stdout
     return proc.stdout[:-1]
+
+
+async def _namespace_uuid(target: OurTarget, hostkey: str | None, ctrlkey: str | None) -> str:
+    ctrl = initiator.HostController(target.traddr, target.io_port, SUBSYSNQN, hostnqn=HOSTNQN, hostid=HOSTID,
+                                    nr_io_queues=1, timeout=10, dhchap_secret=hostkey, dhchap_ctrl_secret=ctrlkey)
+    await ctrl.open()
+    try:
+        uuid = (await ctrl.namespace_descriptors(1))["uuid"]  # what the kernel shows as /sys/block/*/uuid
+        return str(uuid_mod.UUID(bytes=bytes(uuid)))
+    finally:
+        await ctrl.disconnect()
 
 
 def test_config_prints_what_the_host_connects_with(tmp_path, target):
@@ -108,6 +123,11 @@ def test_setup_and_cleanup_as_common_nvme_calls_them(tmp_path, target):
     host = target.api("GET", f"/subsystems/{SUBSYSNQN}/hosts/{HOSTNQN}")
     assert host["dhchap_key"] is True and host["dhchap_ctrl_key"] is True
     assert hostkey not in target.log_text() and ctrlkey not in target.log_text()
+    # the keys are the ones the host must prove: bidirectional authentication with them works, none is refused
+    assert asyncio.run(_namespace_uuid(target, hostkey, ctrlkey)) == SUBSYS_UUID
+    with pytest.raises(NvmeError) as refused:
+        asyncio.run(_namespace_uuid(target, None, None))
+    assert refused.value.status == Status.AUTH_REQUIRED
 
     proc = control(env, "cleanup", "--subsysnqn", SUBSYSNQN)
     assert proc.returncode == 0 and proc.stdout == "", proc.stderr
