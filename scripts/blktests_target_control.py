@@ -35,6 +35,7 @@ Exit status: 0 done, 1 the API refused or could not be reached, 2 bad arguments 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -212,6 +213,12 @@ def namespace_body(config: dict[str, Any], subsysnqn: str, subsys_uuid: str) -> 
         body["path"] = body["path"].replace("{subsysnqn}", subsysnqn)
     # nvmet's setup gives namespace 1 the subsystem UUID as device_uuid; blktests finds the disk by it
     body.update(nsid=NSID, uuid=subsys_uuid)
+    # nvmet leaves NGUID and EUI-64 zero, so a cleanup and a new setup (nvme/061) bring back a namespace the
+    # reconnecting host recognises; ours would generate new ones ("identifiers changed for nsid 1"), so derive
+    # them from the UUID instead
+    raw = uuid.UUID(subsys_uuid).bytes
+    body.setdefault("nguid", raw.hex())
+    body.setdefault("eui64", (defaults.IEEE_OUI + hashlib.sha256(raw).digest()[:5]).hex())
     return body
 
 

@@ -133,6 +133,15 @@ def test_setup_and_cleanup_as_common_nvme_calls_them(tmp_path, target):
     assert proc.returncode == 0 and proc.stdout == "", proc.stderr
     assert SUBSYSNQN not in [s["nqn"] for s in target.api("GET", "/subsystems")]
 
+    # set up again (nvme/061 does while the host reconnects): the same identifiers, so the host keeps its disk
+    first = sub["namespaces"][0]
+    assert control(env, "setup", "--subsysnqn", SUBSYSNQN, "--subsys-uuid", SUBSYS_UUID,
+                   "--hostnqn", HOSTNQN).returncode == 0
+    again = target.api("GET", f"/subsystems/{SUBSYSNQN}/namespaces/1")
+    assert (again["uuid"], again["nguid"], again["eui64"]) == (first["uuid"], first["nguid"], first["eui64"])
+    assert first["nguid"] == SUBSYS_UUID.replace("-", "")
+    assert control(env, "cleanup", "--subsysnqn", SUBSYSNQN).returncode == 0
+
 
 def test_setup_without_keys_and_with_the_documented_ctrlkey_spelling(tmp_path, target):
     env = _settings(tmp_path, target, namespace={"backend": "null", "size": 1 << 20})
