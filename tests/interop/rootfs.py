@@ -50,6 +50,12 @@ PACKAGES: tuple[str, ...] = (
     "kmod",
     "mount",
     "procps",
+    # blktests (docs/blktests.md): its `check` wants gawk, udevadm and column; the nvme group uuidgen and mkfs.xfs
+    "bsdextrautils",
+    "gawk",
+    "udev",
+    "uuid-runtime",
+    "xfsprogs",
 )
 # Bump when the image layout changes in a way the recipe hash would not see.
 IMAGE_FORMAT = 1
