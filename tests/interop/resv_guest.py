@@ -420,7 +420,7 @@ def probe(keys: dict[str, str], expect: dict[str, tuple[bool, bool]], blocks: Bl
         if r != "ok" or got != want[:BLOCK]:
             problems.append(f"{role}'s block {block} read back through {verifier}: {r}, "
                             f"{'its write' if want is not ZERO else 'zeros'} expected, got {got[:24]!r}")
-    info(**{f"{what}_access": ",".join(f"{role}:{r[0]}/{r[1][0]}" for role, r in seen.items()),
+    info(**{f"{what}_access": ",".join(f"{role}:{r[0][:8]}/{r[1][:8]}" for role, r in seen.items()),
             f"{what}_dd_max_s": f"{t_max:.2f}"})
     if problems:
         for line in dmesg_tail(6):
