@@ -255,3 +255,44 @@ def test_rados_config_is_json_in_omap(rados_group: Any, ceph_cluster: Any, tmp_p
                           f"nvmeof.{group}.config", "config", str(out)], capture_output=True, timeout=60)
     assert raw.returncode == 0, raw.stderr
     assert json.loads(out.read_bytes()) == {"subsystems": [{"nqn": "z"}]}
+
+
+# -- reservation records (target/gateway/prstore.py) ---------------------------------------------------
+
+def reservation_contract(one: GroupStore, two: GroupStore) -> None:
+    """Both stores: compare-and-swap on a namespace's record, versions, acknowledgements, delete, notify."""
+    one.join("gw-a", {})
+    two.join("gw-b", {})
+    seen: list[int] = []
+    two.watch(lambda: seen.append(1))
+    key = "0b6f1c4e-2d3a-4b5c-8d9e-0f1a2b3c4d5e"
+    assert one.get_reservation(key) == (0, None)
+    assert one.put_reservation(key, {"state": {"rtype": 1}}, 0) == 1
+    with pytest.raises(ConfigConflict) as lost:
+        two.put_reservation(key, {"state": {"rtype": 2}}, 0)       # two raced with a stale version
+    assert lost.value.current == 1
+    assert two.get_reservation(key) == (1, {"state": {"rtype": 1}})
+    assert two.put_reservation(key, {"state": {"rtype": 3}}, 1) == 2
+    assert one.reservation_versions() == {key: 2}
+    wait_for(lambda: bool(seen), "the other member is notified of a reservation change", 5)
+    one.ack_reservations({key: 2})
+    two.ack_reservations({key: 1})
+    assert one.reservation_acks() == {"gw-a": {key: 2}, "gw-b": {key: 1}}
+    one.delete_reservation(key)
+    assert two.get_reservation(key) == (0, None) and two.reservation_versions() == {}
+    assert two.put_reservation(key, {"state": {}}, 0) == 1          # a new namespace with that key starts over
+
+
+def test_dir_store_reservation_records(tmp_path: Path) -> None:
+    one, two = DirStore(tmp_path, "g", LEASE, poll=0.02), DirStore(tmp_path, "g", LEASE, poll=0.02)
+    try:
+        reservation_contract(one, two)
+    finally:
+        one.close()
+        two.close()
+
+
+@pytest.mark.ceph
+def test_rados_store_reservation_records(rados_group: Any) -> None:
+    _, make = rados_group
+    reservation_contract(make(), make())

@@ -9,6 +9,9 @@ Layout of PATH (created 0700):
   config.json          {"version": N, "config": {...}} replaced atomically under store.lock (mode 0600: it holds
                        the hosts' DH-HMAC-CHAP keys like the daemon's own config file)
   ana/G.lock           flock LOCK_EX held by the owner of ANA group G; its content names the holder
+  resv/KEY.json        {"version": N, "record": {...}}: a namespace's reservation state, replaced atomically
+                       under store.lock (compare-and-swap on the version)
+  resv-acks/NAME.json  {KEY: version}: the reservation versions member NAME applied
 
 flock locks belong to the open file and the kernel drops them when the process dies (kill -9
 included), so failover does not wait for any lease. Changes are noticed by a poll thread
@@ -92,7 +95,7 @@ class DirStore(GroupStore):
         self.path = Path(os.path.abspath(path))
         self.poll = poll
         try:
-            for sub in ("", "members", "ana"):
+            for sub in ("", "members", "ana", "resv", "resv-acks"):
                 (self.path / sub).mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as exc:
             raise StoreError(f"--group-store dir:{self.path}: cannot create it: {exc.strerror}") from exc
@@ -233,7 +236,53 @@ class DirStore(GroupStore):
             config = b""
         records = self._records()
         alive = tuple(sorted(name for name in records if self._alive(name)))
-        return config, json.dumps(records, sort_keys=True), alive
+        return config, json.dumps(records, sort_keys=True), alive, tuple(sorted(self.reservation_versions().items()))
+
+    # reservations ----------------------------------------------------------------------------------
+    def _resv_path(self, key: str) -> Path:
+        if not key or "/" in key or key.startswith("."):
+            raise StoreError(f"reservation key {key!r} is not a namespace UUID")
+        return self.path / "resv" / f"{key}.json"
+
+    def get_reservation(self, key: str) -> tuple[int, dict[str, Any] | None]:
+        data = _read_json(self._resv_path(key))
+        if not data:
+            return 0, None
+        return int(data.get("version", 0)), data.get("record")
+
+    def put_reservation(self, key: str, record: dict[str, Any], expected: int) -> int:
+        with self._store_lock():
+            current, _ = self.get_reservation(key)
+            if current != expected:
+                raise ConfigConflict(current)
+            _write_atomic(self._resv_path(key), {"version": current + 1, "record": record})
+        self._fire()
+        return current + 1
+
+    def delete_reservation(self, key: str) -> None:
+        with self._store_lock(), contextlib.suppress(FileNotFoundError):
+            self._resv_path(key).unlink()
+
+    def reservation_versions(self) -> dict[str, int]:
+        out = {}
+        for path in (self.path / "resv").glob("*.json"):
+            data = _read_json(path)
+            if data:
+                out[path.stem] = int(data.get("version", 0))
+        return out
+
+    def ack_reservations(self, applied: dict[str, int]) -> None:
+        if self.name is None:
+            raise StoreError("ack_reservations before join")
+        _write_atomic(self.path / "resv-acks" / f"{self.name}.json", dict(applied))
+
+    def reservation_acks(self) -> dict[str, dict[str, int]]:
+        out = {}
+        for path in (self.path / "resv-acks").glob("*.json"):
+            data = _read_json(path)
+            if data is not None:
+                out[path.stem] = {str(k): int(v) for k, v in data.items()}
+        return out
 
     def _poll(self, last: tuple[Any, ...]) -> None:
         while not self._stop.wait(self.poll):

@@ -39,6 +39,7 @@ from typing import Any
 from nvmeof import defaults
 from nvmeof.spec.logs import ANA_STATE_NAMES, AnaState
 from target.gateway.fencing import TakeoverFence, local_identities
+from target.gateway.prstore import GroupPrStore
 from target.gateway.store import ConfigConflict, GroupStore, MemberRecord, StoreError, now
 from target.model import Listener
 from target.service import ServiceError, TargetService
@@ -113,6 +114,8 @@ class GatewayGroup:
         self._unclaimed_since: dict[int, float] = {}
         self._store_ok = True
         self._wake = asyncio.Event()
+        self._resv_wake = asyncio.Event()
+        self.prstore: GroupPrStore | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._stopping = False
         self._ready = False
@@ -141,6 +144,9 @@ class GatewayGroup:
         # adds it later (a namespace in a new group, a listener from the file, REST or SIGHUP).
         self.service.target.set_ana_default(self.unowned_state)
         self.service.gateway = self
+        # reservations live in the group's store from now on, before any namespace is restored here
+        self.prstore = GroupPrStore(self.store, self.service.target)
+        self.service.target.pr_store = self.prstore
         self.store.watch(self._notified)
         log.info("gateway %s joined group %s (%s) as member %d: controller IDs %d-%d", self.name, self.store.group,
                  self.store.where, self.index, lo, hi)
@@ -187,6 +193,7 @@ class GatewayGroup:
         await self._apply_states()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._run_loop(), name="gateway-group"),
+                       loop.create_task(self._resv_loop(), name="gateway-reservations"),
                        loop.create_task(self._renew_loop(), name="gateway-renew"),
                        loop.create_task(self._fence_loop(), name="gateway-fence")]
 
@@ -214,6 +221,23 @@ class GatewayGroup:
         loop = self._loop
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self._wake.set)
+            loop.call_soon_threadsafe(self._resv_wake.set)
+
+    async def _resv_loop(self) -> None:
+        """Apply the reservation versions other members commit, at each store notification (and every tick,
+        in case one was missed); a task of its own, so a slow ownership step never delays enforcement."""
+        while not self._stopping:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._resv_wake.wait(), self.tick)
+            self._resv_wake.clear()
+            if self.prstore is None:
+                continue
+            try:
+                await self.prstore.sync()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the store out of reach, a bug: log it, go on at the next notification
+                log.exception("gateway %s: applying the group's reservation changes failed", self.name)
 
     # --- what this member publishes ---------------------------------------------------------------
     def _io_listeners(self) -> list[Listener]:

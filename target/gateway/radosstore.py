@@ -314,6 +314,54 @@ class RadosStore(GroupStore):
         self._notify()
         return new
 
+    # reservations: omap keys of the config object: "resv.KEY" (the record with its version), "resvv.KEY" (the
+    # version alone, what omap_cmp compares) and "resvack.NAME" (what member NAME applied)
+    def get_reservation(self, key: str) -> tuple[int, dict[str, Any] | None]:
+        raw = self._omap().get(f"resv.{key}")
+        if not raw:
+            return 0, None
+        data = json.loads(raw)
+        return int(data.get("version", 0)), data.get("record")
+
+    def put_reservation(self, key: str, record: dict[str, Any], expected: int) -> int:
+        new = expected + 1
+
+        def write() -> None:
+            with self._rados.WriteOpCtx() as op:
+                op.omap_cmp(f"resvv.{key}", str(expected) if expected else "", CMPXATTR_OP_EQ)
+                self.ioctx.set_omap(op, (f"resvv.{key}", f"resv.{key}"),
+                                    (str(new).encode(), json.dumps({"version": new, "record": record}).encode()))
+                self.ioctx.operate_write_op(op, self.config_obj)
+
+        try:
+            write()
+        except self._rados.Error as exc:
+            if getattr(exc, "errno", None) == ECANCELED or "125" in str(exc):
+                raise ConfigConflict(self.get_reservation(key)[0]) from None
+            raise StoreError(f"group store {self.where}: writing reservation {key} failed: {exc}") from exc
+        self._notify()
+        return new
+
+    def delete_reservation(self, key: str) -> None:
+        def remove() -> None:
+            with self._rados.WriteOpCtx() as op:
+                self.ioctx.remove_omap_keys(op, (f"resvv.{key}", f"resv.{key}"))
+                self.ioctx.operate_write_op(op, self.config_obj)
+
+        self._call(f"removing reservation {key}", remove)
+
+    def reservation_versions(self) -> dict[str, int]:
+        return {k[len("resvv."):]: int(v or b"0") for k, v in self._omap().items() if k.startswith("resvv.")}
+
+    def ack_reservations(self, applied: dict[str, int]) -> None:
+        if self.name is None:
+            raise StoreError("ack_reservations before join")
+        self._set({f"resvack.{self.name}": json.dumps(applied).encode()})
+
+    def reservation_acks(self) -> dict[str, dict[str, int]]:
+        return {k[len("resvack."):]: {str(a): int(b) for a, b in json.loads(v).items()}
+                for k, v in self._omap().items() if k.startswith("resvack.") and v}
+
     # ANA group ownership -------------------------------------------------------------------------
     def _ana_obj(self, anagrpid: int) -> str:
         return f"nvmeof.{self.group}.ana.{anagrpid}"

@@ -118,6 +118,34 @@ class GroupStore(abc.ABC):
         for callback in list(self._watchers):
             callback()
 
+    # reservations (target/gateway/prstore.py) -----------------------------------------------------
+    # One record per namespace (key: its UUID): {"state": ..., "change": ...} at a version that only a
+    # compare-and-swap moves, plus per member the version it has applied (its acknowledgement).
+    @abc.abstractmethod
+    def get_reservation(self, key: str) -> tuple[int, dict[str, Any] | None]:
+        """(version, record); (0, None) when none was written."""
+
+    @abc.abstractmethod
+    def put_reservation(self, key: str, record: dict[str, Any], expected: int) -> int:
+        """Write ``record`` if the version is still ``expected``; the new version, else ConfigConflict(current).
+        Every member is notified."""
+
+    @abc.abstractmethod
+    def delete_reservation(self, key: str) -> None:
+        """Forget ``key`` (its namespace was removed from the group)."""
+
+    @abc.abstractmethod
+    def reservation_versions(self) -> dict[str, int]:
+        """Every record's version, by key."""
+
+    @abc.abstractmethod
+    def ack_reservations(self, applied: dict[str, int]) -> None:
+        """Record the versions this member has applied (and enforces), by key."""
+
+    @abc.abstractmethod
+    def reservation_acks(self) -> dict[str, dict[str, int]]:
+        """What each member acknowledged: member name -> key -> version."""
+
     # ANA group ownership -------------------------------------------------------------------------
     @abc.abstractmethod
     def try_acquire(self, anagrpid: int) -> bool:
