@@ -84,6 +84,9 @@ RBD_SIZE_POLL = 2.0                   # seconds between checks that the image wa
 RBD_IDENTITY_KEY = "nvmeof.identity"  # image metadata key holding the namespace's NGUID/UUID/EUI-64 (JSON)
 RBD_WAIT_MARGIN = 5.0                 # seconds past RBD_OP_TIMEOUT a command waits for librbd's answer before it
                                       # is answered "storage unreachable" anyway (librbd's retries, lock handover)
+BACKEND_CLOSE_WAIT = 4.0              # seconds a stopping daemon or worker waits for its backends to close (librbd
+                                      # closing images, shutting its clients down) before it exits without them;
+                                      # below a worker's 5 s to exit (target/workers.py STOP_TIMEOUT)
 
 # In-band authentication, DH-HMAC-CHAP (target/auth.py)
 AUTH_TIMEOUT = 10.0                   # seconds a queue's transaction may stall between two steps before the

@@ -43,6 +43,7 @@ from target.backends import (
     kinds,
     open_backend,
 )
+from target.backends.base import close_backends
 from target.model import (
     ADRFAMS,
     BLOCK_SIZES,
@@ -971,6 +972,15 @@ class TargetService:
                 log.error("%s failed: %s", what, t.exception())
 
         task.add_done_callback(done)
+
+    async def close_backends(self) -> list[str]:
+        """At shutdown, once the target has closed its listeners and controllers: close every namespace's
+        storage (the configuration keeps the namespaces) and wait until it is released. An RBD image must be
+        closed and its librados client shut down before the process exits (target/backends/rbd.py says why).
+        Returns the namespaces whose storage was not released within BACKEND_CLOSE_WAIT s."""
+        owners = {id(ns.backend): f"namespace {ns.nsid} of {sub.nqn}" for sub, ns in self._all_namespaces()}
+        left = await close_backends([ns.backend for _sub, ns in self._all_namespaces()], defaults.BACKEND_CLOSE_WAIT)
+        return [owners[id(backend)] for backend in left]
 
     @staticmethod
     def _discard_backend(store: Any) -> None:

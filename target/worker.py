@@ -26,7 +26,8 @@ from nvmeof import defaults
 from nvmeof.spec.nvme import LBA_OPCODES
 from nvmeof.tcp import HandoffState, TcpConnection
 from target.backends import attach_backend
-from target.backends.base import BackendError
+from target.backends.base import BackendError, close_backends
+from target.backends.rbd import exit_process
 from target.core import Target
 from target.model import Namespace, NamespaceStats, Subsystem
 from target.request import Request, TargetQueue
@@ -153,8 +154,11 @@ class Worker:
             self._report()
             for conn in list(self.connections.values()):
                 conn.abort()
-            for _subnqn, ns in self.namespaces.values():
-                ns.backend.close()
+            left = await close_backends([ns.backend for _subnqn, ns in self.namespaces.values()],
+                                        defaults.BACKEND_CLOSE_WAIT)
+            for backend in left:
+                log.warning("worker %d: a %s backend did not close within %.0f s", self.index, backend.kind,
+                            defaults.BACKEND_CLOSE_WAIT)
             self.channel.close()
 
     def _on_channel_lost(self) -> None:
@@ -410,4 +414,4 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())   # an RBD image that would not close must not meet exit()'s teardown

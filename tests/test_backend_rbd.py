@@ -416,6 +416,48 @@ def test_one_connection_shared_by_images(ceph_cluster: CephCluster, rbd_image: s
     assert b.wait_closed(30) and rbd_mod.shared_connections() == before
 
 
+async def test_close_backends_waits_for_librados_shutdown(ceph_cluster: CephCluster, rbd_image: str,
+                                                          rbd_mod: Any) -> None:
+    """What a stopping daemon does: the image closes after librbd's last callback, then its client shuts down."""
+    from target.backends.base import close_backends
+
+    before = rbd_mod.clients_up()
+    backend = _open(ceph_cluster, rbd_image, size=4 * MiB, create=True)
+    assert rbd_mod.clients_up() == before + 1
+    write = asyncio.ensure_future(backend.write(0, b"\x11" * 4096))
+    await asyncio.sleep(0)   # the aio_write is in flight: close() has to wait for its callback
+    assert await close_backends([backend], 30) == []
+    await write
+    assert rbd_mod.clients_up() == before
+
+
+def test_exit_with_a_client_up_skips_exit_teardown(ceph_cluster: CephCluster, tmp_path: Path) -> None:
+    """An image left open (librbd stuck): exit_process leaves through os._exit, so libceph-common is not torn
+    down under the client's threads. The exit handler the test registers first would run after that teardown
+    and keep the process there long enough for a MonClient tick to crash it (as in test_rbd_e2e.py).
+    The image stays in the throwaway pool: its dead watcher keeps `rbd rm` out for 30 s."""
+    image = f"t-leak-{os.getpid()}-{time.monotonic_ns()}"
+    ceph_cluster.rbd("create", "--size", "4M", f"{ceph_cluster.pool}/{image}")
+    script = tmp_path / "leak.py"
+    script.write_text(f"""\
+import ctypes, sys
+libc = ctypes.CDLL(None)
+libc.__cxa_atexit(ctypes.cast(libc.usleep, ctypes.c_void_p), ctypes.c_void_p(4_000_000), None)
+sys.path.insert(0, {str(ROOT)!r})
+from target.backends import backend_class
+from target.backends.base import BackendSpec
+from target.backends.file import BackingPolicy
+from target.backends.rbd import clients_up, exit_process
+spec = BackendSpec(options={{"pool": {ceph_cluster.pool!r}, "image": {image!r}}})
+backend = backend_class("rbd").open(spec, BackingPolicy([], ceph_confs=[{str(ceph_cluster.conf)!r}]))
+assert clients_up() == 1
+exit_process(7)
+""")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 7, out.stderr
+    assert "still up at exit" in out.stderr
+
+
 async def test_closed_backend_refuses_io(ceph_cluster: CephCluster, rbd_image: str) -> None:
     backend = _open(ceph_cluster, rbd_image, size=4 * MiB, create=True)
     backend.close()

@@ -4,7 +4,8 @@ Data the initiator writes is read back from the cluster by Ceph's own `rbd expor
 --verify crc32c` runs against the image; a resize made with `rbd resize` behind the target's back
 reaches the host as a Namespace Attribute Changed event; and with the OSD stopped (SIGSTOP) a command
 fails with a retryable NVMe status within the configured bound while keep-alive and a RAM namespace of
-the same controller keep working, and I/O works again once the OSD continues.
+the same controller keep working, and I/O works again once the OSD continues. A daemon stopping after an
+outside resize shuts its librados client down before exit() tears libceph-common down.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 import hashlib
 import json
 import os
+import platform
 import subprocess
 import sys
 import time
@@ -92,6 +94,50 @@ def test_outside_resize_reaches_our_initiator(rbd_target: OurTarget, ceph_cluste
             return after
 
     assert asyncio.run(go()) == 96 * MiB // BLOCK
+
+
+# Loaded into `nvmeof serve` through sitecustomize: an exit handler registered before librados loads runs
+# after libceph-common's static destructors, and keeps the process there LINGER_US. A librados client left
+# up meets its next MonClient tick in that time and aborts (boost::bad_get) or crashes, where a plain exit
+# gives it a few milliseconds only (the flake this reproduces). glibc calls it as usleep(LINGER_US).
+LINGER_US = 4_000_000
+EXIT_LINGER = f"""\
+import ctypes
+libc = ctypes.CDLL(None)
+libc.__cxa_atexit(ctypes.cast(libc.usleep, ctypes.c_void_p), ctypes.c_void_p({LINGER_US}), None)
+"""
+
+
+async def _resize_behind_and_write_tail(target: OurTarget, ceph_cluster: Any, image: str) -> None:
+    events: asyncio.Queue[Any] = asyncio.Queue()
+    async with connect("127.0.0.1", target.io_port, target.subnqn, event_callback=events.put_nowait) as ctrl:
+        await asyncio.to_thread(ceph_cluster.rbd, "resize", "--no-progress", "--size", "96M",
+                                f"{ceph_cluster.pool}/{image}")
+        await asyncio.wait_for(events.get(), 30)   # Namespace Attribute Changed
+        after = (await ctrl.identify_namespace(1)).nsze
+        await ctrl.write(1, after - 8, b"\x5a" * 8 * BLOCK)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc" or platform.machine() not in ("x86_64", "aarch64"),
+                    reason="the exit-linger hook needs glibc's __cxa_atexit and a register calling convention")
+def test_stop_after_outside_resize_shuts_librados_down(ceph_cluster: Any, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(EXIT_LINGER)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(hook), os.environ.get("PYTHONPATH")) if p))
+    for run in range(2):
+        image = f"t-exit-{os.getpid()}-{run}"
+        ceph_cluster.rbd("create", "--size", f"{IMAGE_SIZE // MiB}M", f"{ceph_cluster.pool}/{image}")
+        try:
+            # serve_target asserts exit status 0 after SIGTERM
+            with serve_target(tmp_path / f"run{run}", extra_args=(
+                    "--ceph-conf", str(ceph_cluster.conf), "--rbd-image", f"{ceph_cluster.pool}/{image}",
+                    "--rbd-op-timeout", str(OP_TIMEOUT))) as target:
+                asyncio.run(_resize_behind_and_write_tail(target, ceph_cluster, image))
+            target.assert_no_errors()
+        finally:
+            ceph_cluster.rbd("rm", "--no-progress", f"{ceph_cluster.pool}/{image}")
 
 
 def test_stopped_osd_fails_commands_in_time_and_io_resumes(rbd_target: OurTarget, ceph_cluster: Any) -> None:

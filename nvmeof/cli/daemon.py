@@ -525,6 +525,9 @@ class Daemon:
         if self.gateway is not None:  # standby and release first, so a survivor takes over at once
             await self.gateway.stop()
         await self.target.close()
+        # Only then the storage: nothing uses it any more, and librados must be shut down before exit.
+        for where in await self.service.close_backends():
+            log.warning("%s: its storage did not close within %.0f s", where, defaults.BACKEND_CLOSE_WAIT)
 
     def banner(self) -> str:
         lines = ["nvmeof target is running."]

@@ -7,9 +7,11 @@ write outside the namespace.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +39,21 @@ class BackendSpec:
     # Settings only one kind reads (an RBD namespace's pool and image, ...), checked by that kind's
     # ``open``; the service stores them in the namespace's config entry as given.
     options: Mapping[str, Any] = field(default_factory=dict)
+
+
+async def close_backends(backends: Iterable[Backend], timeout: float) -> list[Backend]:
+    """Close every backend (a stopping daemon or worker) and wait, at most ``timeout`` s in all and with the
+    event loop running (an RBD image closes after librbd's last callback), until each has released its
+    storage. Returns those that had not."""
+    backends = list(backends)
+    for backend in backends:
+        backend.close()
+    deadline = time.monotonic() + timeout
+    left = []
+    for backend in backends:
+        if not await asyncio.to_thread(backend.wait_closed, max(0.0, deadline - time.monotonic())):
+            left.append(backend)
+    return left
 
 
 def close_fds(fds: list[int]) -> None:
@@ -121,6 +138,11 @@ class Backend(ABC):
 
     @abstractmethod
     def close(self) -> None: ...
+
+    def wait_closed(self, timeout: float | None = None) -> bool:
+        """After ``close``: block until the storage is released, at most ``timeout`` s; False if it is not yet.
+        Closing is immediate here; a backend whose close finishes in the background (RBD) overrides it."""
+        return True
 
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind, "size": self._size, "read_only": self._read_only}

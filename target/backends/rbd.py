@@ -22,11 +22,18 @@ shrinks below it.
 
 All images opened with the same Ceph configuration, client id and keyring share one librados
 connection, shut down with the last of them.
+
+A process must not exit while a librados client is still up: exit() destroys libceph-common's static
+objects (the configuration schema among them) under the client's threads, and the next MonClient tick
+aborts the process (``boost::bad_get`` from a configuration read) or crashes it. The 16.2 binding's
+Rados object never shuts its client down by itself, so a stopping process closes its images, waits
+for their clients (``wait_clients_down``) and, if one is stuck, leaves through ``exit_process``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import importlib.machinery
 import importlib.util
@@ -40,7 +47,7 @@ import threading
 import time
 import types
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from nvmeof import defaults
 from target.backends.base import Backend, BackendError, BackendSpec, BackendUnavailable, close_fds
@@ -143,6 +150,10 @@ class _Connection:
 
 _connections: dict[tuple[Any, ...], _Connection] = {}
 _connections_lock = threading.Lock()
+# librados clients connected and not shut down yet (including one dropped from the registry after a
+# blocklisting, which lives until its last image closes); _clients_changed is signalled at each shutdown.
+_clients_up = 0
+_clients_changed = threading.Condition(_connections_lock)
 
 
 def _acquire(key: tuple[Any, ...], connect: Callable[[], Any]) -> _Connection:
@@ -155,6 +166,7 @@ def _acquire(key: tuple[Any, ...], connect: Callable[[], Any]) -> _Connection:
         with conn.lock:
             if conn.cluster is None:
                 conn.cluster = connect()
+                _client_started()
                 _connected(conn.cluster)
     except BaseException:
         _release(conn)
@@ -171,7 +183,52 @@ def _release(conn: _Connection) -> None:
             del _connections[conn.key]
         cluster, conn.cluster = conn.cluster, None
     if cluster is not None:
-        cluster.shutdown()
+        try:
+            cluster.shutdown()
+        finally:
+            _client_stopped()
+
+
+def _client_started() -> None:
+    global _clients_up
+    with _connections_lock:
+        _clients_up += 1
+
+
+def _client_stopped() -> None:
+    global _clients_up
+    with _connections_lock:
+        _clients_up -= 1
+        _clients_changed.notify_all()
+
+
+def clients_up() -> int:
+    """How many librados clients this process connected and has not shut down yet."""
+    with _connections_lock:
+        return _clients_up
+
+
+def wait_clients_down(timeout: float) -> bool:
+    """Wait (blocking) until every librados client is shut down; False if one is still up after ``timeout`` s."""
+    with _clients_changed:
+        return _clients_changed.wait_for(lambda: _clients_up == 0, timeout)
+
+
+def exit_process(code: int) -> NoReturn:
+    """End the process with ``code``. With a librados client still up (an image librbd could not close in
+    time), exit() would destroy libceph-common's static objects under its threads and crash the process, so
+    it leaves through os._exit after flushing logs and stdio, as Ceph's own CLI does then (ceph.in, "use
+    sys._exit when we don't shut down"). Otherwise the ordinary interpreter exit."""
+    up = clients_up()
+    if up:
+        log.warning("%d librados client(s) still up at exit (an RBD image did not close in time); leaving without "
+                    "running exit handlers", up)
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def shared_connections() -> int:

@@ -210,12 +210,14 @@ def serve(**kw) -> None:
         click.echo(daemon.banner(), err=False)
         sys.stdout.flush()
 
+    from target.backends.rbd import exit_process
+
     try:
         code = run_async(run(options, ready=ready))
     except DaemonError as e:
         click.echo(f"nvmeof serve: {e}", err=True)
-        sys.exit(1)
-    sys.exit(code)
+        code = 1
+    exit_process(code)   # an RBD image that would not close must not meet exit()'s teardown
 
 
 def register(cli: click.Group) -> None:
