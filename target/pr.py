@@ -15,8 +15,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
-import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
@@ -41,6 +39,7 @@ from nvmeof.spec.reservations import (
     build_report,
 )
 from nvmeof.status import NvmeError, Status
+from target import config as configmod
 from target import reservations as rules
 from target.reservations import EMPTY, Outcome, ReservationState
 
@@ -124,24 +123,11 @@ class LocalPrStore(PrStore):
         path = self._path(key)
         version = current + 1
         if state.get("ptpl"):
-            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
             try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-                with os.fdopen(fd, "w", encoding="utf-8") as f:
-                    json.dump({"version": version, "state": state}, f, sort_keys=True)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
-                dfd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
-                try:
-                    os.fsync(dfd)
-                finally:
-                    os.close(dfd)
-            except OSError as exc:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise PrStoreError(f"cannot save the reservation state in {self.directory}: {exc.strerror}") from None
+                self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+                configmod.save_config(path, {"version": version, "state": state})   # atomic, fsync'd, 0600
+            except (OSError, configmod.ConfigError) as exc:
+                raise PrStoreError(f"cannot save the reservation state in {self.directory}: {exc}") from None
         else:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
@@ -291,10 +277,7 @@ async def change(target: Target, sub: Subsystem, ns: Namespace, op: Callable[[Re
                  req: Request | None = None) -> Outcome:
     """Run one reservation operation on ``ns`` atomically: under the namespace's lock, against the state
     its store holds (re-read after a lost compare-and-swap), then publish it, notify, and drain."""
-    lock = ns.pr_lock
-    if lock is None:
-        lock = ns.pr_lock = asyncio.Lock()
-    async with lock:
+    async with _lock(ns):
         store = target.pr_store
         key = key_of(ns)
         for _ in range(COMMIT_RETRIES):
@@ -332,6 +315,13 @@ async def change(target: Target, sub: Subsystem, ns: Namespace, op: Callable[[Re
         return out
 
 
+def _lock(ns: Namespace) -> asyncio.Lock:
+    """The namespace's reservation lock, made at first use (a Namespace is built outside any event loop)."""
+    if ns.pr_lock is None:
+        ns.pr_lock = asyncio.Lock()
+    return ns.pr_lock
+
+
 async def refresh(target: Target, ns: Namespace, version: int | None = None,
                   state: dict[str, Any] | None = None) -> None:
     """Take the stored state (after a lost CAS, or at start); nothing is notified."""
@@ -348,10 +338,7 @@ async def apply_remote(target: Target, sub: Subsystem, ns: Namespace, version: i
                        change_record: dict[str, Any] | None) -> None:
     """Another gateway committed ``version``: enforce it here, notify this gateway's controllers of the hosts
     concerned, and let the preempted hosts' commands here finish before that gateway's command completes."""
-    lock = ns.pr_lock
-    if lock is None:
-        lock = ns.pr_lock = asyncio.Lock()
-    async with lock:
+    async with _lock(ns):
         if version <= ns.pr_version:
             return
         fresh = version == ns.pr_version + 1
