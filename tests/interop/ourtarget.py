@@ -237,6 +237,7 @@ class IcSniffer:
         self.port = self._listener.getsockname()[1]
         self._closed = False
         self._socks: list[socket.socket] = []
+        self._upstream_ports: list[int] = []   # the local port of each connection made to the target
         self._thread = threading.Thread(target=self._accept, daemon=True, name="ic-sniffer")
         self._thread.start()
 
@@ -254,6 +255,7 @@ class IcSniffer:
             upstream.settimeout(None)
             with self._lock:
                 self._socks += [client, upstream]
+                self._upstream_ports.append(upstream.getsockname()[1])
             threading.Thread(target=self._pump, args=(client, upstream, self.icreq_digests), daemon=True).start()
             threading.Thread(target=self._pump, args=(upstream, client, self.icresp_digests), daemon=True).start()
 
@@ -275,6 +277,11 @@ class IcSniffer:
         finally:
             with contextlib.suppress(OSError):
                 dst.shutdown(socket.SHUT_WR)
+
+    def upstream_ports(self) -> set[int]:
+        """The local ports of the connections this forwarder opened to the target, so far."""
+        with self._lock:
+            return set(self._upstream_ports)
 
     def close(self) -> None:
         self._closed = True

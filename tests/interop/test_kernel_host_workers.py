@@ -40,6 +40,7 @@ WORKERS = 2
 TARGET_SIZE = 64 << 20
 BLOCK = 512
 STEP_TIMEOUT = 180.0  # the longest stretch between two host steps (32 MiB dd + fio under TCG)
+SOCKETS_SETTLE = 5.0  # seconds the /proc socket view may take to settle after a hand-off or teardown
 MIN_WORKER_CPU = 0.03  # CPU seconds each worker must spend during dd + fio (idle: a few ms; busy: 0.2-0.5 s)
 
 GUEST_SCRIPT = GUEST_PREAMBLE + r"""
@@ -117,16 +118,16 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
-def socket_owners(port: int, pids: list[int]) -> list[int | None]:
-    """For each established TCP connection to 127.0.0.1:`port`, the pid (among `pids`) holding it."""
+def established(port: int, pids: list[int]) -> list[tuple[int, list[int]]]:
+    """Each established TCP connection to 127.0.0.1:`port`: (the peer's port, the pids among `pids` holding it)."""
     want = f"0100007F:{port:04X}"
-    inodes = []
+    peers: dict[str, int] = {}
     with open("/proc/net/tcp") as f:
         for line in f.readlines()[1:]:
             fields = line.split()
             if fields[1] == want and fields[3] == "01":  # ESTABLISHED
-                inodes.append(fields[9])
-    holders: dict[str, int] = {}
+                peers[fields[9]] = int(fields[2].split(":")[1], 16)
+    holders: dict[str, list[int]] = {inode: [] for inode in peers}
     for pid in pids:
         try:
             names = os.listdir(f"/proc/{pid}/fd")
@@ -137,9 +138,9 @@ def socket_owners(port: int, pids: list[int]) -> list[int | None]:
                 link = os.readlink(f"/proc/{pid}/fd/{name}")
             except OSError:
                 continue
-            if link.startswith("socket:["):
-                holders[link[8:-1]] = pid
-    return [holders.get(inode) for inode in inodes]
+            if link.startswith("socket:[") and link[8:-1] in holders:
+                holders[link[8:-1]].append(pid)
+    return [(peers[inode], holders[inode]) for inode in peers]
 
 
 def poll_empty(listing: Callable[[], list[Any]], timeout: float) -> tuple[bool, list[Any]]:
@@ -191,12 +192,25 @@ class Run:
         self.report.record(f"rest_{phase}_queues_in_workers", ok,
                            f"REST qid -> worker_pid of the guest's controller(s): {queues}; expected admin "
                            f"queue None and I/O queues 1, 2 on the two workers {self.workers}")
-        # Independently of the REST view: who holds each established connection to the listener.
-        owners = socket_owners(port, [self.target.proc.pid, *self.workers])
+        # Independently of the REST view: who holds each established connection to the listener. A hand-off
+        # and a teardown each take a moment to reach /proc (the main process closes its copy of a moved socket
+        # after the worker has it; a closed queue's socket leaves ESTABLISHED once both ends have shut it), so
+        # the view is polled until it settles; what it showed last is reported.
         want = sorted([self.target.proc.pid, *self.workers])
-        self.report.record(f"sockets_{phase}_in_workers", sorted(o or 0 for o in owners) == want,
-                           f"holders of the established connections to port {port}: {owners}; expected the main "
-                           f"process {self.target.proc.pid} (admin queue) and each worker {self.workers} once")
+        seen: list[tuple[int, list[int]]] = []
+
+        def settled() -> bool:
+            seen[:] = established(port, [self.target.proc.pid, *self.workers])
+            return sorted(pids[0] if len(pids) == 1 else 0 for _, pids in seen) == want
+
+        ok = _poll(settled, SOCKETS_SETTLE)
+        upstream = self.sniffer.upstream_ports()
+        shown = [f"peer port {peer}{' (the sniffer)' if peer in upstream else ''} held by {pids or 'no listed pid'}"
+                 for peer, pids in seen]
+        self.report.record(f"sockets_{phase}_in_workers", ok,
+                           f"established connections to port {port} after {SOCKETS_SETTLE:.0f} s: {shown}; expected "
+                           f"the main process {self.target.proc.pid} (admin queue) and each worker {self.workers} "
+                           "once, each connection held by one process")
 
     def step(self, name: str) -> bool:
         """Do the test's part of one guest step; True after the last one."""
