@@ -8,12 +8,14 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
 from target_host import open_tcp
 from test_target_reservations import HOST_A, HOST_B, HOST_C, Host
 
 from nvmeof.spec.reservations import NotificationType
 from nvmeof.spec.reservations import ReservationType as T
 from nvmeof.status import Status
+from target.gateway import prstore
 from tests.test_gateway_group import SUB, Member, until
 
 
@@ -120,5 +122,44 @@ def test_a_restart_of_the_whole_group_clears_states_without_ptpl(tmp_path: Path)
             assert ns.pr.rtype == T.WRITE_EXCLUSIVE and ns.pr.ptpl
         finally:
             await a3.stop()
+
+    asyncio.run(go())
+
+
+def test_preempt_and_abort_on_one_member_waits_for_the_preempted_hosts_commands_on_the_other(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # gw-b would stop waiting for gw-a's acknowledgement after RESERVATION_ACK_TIMEOUT; far longer here, so
+    # only the drain decides when the command completes
+    monkeypatch.setattr(prstore, "RESERVATION_ACK_TIMEOUT", 120.0)
+
+    async def go() -> None:
+        a = await Member(tmp_path, "gw-a").start(first=True)
+        b = await Member(tmp_path, "gw-b").start()
+        try:
+            await until(lambda: a.group.owned == {1} and b.group.owned == {2}, "a owns 1, b owns 2")
+            ha = await tcp_host(a.port, HOST_A, "aaaa")
+            hb = await tcp_host(b.port, HOST_B, "bbbb")
+            assert (await ha.register(0xA1)).status == 0
+            assert (await hb.register(0xB2)).status == 0
+            assert (await ha.acquire(0xA1, T.WRITE_EXCLUSIVE)).status == 0
+            ns_a = a.target.subsystems[SUB].namespaces[1]
+            # A command of host A still running on gw-a: the count target/pr.py `tracked` keeps while it runs
+            # (a real one would have to be held inside a backend; the count is what the drain waits on).
+            ns_a.pr_inflight[HOST_A] = 1
+            preempt = asyncio.create_task(hb.acquire(0xB2, T.WRITE_EXCLUSIVE, racqa=2, prkey=0xA1))
+            await until(lambda: ns_a.pr.holder == HOST_B, "gw-a enforces B's reservation")
+            # gw-a enforces the new state at once (A's new writes conflict there) but has not acknowledged it
+            # while A's command runs, so the preempt and abort on gw-b has not completed (nvmet_pr_do_abort)
+            assert (await ha.write()).status == Status.RESERVATION_CONFLICT
+            # without the drain gw-a acknowledges within a few store polls (tens of ms) and the command completes
+            await asyncio.wait({preempt}, timeout=1.0)
+            assert not preempt.done(), "preempt and abort completed while the preempted host's command still ran"
+            del ns_a.pr_inflight[HOST_A]      # A's command finishes
+            assert (await preempt).status == 0
+            page = await ha.resv_log()
+            assert page.type == NotificationType.REGISTRATION_PREEMPTED
+        finally:
+            await b.stop()
+            await a.stop()
 
     asyncio.run(go())
