@@ -495,6 +495,10 @@ def ns_set_auto_visible(api: Api, as_json: bool, nqn: str, nsid: int, setting: s
     """on: every allowed host sees the namespace (its host list is dropped); off: only the hosts added with
     `ns host add`. Connected hosts whose view changes are told."""
     result = api.call("PUT", _ns_path(nqn, nsid, "auto_visible"), json_body={"auto_visible": setting == "on"})
+    _echo_visibility(as_json, result, nqn, nsid)
+
+
+def _echo_visibility(as_json: bool, result: dict[str, Any], nqn: str, nsid: int) -> None:
     if as_json:
         echo_json(result)
     else:
@@ -513,10 +517,7 @@ def ns_host() -> None:
 def ns_host_add(api: Api, as_json: bool, nqn: str, nsid: int, hostnqn: str) -> None:
     """Make namespace NSID of NQN visible to HOSTNQN (a host allowed on the subsystem)."""
     result = api.call("POST", _ns_path(nqn, nsid, "hosts"), json_body={"hostnqn": hostnqn})
-    if as_json:
-        echo_json(result)
-    else:
-        click.echo(f"namespace {nsid} of {nqn} is visible to {_visible_to(result)}")
+    _echo_visibility(as_json, result, nqn, nsid)
 
 
 @api_command(ns_host, "remove")
@@ -526,10 +527,7 @@ def ns_host_add(api: Api, as_json: bool, nqn: str, nsid: int, hostnqn: str) -> N
 def ns_host_remove(api: Api, as_json: bool, nqn: str, nsid: int, hostnqn: str) -> None:
     """Hide namespace NSID of NQN from HOSTNQN again."""
     result = api.call("DELETE", _ns_path(nqn, nsid, f"hosts/{_nqn(hostnqn)}"))
-    if as_json:
-        echo_json(result)
-    else:
-        click.echo(f"namespace {nsid} of {nqn} is visible to {_visible_to(result)}")
+    _echo_visibility(as_json, result, nqn, nsid)
 
 
 @api_command(ns, "reservations")
