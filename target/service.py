@@ -1898,8 +1898,8 @@ class TargetService:
         for item in plan.access:   # the file narrowed a subsystem's hosts: its namespaces must follow
             stale = masking.unadmitted(self.target.subsystems[item["nqn"]])
             if stale:
-                raise _bad(f"subsystem {item['nqn']} no longer admits a host its {'; '.join(stale)}; remove the "
-                           "host from the namespace's hosts in the file too")
+                raise _bad(f"subsystem {item['nqn']}: {'; '.join(stale)}, a host the subsystem no longer admits; "
+                           "remove it from the namespace's hosts in the file too")
         for lid, states in plan.ana_states:
             done = self._reload_ana(lid, states)
             if done is not None:
