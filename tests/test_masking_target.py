@@ -183,3 +183,43 @@ async def test_new_masked_namespace_and_its_removal_are_told_only_to_its_host(ri
     # a change to a masked namespace (disable) reaches only the hosts that see it
     await rig.svc.set_namespace_enabled(SUB, 3, False)
     assert await a.changed() == [] and await b.changed() == [3]
+
+
+async def test_statistics_leak_no_masked_namespace(rig, tmp_path):
+    from nvmeof.spec.logs import SmartLog
+
+    a, b = await rig.ctrl(HOST_A), await rig.ctrl(HOST_B)
+    assert (await b.io.cmd(Command(IoOpcode.WRITE, nsid=3, cdw12=0), bytes(512))).status == 0
+    smart = {}
+    for who, ctrl in (("a", a), ("b", b)):
+        page = (await ctrl.host.cmd(get_log(0x02, 512), read_len=512)).data
+        smart[who] = SmartLog.parse(page).host_writes
+    assert smart == {"a": 0, "b": 1}   # NSID FFFFFFFFh sums the namespaces the host sees
+    smart_one = Command(AdminOpcode.GET_LOG_PAGE, nsid=3, cdw10=0x02 | ((512 // 4 - 1) << 16))
+    assert (await a.host.cmd(smart_one, read_len=512)).status == Status.INVALID_NS
+
+
+async def test_reservation_notice_skips_a_host_that_no_longer_sees_the_namespace():
+    from target_host import make_target
+    from test_target_reservations import connect
+
+    from nvmeof.spec.reservations import ReservationType
+
+    tgt = make_target()   # one subsystem allowing any host, NSID 1 seen by everyone
+    try:
+        ns = tgt.subsystems[next(iter(tgt.subsystems))].namespaces[1]
+        a = await connect(tgt, bytes([0xA] * 16), HOST_A)
+        b = await connect(tgt, bytes([0xB] * 16), HOST_B)
+        assert (await a.register(0xA1)).status == 0 and (await b.register(0xB1)).status == 0
+        ns.auto_visible, ns.hosts = False, {HOST_B}   # A keeps its registration but no longer sees NSID 1
+        assert (await a.register(0xA2, crkey=0xA1, rrega=2)).status == Status.INVALID_NS
+        # B preempts A: A's host would be sent "registration preempted" for NSID 1; masked, it is not
+        res = await b.acquire(0xB1, ReservationType.WRITE_EXCLUSIVE, prkey=0xA1, racqa=1)
+        assert res.status == 0, res
+        assert (await a.resv_log()).count == 0
+        ns.auto_visible = True   # the control: visible again, the next preemption reaches it
+        assert (await a.register(0xA3)).status == 0
+        assert (await b.acquire(0xB1, ReservationType.WRITE_EXCLUSIVE, prkey=0xA3, racqa=1)).status == 0
+        assert (await a.resv_log()).count != 0
+    finally:
+        await tgt.close()
