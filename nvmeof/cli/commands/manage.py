@@ -323,7 +323,7 @@ def subsystem_del(api: Api, as_json: bool, nqn: str, force: bool) -> None:
 
 @click.group()
 def ns() -> None:
-    """Add, list, resize, enable, disable and remove namespaces of a subsystem."""
+    """Add, list, resize, enable, disable and remove namespaces of a subsystem; choose which hosts see them."""
 
 
 def _namespace_table(namespaces: list[dict[str, Any]]) -> str:
@@ -492,8 +492,8 @@ def ns_set_anagrpid(api: Api, as_json: bool, nqn: str, nsid: int, anagrpid: int)
 @click.argument("nsid", type=click.IntRange(1, NSID_MAX))
 @click.argument("setting", type=click.Choice(["on", "off"]))
 def ns_set_auto_visible(api: Api, as_json: bool, nqn: str, nsid: int, setting: str) -> None:
-    """on: every allowed host sees the namespace (its host list is dropped); off: only the hosts added with
-    `ns host add`. Connected hosts whose view changes are told."""
+    """Show a namespace to every allowed host (on; its host list is dropped) or only to the hosts added with
+    `ns host add` (off). Connected hosts whose view changes are told."""
     result = api.call("PUT", _ns_path(nqn, nsid, "auto_visible"), json_body={"auto_visible": setting == "on"})
     _echo_visibility(as_json, result, nqn, nsid)
 
