@@ -7,17 +7,14 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import AsyncIterator
 
 import pytest
 
 import initiator
 from initiator import commands as c
 from nvmeof import defaults
-from nvmeof.cli.daemon import Daemon, DaemonOptions
 from nvmeof.status import NvmeError, Status
-from nvmeof.uri import TransportAddress
-from tests.ports import free_ports
+from tests.test_ana_workers import daemon  # noqa: F401  (fixture: `nvmeof serve --workers 1` in-process, two ports)
 
 NQN = defaults.DEFAULT_SUBSYSTEM_NQN
 HOST_A = "nqn.2014-08.org.nvmexpress:uuid:77777777-0000-4000-8000-0000000000a1"
@@ -28,19 +25,6 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create") or sys.platform 
                                 reason="worker processes need Linux memfd and SCM_RIGHTS")
 
 
-@pytest.fixture
-async def daemon(tmp_path) -> AsyncIterator[tuple[Daemon, int]]:
-    port, disc = free_ports(2)
-    d = Daemon(DaemonOptions(listen=[TransportAddress("tcp", "127.0.0.1", port)],
-                             discovery=[TransportAddress("tcp", "127.0.0.1", disc)], api=None,
-                             ramdisk_size=1 << 20, workers=1, backing_dirs=[tmp_path]))
-    try:
-        await d.start()
-        yield d, port
-    finally:
-        await d.stop()
-
-
 async def _status(ctrl, nsid: int) -> int:
     try:
         await ctrl.io_queues[0].submit(c.rw(READ, nsid, 0, 1), data_in=bytearray(512))
@@ -49,8 +33,9 @@ async def _status(ctrl, nsid: int) -> int:
     return 0
 
 
-async def test_worker_queues_enforce_visibility(daemon):
-    d, port = daemon
+async def test_worker_queues_enforce_visibility(daemon):  # noqa: F811
+    d, ports = daemon
+    port = ports[0]
     svc = d.service
     async with initiator.connect("127.0.0.1", port, NQN, hostnqn=HOST_A, timeout=10, nr_io_queues=1) as a, \
             initiator.connect("127.0.0.1", port, NQN, hostnqn=HOST_B, timeout=10, nr_io_queues=1) as b:
