@@ -29,6 +29,8 @@ def namespace(ns: Any) -> schemas.NamespaceOut:
         anagrpid=ns.anagrpid,
         reservation=RTYPE_NAMES.get(ns.pr.rtype, "none") if ns.pr.rtype else "none",
         registrants=len(ns.pr.registrants),
+        auto_visible=ns.auto_visible,
+        hosts=sorted(ns.hosts),
         **{key: ns.spec[key] for key in OPTION_KEYS if key in ns.spec},
     )
 

@@ -118,6 +118,8 @@ class NamespaceOut(BaseModel):
     reservation: str = Field("none", description="Persistent reservation type (none, write-exclusive, ...); "
                              "GET .../reservations has the holder and registrants")
     registrants: int = Field(0, description="Hosts registered for reservations on this namespace")
+    auto_visible: bool = Field(True, description="Visible to every allowed host; false: only to `hosts`")
+    hosts: list[str] = Field(default_factory=list, description="Host NQNs that see it while auto_visible is false")
     pool: str | None = Field(None, description="RBD pool (backend 'rbd')")
     image: str | None = Field(None, description="RBD image (backend 'rbd')")
     rbd_namespace: str | None = Field(None, description="RADOS namespace of the image, if any")
@@ -160,6 +162,11 @@ class NamespaceCreate(_Request):
                           description="ANA group: hosts with native multipath pick paths by its state on each listener")
     create: bool = Field(False, description="Create the file (or RBD image) with the given size if it is missing, "
                                             "or grow a shorter one to it; without it an existing one is never changed")
+    auto_visible: bool = Field(True, description="Visible to every allowed host (default); false: only to `hosts` "
+                                                 "(masking: other hosts see an inactive NSID)")
+    hosts: list[str] = Field(default_factory=list, max_length=1024,
+                             description="Host NQNs that see it (needs auto_visible false); each must be allowed "
+                                         "on the subsystem")
     pool: str | None = Field(None, min_length=1, max_length=255, description="RBD pool (backend 'rbd', required)")
     image: str | None = Field(None, min_length=1, max_length=255, description="RBD image (backend 'rbd', required)")
     rbd_namespace: str | None = Field(None, min_length=1, max_length=255, description="RADOS namespace of the image")
@@ -174,6 +181,19 @@ class NamespaceAnaGroup(_Request):
     model_config = _example({"anagrpid": 2})
 
     anagrpid: int = Field(ge=1, le=defaults.ANAGRPMAX, description="The namespace's new ANA group")
+
+
+class NamespaceHostAdd(_Request):
+    model_config = _example({"hostnqn": "nqn.2014-08.org.nvmexpress:uuid:0f2d2f36-8a4e-4a3b-9a52-3b1f1f2f7c11"})
+
+    hostnqn: str = Field(description="A host allowed on the subsystem; its controllers see the namespace from now on")
+
+
+class NamespaceAutoVisible(_Request):
+    model_config = _example({"auto_visible": False})
+
+    auto_visible: bool = Field(description="true: every allowed host sees the namespace (the host list is dropped); "
+                                           "false: only the hosts added to it")
 
 
 class NamespaceResize(_Request):

@@ -119,7 +119,7 @@ async def _identify(req: Request) -> None:
         nsid = req.cmd.nsid
         if nsid >= idf.NSID_MAX:  # no NSID follows the last one
             raise NvmeError(Status.INVALID_NS, f"active namespace list after NSID {nsid:#x}")
-        req.reply = idf.build_active_ns_list(ctrl.subsystem.active_nsids(), nsid)
+        req.reply = idf.build_active_ns_list(ctrl.subsystem.active_nsids(ctrl.hostnqn), nsid)
     elif cns == Cns.NS_DESC_LIST:
         ns = _find_ns(ctrl, req.cmd.nsid)
         req.reply = idf.build_ns_descriptor_list(ns.eui64, ns.nguid, ns.uuid.bytes)
@@ -128,8 +128,10 @@ async def _identify(req: Request) -> None:
 
 
 def _find_ns(ctrl: Controller, nsid: int) -> Namespace:
-    ns = ctrl.subsystem.namespaces.get(nsid)
-    if ns is None or not ns.enabled:
+    # A namespace masked from this host is an inactive NSID for it, answered like a missing one, so a
+    # host cannot tell a namespace it may not see from a free NSID (SPDK nvmf_ctrlr_get_ns).
+    ns = ctrl.subsystem.active_namespace(nsid, ctrl.hostnqn)
+    if ns is None:
         raise NvmeError(Status.INVALID_NS, f"subsystem {ctrl.subsystem.nqn} has no active namespace {nsid}")
     return ns
 
@@ -139,9 +141,11 @@ def _identify_namespace(req: Request, ctrl: Controller) -> bytes:
     if nsid == 0 or nsid > ctrl.subsystem.max_namespaces:
         raise NvmeError(Status.INVALID_NS,
                         f"Identify Namespace NSID {nsid:#x} outside 1..{ctrl.subsystem.max_namespaces}")
-    ns = ctrl.subsystem.namespaces.get(nsid)
-    if ns is None or not ns.enabled:
-        return bytes(IDENTIFY_DATA_SIZE)   # an inactive NSID reads as zeros (nvmet does the same)
+    ns = ctrl.subsystem.active_namespace(nsid, ctrl.hostnqn)
+    if ns is None:
+        # an inactive NSID (none, disabled, or masked from this host) reads as zeros: nvmet
+        # nvmet_execute_identify_ns, SPDK for a namespace not visible to the controller
+        return bytes(IDENTIFY_DATA_SIZE)
     return identify_namespace(ns, rescap=_rescap(ctrl))
 
 
@@ -295,7 +299,7 @@ def ana_log(ctrl: Controller, *, rgo: bool = False) -> bytes:
     active namespace in its subsystem, by group id, in its state on the controller's listener, with
     its NSIDs ascending (nvme_update_ana_state walks them in step with its sorted namespace list)."""
     members: dict[int, list[int]] = {}
-    for nsid in ctrl.subsystem.active_nsids():
+    for nsid in ctrl.subsystem.active_nsids(ctrl.hostnqn):   # a masked namespace is not listed, nor counted
         members.setdefault(ctrl.subsystem.namespaces[nsid].anagrpid, []).append(nsid)
     listener = ctrl.listener
     chgcnt = ctrl.target.ana_group_chgcnt
@@ -325,7 +329,7 @@ def _error_log(ctrl: Controller, trtype: int) -> bytes:
 def _smart_log(req: Request, ctrl: Controller) -> bytes:
     nsid = req.cmd.nsid
     if nsid in (0, NSID_ALL):
-        namespaces = list(ctrl.subsystem.namespaces.values())
+        namespaces = [ns for ns in ctrl.subsystem.namespaces.values() if ns.visible_to(ctrl.hostnqn)]
     else:
         namespaces = [_find_ns(ctrl, nsid)]
     read_bytes = sum(ns.stats.read_bytes for ns in namespaces)
@@ -371,7 +375,7 @@ async def _set_resv_feature(req: Request, ctrl: Controller, fid: int, value: int
         # Reservation Notification Mask: per controller and namespace; NSID FFFFFFFFh sets every namespace
         if value & ~MASK_ALL:
             raise NvmeError(Status.INVALID_FIELD, f"Reservation Notification Mask {value:#x}: only bits 1-3 exist")
-        nsids = ctrl.subsystem.active_nsids() if nsid == NSID_ALL else [_find_ns(ctrl, nsid).nsid]
+        nsids = ctrl.subsystem.active_nsids(ctrl.hostnqn) if nsid == NSID_ALL else [_find_ns(ctrl, nsid).nsid]
         for n in nsids:
             ctrl.resv_masks[n] = value
         req.dw0 = value

@@ -9,6 +9,7 @@ Our format::
                      "dhchap_hash": [...], "dhchap_dhgroup": [...],   (optional; default all)
                      "namespaces": [{"nsid", "backend", "path" | "size", "block_size", "uuid",
                                      "nguid", "eui64", "read_only", "enabled", "anagrpid",
+                                     "auto_visible", "hosts" (masking: false + the host NQNs that see it),
                                      "pool", "image", "rbd_namespace", "ceph_conf", "ceph_id", "ceph_keyring"
                                      (rbd)}]}],
      "listeners": [{"trtype", "adrfam", "traddr", "trsvcid", "portid", "discovery",
@@ -89,6 +90,8 @@ NAMESPACE_KEYS: dict[str, str] = {
     "read_only": _BOOL,
     "enabled": _BOOL,
     "anagrpid": _INT,  # its ANA group, 1..ANAGRPMAX (default 1)
+    "auto_visible": _BOOL,  # false: only the "hosts" listed see it (masking; default true)
+    "hosts": _LIST,
     # an RBD namespace's settings (target.backends.BACKEND_OPTIONS; the service checks which kind takes them)
     "pool": _STR,
     "image": _STR,
@@ -168,6 +171,8 @@ def item_problems(kind: str, item: Any, where: str) -> list[str]:
         for key in ("dhchap_hash", "dhchap_dhgroup"):
             if any(not isinstance(name, str) for name in item.get(key) or []):
                 problems.append(f"{where}.{key}: expected a list of names")
+    if kind == "namespace" and any(not isinstance(h, str) for h in item.get("hosts") or []):
+        problems.append(f"{where}.hosts: expected a list of host NQN strings")
     if kind == "listener" and isinstance(item.get("ana_states"), dict):
         problems.extend(ana_states_problems(item["ana_states"], f"{where}.ana_states"))
     return problems
@@ -753,6 +758,12 @@ def export_nvmetcli(config: dict[str, Any]) -> Converted:
             label = f"namespace {ns.get('nsid')} of {nqn}"
             if ns["backend"] != "file":
                 warnings.append(f"{label}: {ns['backend']} backend has no nvmetcli equivalent, left out")
+                continue
+            if ns.get("auto_visible") is False:
+                # nvmet has no per-host visibility: exported, the namespace would show to every allowed host
+                warnings.append(f"{label}: visible only to hosts {', '.join(ns.get('hosts') or []) or '(none)'}; "
+                                "the kernel target has no per-host namespace visibility, so it is left out rather "
+                                "than shown to every allowed host")
                 continue
             device = {"path": ns["path"]}
             if ns.get("uuid"):

@@ -201,16 +201,26 @@ class Target:
 
     # --- live-change hooks (TargetService calls these) ------------------------------------------
 
-    def namespace_changed(self, subsystem_nqn: str, nsid: int) -> None:
+    def namespace_changed(self, subsystem_nqn: str, nsid: int, concerns: Callable[[str], bool] | None = None) -> None:
+        """Namespace Attribute Changed (log 04h + AEN) to the subsystem's controllers, or, with masking, only
+        to those whose host NQN ``concerns`` names: the hosts that see the namespace, or whose view changed
+        (SPDK nvmf_ns_visible tells exactly the controllers whose visibility flipped). By default a masked
+        namespace's change reaches the hosts that see it: no other host learns the NSID is in use."""
+        if concerns is None:
+            sub = self.subsystems.get(subsystem_nqn)
+            ns = sub.namespaces.get(nsid) if sub is not None else None
+            if ns is not None and not ns.auto_visible:
+                concerns = ns.visible_to
         for ctrl in list(self.controllers.values()):
-            if ctrl.subsystem.nqn == subsystem_nqn:
+            if ctrl.subsystem.nqn == subsystem_nqn and (concerns is None or concerns(ctrl.hostnqn)):
                 ctrl.namespace_changed(nsid)
 
     def ana_changed(self, *, subnqn: str | None = None, listeners: Iterable[Listener] | None = None,
-                    groups: Iterable[int] = ()) -> int:
+                    groups: Iterable[int] = (), concerns: Callable[[str], bool] | None = None) -> int:
         """ANA states (on ``listeners``) or a group's namespaces (in ``subnqn``) changed: bump the change
         counts and send the ANA change AEN to each controller concerned (nvmet_send_ana_event: the
-        controllers of the subsystem, or of the port); returns how many were told."""
+        controllers of the subsystem, or of the port; with ``concerns``, only those of the host NQNs it
+        names: a masked namespace is in no other controller's log 0Ch); returns how many were told."""
         self.ana_chgcnt += 1
         for grp in set(groups):
             self.ana_group_chgcnt[grp] = self.ana_group_chgcnt.get(grp, 0) + 1
@@ -220,6 +230,8 @@ class Target:
             if ctrl.is_discovery or (subnqn is not None and ctrl.subsystem.nqn != subnqn):
                 continue
             if ports is not None and id(ctrl.listener) not in ports:
+                continue
+            if concerns is not None and not concerns(ctrl.hostnqn):
                 continue
             ctrl.ana_changed()
             told += 1

@@ -40,7 +40,7 @@ def parse(req: Request) -> None:
         req.expect(Direction.NONE, 0, _flush_all)   # Identify VWC bits 2:1 = 11b advertise this
         return
     ns = ctrl.subsystem.namespaces.get(cmd.nsid)
-    if ns is None or not ns.enabled:
+    if ns is None or not ns.enabled or not (ns.auto_visible or ctrl.hostnqn in ns.hosts):   # masked: as missing
         raise NvmeError(Status.INVALID_NS, f"subsystem {ctrl.subsystem.nqn} has no active namespace {cmd.nsid}")
     req.ns = ns
     blocked = ctrl.ana_blocked.get(ns.anagrpid)
@@ -203,7 +203,7 @@ async def _flush_all(req: Request) -> None:
     ctrl = req.queue.ctrl
     assert ctrl is not None
     for ns in list(ctrl.subsystem.namespaces.values()):
-        if not ns.enabled:
+        if not ns.enabled or not ns.visible_to(ctrl.hostnqn):
             continue
         try:
             await ns.backend.flush()

@@ -114,6 +114,10 @@ class Namespace:
     read_only: bool = False
     enabled: bool = True
     anagrpid: int = defaults.DEFAULT_ANAGRPID  # its ANA group, 1..ANAGRPMAX (Identify Namespace ANAGRPID)
+    # Masking (SPDK nvmf_ns_add_host, --no-auto-visible): auto_visible, every allowed host sees it; else only
+    # the controllers of the host NQNs in ``hosts`` do (an inactive NSID for every other one).
+    auto_visible: bool = True
+    hosts: set[str] = field(default_factory=set)
     spec: dict[str, Any] = field(default_factory=dict)  # the creation request, persisted as given
     stats: NamespaceStats = field(default_factory=NamespaceStats)
     # Reservations (target/pr.py): the committed state, its version in the target's PrStore, the lock that
@@ -122,6 +126,13 @@ class Namespace:
     pr_version: int = 0
     pr_lock: asyncio.Lock | None = None
     pr_inflight: dict[bytes, int] = field(default_factory=dict)
+
+    def visible_to(self, hostnqn: str) -> bool:
+        return self.auto_visible or hostnqn in self.hosts
+
+    def visibility(self) -> frozenset[str] | None:
+        """The host NQNs that see it, None for every host: compare two with ``view_changed``."""
+        return None if self.auto_visible else frozenset(self.hosts)
 
     @property
     def nsze(self) -> int:
@@ -190,8 +201,15 @@ class Subsystem:
             entry = self.host_stats[hostnqn] = NamespaceStats()
         return entry
 
-    def active_nsids(self) -> list[int]:
-        return sorted(nsid for nsid, ns in self.namespaces.items() if ns.enabled)
+    def active_nsids(self, hostnqn: str | None = None) -> list[int]:
+        """The enabled NSIDs, ascending; with ``hostnqn``, those that host's controllers see (masking)."""
+        return sorted(nsid for nsid, ns in self.namespaces.items()
+                      if ns.enabled and (hostnqn is None or ns.visible_to(hostnqn)))
+
+    def active_namespace(self, nsid: int, hostnqn: str) -> Namespace | None:
+        """The namespace ``nsid`` if it is active for ``hostnqn``'s controllers: enabled and visible."""
+        ns = self.namespaces.get(nsid)
+        return ns if ns is not None and ns.enabled and ns.visible_to(hostnqn) else None
 
     def host_allowed(self, hostnqn: str) -> bool:
         return self.allow_any_host or hostnqn in self.hosts
@@ -202,6 +220,11 @@ class Subsystem:
         if entry is None or entry.dhchap_key is None or hostnqn not in self.hosts:
             return None
         return entry
+
+
+def view_changed(before: frozenset[str] | None, after: frozenset[str] | None, hostnqn: str) -> bool:
+    """Whether a host sees a namespace in one of two ``Namespace.visibility()`` values and not in the other."""
+    return (before is None or hostnqn in before) != (after is None or hostnqn in after)
 
 
 def format_address(traddr: str, trsvcid: int | str) -> str:

@@ -360,7 +360,7 @@ def deliver(target: Target, sub: Subsystem, ns: Namespace, events: Iterable[tupl
     if not by_host:
         return
     for ctrl in list(target.controllers.values()):
-        if ctrl.subsystem is sub and not ctrl.closed and ctrl.hostid in by_host:
+        if ctrl.subsystem is sub and not ctrl.closed and ctrl.hostid in by_host and ns.visible_to(ctrl.hostnqn):
             for kind in by_host[ctrl.hostid]:
                 ctrl.reservation_notice(kind, ns.nsid)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # Namespace keys a running namespace can take on live; any other difference needs a new nsid.
-LIVE_NAMESPACE_KEYS = ("size", "enabled", "anagrpid")
+LIVE_NAMESPACE_KEYS = ("size", "enabled", "anagrpid", "auto_visible", "hosts")
 # Subsystem keys that the Identify data or the controllers already carry: fixed while it exists.
 FIXED_SUBSYSTEM_KEYS = ("serial", "model", "max_namespaces")
 ACCESS_KEYS = ("allow_any_host", "hosts", "dhchap_hash", "dhchap_dhgroup")
@@ -31,6 +31,8 @@ class ReloadPlan:
     resized: list[tuple[str, int, int]] = field(default_factory=list)
     enabled: list[tuple[str, int, bool]] = field(default_factory=list)
     anagrpid: list[tuple[str, int, int]] = field(default_factory=list)  # (subnqn, nsid, new ANA group)
+    # (subnqn, nsid, auto_visible, hosts): masking as the file has it (target/masking.py)
+    visibility: list[tuple[str, int, bool, list[Any]]] = field(default_factory=list)
     new_listeners: list[dict[str, Any]] = field(default_factory=list)
     removed_listeners: list[str] = field(default_factory=list)
     ana_states: list[tuple[str, dict[str, str]]] = field(default_factory=list)  # (listener id, its whole ana_states)
@@ -134,3 +136,7 @@ def _plan_namespaces(plan: ReloadPlan, nqn: str, old: list[dict[str, Any]], new:
             plan.enabled.append((nqn, nsid, ns["enabled"]))
         if ns.get("anagrpid") is not None and ns["anagrpid"] != cur.get("anagrpid", 1):
             plan.anagrpid.append((nqn, nsid, ns["anagrpid"]))
+        if ns.get("auto_visible") is not None or ns.get("hosts") is not None:   # absent: unchanged, as above
+            wanted = (ns.get("auto_visible", True), sorted(ns.get("hosts") or []))
+            if wanted != (cur.get("auto_visible", True), sorted(cur.get("hosts") or [])):
+                plan.visibility.append((nqn, nsid, *wanted))

@@ -33,7 +33,7 @@ from nvmeof.spec.fabrics import PORTID_MAX
 from nvmeof.spec.identify import NSID_MAX
 from nvmeof.spec.logs import ANA_STATE_NAMES, AnaState, parse_ana_state
 from target import config as configmod
-from target import hostauth, pr
+from target import hostauth, masking, pr
 from target.backends import (
     BACKEND_OPTIONS,
     OPTION_KEYS,
@@ -110,7 +110,7 @@ class TargetHooks(Protocol):
     pr_store: PrStore | None
     reservations_supported: bool
 
-    def namespace_changed(self, subnqn: str, nsid: int) -> None: ...
+    def namespace_changed(self, subnqn: str, nsid: int, concerns: Callable[[str], bool] | None = None) -> None: ...
     def discovery_changed(self) -> None: ...
     async def settle(self) -> None: ...
     async def start_workers(self) -> None: ...
@@ -124,7 +124,7 @@ class TargetHooks(Protocol):
     # ANA states (on listeners) or a group's namespaces (in subnqn) changed: bump the ANA change counts
     # and send the ANA change AEN to the controllers concerned (target.core.Target.ana_changed).
     def ana_changed(self, *, subnqn: str | None = None, listeners: Iterable[Listener] | None = None,
-                    groups: Iterable[int] = ()) -> int: ...
+                    groups: Iterable[int] = (), concerns: Callable[[str], bool] | None = None) -> int: ...
 
 
 class ServiceError(Exception):
@@ -230,6 +230,23 @@ def _address(trtype: Any, traddr: Any, trsvcid: Any, adrfam: Any) -> tuple[str, 
             raise _bad(f"address family {adrfam!r} is not supported; use one of {', '.join(ADRFAMS)}")
         raise _bad(f"address {traddr} is {family}, but the address family given is {adrfam}")
     return trtype, family, str(ip), _int(trsvcid, "port (trsvcid)", 1, 65535)
+
+
+def _masking(check: Callable[[], Any]) -> Any:
+    try:
+        return check()
+    except masking.MaskingError as exc:
+        raise ServiceError(exc.status, exc.message) from None
+
+
+def _visibility(sub: Subsystem, nsid: int, auto_visible: Any, hosts: Any) -> tuple[bool, set[str]]:
+    return _masking(lambda: masking.check_visibility(sub, nsid, auto_visible, hosts))
+
+
+def _restore_hosts(dropped: list[tuple[Namespace, str]]) -> None:
+    """Undo masking.drop_unadmitted."""
+    for ns, hostnqn in dropped:
+        ns.hosts.add(hostnqn)
 
 
 async def _nothing() -> None:
@@ -548,9 +565,11 @@ class TargetService:
                 )
             old = sub.allow_any_host
             sub.allow_any_host = allow
+            dropped = masking.drop_unadmitted(sub)
 
             async def undo() -> None:
                 sub.allow_any_host = old
+                _restore_hosts(dropped)
 
             await self._commit(True, undo)
             disconnected = await self._revoke(nqn)
@@ -593,11 +612,13 @@ class TargetService:
                 raise ServiceError(404, f"host {hostnqn} is not in the allowed hosts of {subnqn}")
             sub.hosts.discard(hostnqn)
             auth = sub.host_auth.pop(hostnqn, None)
+            dropped = masking.drop_unadmitted(sub)
 
             async def undo() -> None:
                 sub.hosts.add(hostnqn)
                 if auth is not None:
                     sub.host_auth[hostnqn] = auth
+                _restore_hosts(dropped)
 
             await self._commit(True, undo)
             disconnected = await self._revoke(subnqn)
@@ -715,9 +736,12 @@ class TargetService:
         create: bool = False,
         options: dict[str, Any] | None = None,
         anagrpid: int = defaults.DEFAULT_ANAGRPID,
+        auto_visible: bool = True,
+        hosts: Sequence[str] = (),
     ) -> Namespace:
         """``options``: the settings only ``backend`` takes (BACKEND_OPTIONS: an RBD namespace's
-        ``pool``, ``image``, ...). ``anagrpid``: its ANA group, 1..ANAGRPMAX."""
+        ``pool``, ``image``, ...). ``anagrpid``: its ANA group, 1..ANAGRPMAX. ``auto_visible`` False:
+        only the controllers of ``hosts`` see it (target/masking.py)."""
         async with self._lock:
             return await self._add_namespace(
                 subnqn,
@@ -735,6 +759,8 @@ class TargetService:
                 options=options,
                 persist=True,
                 anagrpid=anagrpid,
+                auto_visible=auto_visible,
+                hosts=hosts,
             )
 
     async def _add_namespace(
@@ -755,6 +781,8 @@ class TargetService:
         persist: bool,
         options: dict[str, Any] | None = None,
         anagrpid: int | None = defaults.DEFAULT_ANAGRPID,
+        auto_visible: bool = True,
+        hosts: Sequence[str] = (),
     ) -> Namespace:
         sub = self.get_subsystem(subnqn)
         anagrpid = _anagrpid(defaults.DEFAULT_ANAGRPID if anagrpid is None else anagrpid)
@@ -845,6 +873,7 @@ class TargetService:
             for u in self._pending("namespace"):
                 if u.subnqn == subnqn and u.item.get("nsid") == nsid:
                     raise self._pending_conflict(f"NSID {nsid} of {subnqn}", u)
+        auto_visible, visible_hosts = _visibility(sub, nsid, auto_visible, hosts)
         ns_uuid = self._unique_id("uuid", "UUID", None if uuid is None else _uuid(uuid), uuidlib.uuid4)
         ns_nguid = self._unique_id(
             "nguid",
@@ -907,6 +936,8 @@ class TargetService:
             read_only=read_only or store.read_only,
             enabled=enabled,
             anagrpid=anagrpid,
+            auto_visible=auto_visible,
+            hosts=visible_hosts,
             spec=spec,
         )
         await pr.clear_on_start(self.target, ns)   # what its reservation store keeps (PTPL, the group)
@@ -920,7 +951,7 @@ class TargetService:
         self.target.namespace_changed(subnqn, nsid)
         # The ANA log now lists the NSID in its group: a Linux host with ANA attaches no block device
         # for a new namespace until it has read it there (nvme-cli #832), so tell it (nvmet_ns_enable).
-        self._ana_changed(subnqn=subnqn, groups=(anagrpid,))
+        self._ana_changed(subnqn=subnqn, groups=(anagrpid,), concerns=masking.seen_by(ns))
         store.watch_size(lambda new_size: self._storage_resized(subnqn, nsid, store, new_size))
         await self._settle()
         return ns
@@ -1046,7 +1077,8 @@ class TargetService:
                 return ns
             await self._commit(True, undo)
             self.target.namespace_changed(subnqn, nsid)
-            self._ana_changed(subnqn=subnqn, groups=(ns.anagrpid,))   # the group's NSID list changed
+            # the group's NSID list changed, for the hosts that see it
+            self._ana_changed(subnqn=subnqn, groups=(ns.anagrpid,), concerns=masking.seen_by(ns))
             await self._settle()
             return ns
 
@@ -1071,11 +1103,76 @@ class TargetService:
                 sub.namespaces[nsid] = ns
 
             await self._commit(True, undo)
-            self.target.namespace_changed(subnqn, nsid)
-            self._ana_changed(subnqn=subnqn, groups=(ns.anagrpid,))
+            self.target.namespace_changed(subnqn, nsid, masking.seen_by(ns))
+            self._ana_changed(subnqn=subnqn, groups=(ns.anagrpid,), concerns=masking.seen_by(ns))
             await self._settle()
             ns.backend.close()
             await pr.forget(self.target, ns)
+
+    # --- masking: per-host visibility (target/masking.py) -----------------------------------------
+
+    async def add_namespace_host(self, subnqn: str, nsid: int, hostnqn: str) -> Namespace:
+        """Make namespace ``nsid`` visible to ``hostnqn`` (SPDK nvmf_ns_add_host); it needs auto_visible off."""
+        async with self._lock:
+            ns = self.get_namespace(subnqn, nsid)
+            if ns.auto_visible:
+                raise ServiceError(409, f"namespace {nsid} of {subnqn} is visible to every allowed host "
+                                        "(auto_visible); turn auto_visible off to list the hosts that see it")
+            hostnqn = _masking(lambda: masking.check_host(self.target.subsystems[subnqn], nsid, hostnqn))
+            if hostnqn in ns.hosts:
+                raise ServiceError(409, f"namespace {nsid} of {subnqn} is already visible to host {hostnqn}")
+            return await self._apply_visibility(subnqn, ns, False, ns.hosts | {hostnqn})
+
+    async def remove_namespace_host(self, subnqn: str, nsid: int, hostnqn: str) -> Namespace:
+        """Hide namespace ``nsid`` from ``hostnqn`` again (SPDK nvmf_ns_remove_host)."""
+        async with self._lock:
+            ns = self.get_namespace(subnqn, nsid)
+            if hostnqn not in ns.hosts:
+                listed = ", ".join(sorted(ns.hosts)) or "none"
+                raise ServiceError(404, f"namespace {nsid} of {subnqn} does not list host {hostnqn} (it lists: "
+                                        f"{listed})")
+            return await self._apply_visibility(subnqn, ns, False, ns.hosts - {hostnqn})
+
+    async def set_namespace_auto_visible(self, subnqn: str, nsid: int, auto_visible: bool) -> Namespace:
+        """auto_visible on: every allowed host sees the namespace (its host list is dropped); off: only the
+        hosts then added with add_namespace_host."""
+        async with self._lock:
+            ns = self.get_namespace(subnqn, nsid)
+            auto_visible = _bool(auto_visible, "auto_visible")
+            return await self._apply_visibility(subnqn, ns, auto_visible, set() if auto_visible else ns.hosts)
+
+    async def _apply_visibility(self, subnqn: str, ns: Namespace, auto_visible: bool, hosts: set[str]) -> Namespace:
+        change = self._visibility_step(ns, auto_visible, hosts)
+        if change is None:
+            return ns
+        undo, concerns = change
+        await self._commit(True, undo)
+        log.info("namespace %d of %s: visible to %s", ns.nsid, subnqn,
+                 "every allowed host" if ns.auto_visible else ", ".join(sorted(ns.hosts)) or "no host")
+        self._visibility_notice(subnqn, ns, concerns)
+        await self._settle()
+        return ns
+
+    def _visibility_step(self, ns: Namespace, auto_visible: bool,
+                         hosts: set[str]) -> tuple[Undo, Callable[[str], bool]] | None:
+        """The change itself, unsaved and unannounced (the calls above and reload); None: no change."""
+        old = (ns.auto_visible, ns.hosts)
+        if (auto_visible, set(hosts)) == old:
+            return None
+        before = ns.visibility()
+        ns.auto_visible, ns.hosts = auto_visible, set(hosts)
+
+        async def undo() -> None:
+            ns.auto_visible, ns.hosts = old
+
+        return undo, masking.concerns(before, ns.visibility())
+
+    def _visibility_notice(self, subnqn: str, ns: Namespace, concerns: Callable[[str], bool]) -> None:
+        """Exactly the controllers whose view changed hear of it: log 04h + AEN, and log 0Ch (a Linux host
+        with ANA attaches a namespace only once its group lists it there: see add_namespace)."""
+        if ns.enabled:   # a disabled namespace is inactive for every host either way
+            self.target.namespace_changed(subnqn, ns.nsid, concerns)
+            self._ana_changed(subnqn=subnqn, groups=(ns.anagrpid,), concerns=concerns)
 
     def namespace_reservations(self, subnqn: str, nsid: int) -> dict[str, Any]:
         """The namespace's reservation holder, type, registrants (keys redacted) and generation; the host
@@ -1091,8 +1188,8 @@ class TargetService:
     # --- Asymmetric Namespace Access -----------------------------------------------------------
 
     def _ana_changed(self, *, subnqn: str | None = None, listeners: Iterable[Listener] | None = None,
-                     groups: Iterable[int] = ()) -> None:
-        self.target.ana_changed(subnqn=subnqn, listeners=listeners, groups=groups)
+                     groups: Iterable[int] = (), concerns: Callable[[str], bool] | None = None) -> None:
+        self.target.ana_changed(subnqn=subnqn, listeners=listeners, groups=groups, concerns=concerns)
 
     def _ana_entry(self, listener: Listener) -> dict[str, Any]:
         saved = self._ana_saved.get(listener.id)
@@ -1597,6 +1694,8 @@ class TargetService:
                     create=False,
                     persist=False,
                     anagrpid=_given(item, "anagrpid", defaults.DEFAULT_ANAGRPID),
+                    auto_visible=_given(item, "auto_visible", True),
+                    hosts=_given(item, "hosts", ()),
                     **args,
                 )
             except ServiceError as exc:
@@ -1741,13 +1840,13 @@ class TargetService:
             try:
                 if not errors:
                     self._reload_take_away(plan, undo, later)
+                    for item in plan.access:   # before new namespaces, whose host lists it admits
+                        self._reload_access(item, undo)
                     nss = [(nqn, f"namespace of {nqn}", item) for nqn, item in plan.new_namespaces]
                     await self._replay([("subsystem", item) for item in plan.new_subsystems], nss,
                                        [("listener", item) for item in plan.new_listeners],
                                        [("referral", item) for item in plan.new_referrals], errors, keep=False)
                 if not errors:
-                    for item in plan.access:
-                        self._reload_access(item, undo)
                     await self._reload_live(plan, undo, later)
             except (ServiceError, configmod.ConfigError) as exc:
                 errors.append(exc.message if isinstance(exc, ServiceError) else str(exc))
@@ -1789,6 +1888,18 @@ class TargetService:
                 undo.append(step)
                 later.append(_sync(lambda nqn=nqn, groups=(old, ns.anagrpid): self._ana_changed(subnqn=nqn,
                                                                                                 groups=groups)))
+        for nqn, nsid, auto_visible, hosts in plan.visibility:
+            ns = self.get_namespace(nqn, nsid)
+            auto_visible, hosts = _visibility(self.target.subsystems[nqn], nsid, auto_visible, hosts)
+            change = self._visibility_step(ns, auto_visible, hosts)
+            if change is not None:
+                undo.append(change[0])
+                later.append(_sync(lambda nqn=nqn, ns=ns, c=change[1]: self._visibility_notice(nqn, ns, c)))
+        for item in plan.access:   # the file narrowed a subsystem's hosts: its namespaces must follow
+            stale = masking.unadmitted(self.target.subsystems[item["nqn"]])
+            if stale:
+                raise _bad(f"subsystem {item['nqn']}: {'; '.join(stale)}, a host the subsystem no longer admits; "
+                           "remove it from the namespace's hosts in the file too")
         for lid, states in plan.ana_states:
             done = self._reload_ana(lid, states)
             if done is not None:
@@ -1829,7 +1940,7 @@ class TargetService:
         self.target.referrals[:] = [r for r in self.target.referrals if r.id not in plan.removed_referrals]
 
     async def _dropped_namespace(self, nqn: str, ns: Namespace) -> None:
-        self.target.namespace_changed(nqn, ns.nsid)
+        self.target.namespace_changed(nqn, ns.nsid, masking.seen_by(ns))
         await self._settle()
         ns.backend.close()
 
@@ -2070,4 +2181,6 @@ def _namespace_entry(ns: Namespace) -> dict[str, Any]:
             "anagrpid": ns.anagrpid,
         }
     )
+    if not ns.auto_visible:   # written only when masked: the file of an unmasked namespace is unchanged
+        entry.update({"auto_visible": False, "hosts": sorted(ns.hosts)})
     return entry

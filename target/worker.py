@@ -212,6 +212,7 @@ class Worker:
             ns.enabled = bool(msg["enabled"])
             ns.read_only = bool(msg["read_only"])
             ns.anagrpid = int(msg.get("anagrpid", ns.anagrpid))
+            _set_visibility(ns, msg)
             if msg["size"] != ns.backend.size:
                 self._resize(key, ns, msg["size"])
             return
@@ -224,6 +225,7 @@ class Worker:
         ns = Namespace(nsid=msg["nsid"], backend=backend, block_size=msg["block_size"],
                        read_only=bool(msg["read_only"]), enabled=bool(msg["enabled"]),
                        anagrpid=int(msg.get("anagrpid", 1)))
+        _set_visibility(ns, msg)
         sub = self._subsystem(msg["subnqn"])
         old = sub.namespaces.get(ns.nsid)
         if old is not None:
@@ -369,6 +371,12 @@ class Worker:
         row = _take_stats(ns)
         if row is not None:
             self.channel.send({"op": "report", "active": [], "errors": [], "stats": {str(key): row}})
+
+
+def _set_visibility(ns: Namespace, msg: dict[str, Any]) -> None:
+    # masking: io.parse and the batch path check it against each RemoteController's hostnqn
+    ns.auto_visible = bool(msg.get("auto_visible", True))
+    ns.hosts = set(msg.get("hosts", ()))
 
 
 def _take_stats(ns: Namespace) -> list[int] | None:

@@ -35,6 +35,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from nvmeof import defaults
@@ -425,7 +426,7 @@ class WorkerPool:
             w.channel.send({"op": "ns_del", "key": key, "seq": self._seq})
         for key, (subnqn, ns) in current.items():
             backend = ns.backend
-            state = (backend.size, ns.enabled, ns.read_only, backend.read_only, ns.anagrpid)
+            state = (backend.size, ns.enabled, ns.read_only, backend.read_only, ns.anagrpid, ns.visibility())
             if w.sent.get(key) == state:
                 continue
             try:
@@ -436,7 +437,7 @@ class WorkerPool:
             msg: dict[str, Any] = {
                 "op": "ns", "key": key, "subnqn": subnqn, "nsid": ns.nsid, "backend": description,
                 "size": backend.size, "block_size": ns.block_size, "enabled": ns.enabled, "read_only": ns.read_only,
-                "anagrpid": ns.anagrpid,
+                "anagrpid": ns.anagrpid, "auto_visible": ns.auto_visible, "hosts": sorted(ns.hosts),
             }
             if key in w.sent:
                 fds = []   # the worker has attached it already; this is a change of state
@@ -612,10 +613,10 @@ class PooledTarget(Target):
     async def start_workers(self) -> None:
         await self.pool.start()
 
-    def namespace_changed(self, subsystem_nqn: str, nsid: int) -> None:
-        # Workers first, so the change is on its way before any host hears of it.
+    def namespace_changed(self, subsystem_nqn: str, nsid: int, concerns: Callable[[str], bool] | None = None) -> None:
+        # Workers first, so the change (a size, a masking change) is on its way before any host hears of it.
         self.pool.sync()
-        super().namespace_changed(subsystem_nqn, nsid)
+        super().namespace_changed(subsystem_nqn, nsid, concerns)
 
     def discovery_changed(self) -> None:
         self.pool.sync()   # subsystem removal takes its namespaces along

@@ -39,7 +39,7 @@ class FakeTarget:
         self.pr_store = None
         self.reservations_supported = True
 
-    def namespace_changed(self, subnqn: str, nsid: int) -> None:
+    def namespace_changed(self, subnqn: str, nsid: int, concerns=None) -> None:  # type: ignore[no-untyped-def]
         self.events.append(("namespace_changed", subnqn, nsid))
 
     async def settle(self) -> None:
@@ -51,7 +51,7 @@ class FakeTarget:
     def discovery_changed(self) -> None:
         self.events.append(("discovery_changed",))
 
-    def ana_changed(self, *, subnqn=None, listeners=None, groups=()) -> int:  # type: ignore[no-untyped-def]
+    def ana_changed(self, *, subnqn=None, listeners=None, groups=(), concerns=None) -> int:  # type: ignore[no-untyped-def]
         return 0   # ANA events: tests/test_ana_target.py
 
     async def start_listener(self, listener: Listener) -> None:

@@ -146,6 +146,7 @@ def test_dashboard_in_chromium(serve: Serve, page: Any, tmp_path: Path) -> None:
     sub = page.locator(f'.subsystem[data-nqn="{NQN}"]')
     sub.wait_for(state="visible")
     assert sub.locator('tr[data-nsid="1"]').count() == 1
+    assert sub.locator('tr[data-nsid="1"] td.visibility').inner_text() == "all hosts"   # masking: not masked
 
     with initiator.sync.connect("127.0.0.1", serve.io, NQN, hostnqn=HOSTA, timeout=10) as host:
         assert host.namespaces() == [1]

@@ -1,4 +1,5 @@
-"""/subsystems/{nqn}/namespaces: add, list, show, resize, enable/disable, ANA group, statistics, remove."""
+"""/subsystems/{nqn}/namespaces: add, list, show, resize, enable/disable, ANA group, visibility, statistics,
+remove."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ async def add_namespace(nqn: str, body: schemas.NamespaceCreate, service: Servic
     ns = await service.add_namespace(
         nqn, backend=body.backend, path=body.path, size=body.size, block_size=body.block_size,
         nsid=body.nsid, uuid=body.uuid, nguid=body.nguid, eui64=body.eui64, read_only=body.read_only,
-        enabled=body.enabled, create=body.create, anagrpid=body.anagrpid,
+        enabled=body.enabled, create=body.create, anagrpid=body.anagrpid, auto_visible=body.auto_visible,
+        hosts=body.hosts,
         options={key: getattr(body, key) for key in OPTION_KEYS if getattr(body, key) is not None},
     )
     return render.namespace(ns)
@@ -66,6 +68,28 @@ async def set_namespace_anagrpid(
 ) -> schemas.NamespaceOut:
     """Move the namespace to another ANA group; connected hosts get an ANA change event and re-read the ANA log."""
     return render.namespace(await service.set_namespace_anagrpid(nqn, nsid, body.anagrpid))
+
+
+@router.put("/{nsid}/auto_visible", response_model=schemas.NamespaceOut)
+async def set_namespace_auto_visible(
+    nqn: str, body: schemas.NamespaceAutoVisible, service: Service, nsid: int = Nsid,
+) -> schemas.NamespaceOut:
+    """Visible to every allowed host, or only to the hosts listed; the hosts whose view changes are told (AEN)."""
+    return render.namespace(await service.set_namespace_auto_visible(nqn, nsid, body.auto_visible))
+
+
+@router.post("/{nsid}/hosts", status_code=status.HTTP_201_CREATED, response_model=schemas.NamespaceOut)
+async def add_namespace_host(
+    nqn: str, body: schemas.NamespaceHostAdd, service: Service, nsid: int = Nsid,
+) -> schemas.NamespaceOut:
+    """Make the namespace visible to one more host (it needs auto_visible false)."""
+    return render.namespace(await service.add_namespace_host(nqn, nsid, body.hostnqn))
+
+
+@router.delete("/{nsid}/hosts/{hostnqn}", response_model=schemas.NamespaceOut)
+async def remove_namespace_host(nqn: str, hostnqn: str, service: Service, nsid: int = Nsid) -> schemas.NamespaceOut:
+    """Hide the namespace from that host again; its controllers see the NSID go inactive."""
+    return render.namespace(await service.remove_namespace_host(nqn, nsid, hostnqn))
 
 
 @router.get("/{nsid}/stats", response_model=schemas.NamespaceStatsOut)

@@ -230,6 +230,8 @@ function namespaceTable(sub) {
       el("td", {}, ns.enabled ? (ns.read_only ? "read-only" : "read-write") : "disabled"),
       el("td", { class: "reservation", title: "persistent reservation (nvmeof ns reservations NQN NSID)" },
         ns.registrants ? `${ns.reservation}, ${ns.registrants} registrant${ns.registrants === 1 ? "" : "s"}` : "none"),
+      el("td", { class: "visibility mono", title: "hosts that see it (nvmeof ns host add|remove, ns set-auto-visible)" },
+        ns.auto_visible === false ? (ns.hosts.join(", ") || "no host") : "all hosts"),
       el("td", {}, el("form", { class: "inline resize", onsubmit: (e) => {
         e.preventDefault();
         const bytes = Number(size.value) * MiB;
@@ -244,7 +246,7 @@ function namespaceTable(sub) {
       } }, "Remove")));
   });
   return el("table", { class: "namespaces" },
-    el("thead", {}, el("tr", {}, ...["nsid", "backend", "path", "size", "block", "state", "reservation", "", ""].map((h) => el("th", {}, h)))),
+    el("thead", {}, el("tr", {}, ...["nsid", "backend", "path", "size", "block", "state", "reservation", "visible to", "", ""].map((h) => el("th", {}, h)))),
     el("tbody", {}, ...body));
 }
 

@@ -370,7 +370,7 @@ class BatchMixin:
                 # a namespace with registrants takes io.parse's road: the access table, and the count of
                 # each host's commands in flight that a preempt and abort waits for
                 if ns is None or not ns.enabled or (ana_blocked and ns.anagrpid in ana_blocked) or \
-                        ns.pr.registrants:
+                        ns.pr.registrants or not (ns.auto_visible or ctrl.hostnqn in ns.hosts):
                     break
                 backend = ns.backend
                 memory_view = getattr(backend, "memory_view", None)

@@ -13,6 +13,10 @@ Scenarios (RESV_SCENARIOS, comma-separated):
   preempt (B with A's key) and a clear.
 - ``ioctl``: the block layer's IOC_PR_REGISTER / RESERVE / PREEMPT / RELEASE / CLEAR (linux/pr.h, the API of
   cluster managers) on the same devices, each effect read back with resv-report and enforced on dd.
+- ``mask``: per-host namespace visibility (masking) on another subsystem of the same `nvmeof serve`, whose
+  NSID 2 only A sees: `nvme list-ns` and the controllers' namespaces in sysfs differ between A and B; the test
+  makes NSID 2 visible to B and hides it from A over REST, and each change reaches the connected controller
+  through the Namespace Attribute Changed event (no reconnect, no `nvme ns-rescan`).
 - ``group``: two gateways of a gateway group; A registers and acquires Exclusive Access through gateway a,
   B and C see conflicts through gateway b at once, gateway a is killed with SIGKILL (the test does it at a
   host step), and after failover the reservation still holds through b: B and C are refused, A's identity
@@ -92,6 +96,7 @@ SCENARIOS = [s for s in os.environ.get("RESV_SCENARIOS", "single,ioctl,group").s
 IDS: dict[str, dict[str, str]] = json.loads(os.environ.get("RESV_IDS", "{}"))
 SINGLE: dict[str, Any] = json.loads(os.environ.get("RESV_SINGLE", "{}"))  # nqn, port
 GROUP: dict[str, Any] = json.loads(os.environ.get("RESV_GROUP", "{}"))    # nqn, port_a, port_b
+MASK: dict[str, Any] = json.loads(os.environ.get("RESV_MASK", "{}"))      # nqn, port
 KERNEL = os.uname().release
 
 
@@ -724,6 +729,81 @@ def group() -> None:
     run("group_teardown", host_step, "group-teardown")
 
 
+# ------------------------------------------------------------------------------- scenario: masking
+
+MASK_EVENT_WAIT = 30.0  # the AEN -> scan work -> sysfs path takes well under a second; TCG is slow
+
+
+def ns_in_sysfs(key: str) -> list[int]:
+    """The NSIDs the kernel attached under one controller (multipath off: its nvmeXnY disks)."""
+    c = ctrl(key)
+    found = []
+    for node in glob.glob(f"/sys/class/nvme/{c.name}/nvme*n*"):
+        if re.fullmatch(r"nvme\d+n\d+", os.path.basename(node)) and os.path.exists(f"{node}/nsid"):
+            found.append(int(_read(f"{node}/nsid")))
+    return sorted(found)
+
+
+def list_ns(key: str) -> list[int]:
+    """`nvme list-ns` (Identify CNS 02h) on the controller's character device."""
+    res = nvme("list-ns", f"/dev/{ctrl(key).name}")
+    check(res.returncode == 0, f"nvme list-ns /dev/{ctrl(key).name} exited {res.returncode}: {res.stderr.strip()}")
+    return sorted(int(m, 16) for m in re.findall(r"\]:\s*(0x[0-9a-fA-F]+)", res.stdout))
+
+
+def sees(key: str, nsids: list[int]) -> None:
+    got = (list_ns(key), ns_in_sysfs(key))
+    check(got == (nsids, nsids), f"{key}: list-ns {got[0]}, sysfs {got[1]}; expected {nsids}")
+
+
+def sees_after_event(key: str, nsids: list[int]) -> None:
+    """The change must reach the connected controller by itself (AEN, log 04h, scan): poll sysfs, then compare."""
+    deadline = time.monotonic() + MASK_EVENT_WAIT
+    while ns_in_sysfs(key) != nsids and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if ns_in_sysfs(key) != nsids:
+        before = ns_in_sysfs(key)
+        nvme("ns-rescan", f"/dev/{ctrl(key).name}")
+        time.sleep(2)
+        raise CheckFailed(f"{key} shows NSIDs {before} {MASK_EVENT_WAIT:.0f} s after the change, expected {nsids} "
+                          f"(after `nvme ns-rescan`: {ns_in_sysfs(key)}); {dmesg_tail(5)}")
+    sees(key, nsids)
+
+
+def masking() -> None:
+    nqn, port = MASK["nqn"], int(MASK["port"])
+    run("mask_setup", host_step, "mask-setup")  # NSID 1 for every allowed host, NSID 2 only for A
+    run("mask_connect_a", connect, "m-a", "a", nqn, port)
+    run("mask_connect_b", connect, "m-b", "b", nqn, port)
+    run("mask_a_sees_1_2", sees, "m-a", [1, 2])
+    run("mask_b_sees_1", sees, "m-b", [1])
+
+    def b_cannot_read_2() -> None:
+        # Identify Namespace of an NSID B does not see: an inactive NSID, all zeros (nsze 0)
+        res = nvme("id-ns", f"/dev/{ctrl('m-b').name}", "--namespace-id=2", "-o", "json")
+        check(res.returncode == 0 and json.loads(res.stdout or "{}").get("nsze") == 0,
+              f"id-ns NSID 2 through B: exit {res.returncode}, {res.stdout[:200]!r} {res.stderr.strip()}")
+
+    run("mask_b_id_ns_inactive", b_cannot_read_2)
+    run("mask_show_b", host_step, "mask-add-b")
+    run("mask_b_gains_2_live", sees_after_event, "m-b", [1, 2])
+    run("mask_a_keeps_1_2", sees, "m-a", [1, 2])
+
+    def b_reads_2() -> None:
+        c = ctrl("m-b")
+        disks = [os.path.basename(n) for n in glob.glob(f"/sys/class/nvme/{c.name}/nvme*n*")
+                 if re.fullmatch(r"nvme\d+n\d+", os.path.basename(n)) and _read(f"{n}/nsid") == "2"]
+        check(disks, f"B has no disk of NSID 2: {os.listdir(f'/sys/class/nvme/{c.name}')}")
+        check(dd_read(f"/dev/{disks[0]}", 0)[0] == "ok", f"reading /dev/{disks[0]} (NSID 2 through B) failed")
+
+    run("mask_b_reads_2", b_reads_2)
+    run("mask_hide_a", host_step, "mask-remove-a")
+    run("mask_a_loses_2_live", sees_after_event, "m-a", [1])
+    run("mask_b_keeps_1_2", sees, "m-b", [1, 2])
+    run("mask_disconnect_a", disconnect, "m-a")
+    run("mask_disconnect_b", disconnect, "m-b")
+
+
 # ------------------------------------------------------------------------------- main
 
 def main() -> int:
@@ -741,6 +821,10 @@ def main() -> int:
                 run(f"single_connect_{who}", connect, f"s-{who}", who, SINGLE["nqn"], int(SINGLE["port"]))
         ioctl()
         info(ioctl_seconds=f"{time.monotonic() - t0:.1f}")
+    if "mask" in SCENARIOS:   # on the single scenario's target, before its teardown
+        t0 = time.monotonic()
+        masking()
+        info(mask_seconds=f"{time.monotonic() - t0:.1f}")
     if "single" in SCENARIOS or "ioctl" in SCENARIOS:
         for who in "abc":
             run(f"single_disconnect_{who}", disconnect, f"s-{who}")

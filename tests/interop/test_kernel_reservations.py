@@ -1,8 +1,9 @@
-"""NVMe persistent reservations of our target refereed by the Linux kernel host (issue 22).
+"""NVMe persistent reservations (issue 22) and per-host namespace visibility (masking, issue 25) of our target
+refereed by the Linux kernel host.
 
 One Debian guest boot per kernel (6.1, 6.12) runs tests/interop/resv_guest.py with native multipath off
 (``nvme_core.multipath=N``), so each `nvme connect --hostnqn --hostid` is a host identity with its own block
-device: A (the holder), B (a second registrant), C (never registered). Three scenarios share the boot:
+device: A (the holder), B (a second registrant), C (never registered). Four scenarios share the boot:
 
 - ``single``: one `nvmeof serve` (RAM namespace). nvme-cli registers A and B, then for every reservation type
   1..6: A acquires it, `resv-report --eds -o json` shows the type, the keys and the holders, and O_DIRECT dd
@@ -13,6 +14,9 @@ device: A (the holder), B (a second registrant), C (never registered). Three sce
 - ``ioctl``: the block layer's persistent reservation ioctls (IOC_PR_REGISTER incl. replace, RESERVE,
   PREEMPT, RELEASE, CLEAR of linux/pr.h, what cluster managers call) on the same controllers, each effect
   read back with resv-report and enforced on dd.
+- ``mask``: a second subsystem of the single target, allowing A and B, with NSID 1 for both and NSID 2 for A
+  only: `nvme list-ns` and sysfs differ per identity, Identify Namespace of NSID 2 through B is all zeros; the
+  test shows NSID 2 to B and hides it from A over REST, and each connected controller follows by itself.
 - ``group``: two gateways of a gateway group (``--group-store dir:PATH``, one file namespace). A registers
   and acquires Exclusive Access through gateway a, B and C are refused through gateway b at once; gateway a
   is killed with SIGKILL; once b owns the ANA group, the reservation still holds there (report, REST, dd):
@@ -47,6 +51,7 @@ pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(900)]
 GUEST_SCRIPT = Path(__file__).with_name("resv_guest.py")
 KERNEL_ARGS = "nvme_core.multipath=N"  # one block device per controller: each host identity its own
 SINGLE_NQN = f"{SUBNQN}-resv"
+MASK_NQN = f"{SUBNQN}-mask"
 GROUP_NQN = f"{SUBNQN}-resv-group"
 FILE_SIZE = 32 << 20
 BLOCK = 512
@@ -57,7 +62,7 @@ TYPES = range(1, 7)
 def _guest_checks() -> dict[str, list[str]]:
     """The guest's check names by scenario, read from the script's run(...) calls."""
     text = GUEST_SCRIPT.read_text()
-    names: dict[str, list[str]] = {"single": [], "ioctl": [], "group": [], "": []}
+    names: dict[str, list[str]] = {"single": [], "ioctl": [], "mask": [], "group": [], "": []}
     for m in re.finditer(r'run\(f?"([a-z0-9_{}]+)"', text):
         name = m.group(1)
         expanded = ([name.replace("{who}", w) for w in "abc"] if "{who}" in name else
@@ -141,6 +146,8 @@ class ResvRun:
         try:
             if name == "single-rest":
                 self.check_rest("single_rest_matches", self.single, SINGLE_NQN, rtype=2, holder="b", keys="ab")
+            elif name.startswith("mask-"):
+                self.mask_step(name)
             elif name == "single-teardown":
                 self.stop_single()
             elif name == "group-kill":
@@ -159,6 +166,25 @@ class ResvRun:
             self.report.record(f"host_step_{name.replace('-', '_')}", False, f"{type(exc).__name__}: {exc}")
         self.barrier.release(name)
         return False
+
+    def mask_step(self, name: str) -> None:
+        """Masking over REST on the single target: the guest checks what each host identity sees."""
+        target = self.single
+        assert target is not None, "the single target is not running"
+        a, b = self.ids["a"]["hostnqn"], self.ids["b"]["hostnqn"]
+        namespaces = f"/subsystems/{MASK_NQN}/namespaces"
+        if name == "mask-setup":
+            target.api("POST", "/subsystems", json={"nqn": MASK_NQN, "hosts": [a, b]})
+            target.api("POST", namespaces, json={"backend": "ram", "size": 16 << 20, "nsid": 1})
+            made = target.api("POST", namespaces, json={"backend": "ram", "size": 16 << 20, "nsid": 2,
+                                                        "auto_visible": False, "hosts": [a]})
+            assert made["hosts"] == [a], made
+        elif name == "mask-add-b":
+            assert target.api("POST", f"{namespaces}/2/hosts", json={"hostnqn": b})["hosts"] == sorted([a, b])
+        elif name == "mask-remove-a":
+            assert target.api("DELETE", f"{namespaces}/2/hosts/{a}")["hosts"] == [b]
+        else:
+            raise AssertionError(f"the guest asked for an unknown host step {name!r}")
 
     def check_rest(self, check: str, target: OurTarget | None, nqn: str, *, rtype: int, holder: str,
                    keys: str) -> None:
@@ -244,7 +270,7 @@ def resv_report(vm_assets: vm.Assets, debian_rootfs: rootfs.RootfsAssets,  # noq
     try:
         run.start_single(ports[0:3])
         if run.single is not None:
-            scenarios += ["single", "ioctl"]
+            scenarios += ["single", "ioctl", "mask"]
         if run.start_group(ports[3:9]):
             scenarios.append("group")
         report.info["setup_s"] = f"{time.monotonic() - began:.1f}"
@@ -252,6 +278,7 @@ def resv_report(vm_assets: vm.Assets, debian_rootfs: rootfs.RootfsAssets,  # noq
             "RESV_T": vm.HOST_ADDR, "RESV_GO": f"http://{vm.HOST_ADDR}:{barrier.port}/",
             "RESV_SCENARIOS": ",".join(scenarios), "RESV_IDS": json.dumps(ids),
             "RESV_SINGLE": json.dumps({"nqn": SINGLE_NQN, "port": ports[0]}),
+            "RESV_MASK": json.dumps({"nqn": MASK_NQN, "port": ports[0]}),
             "RESV_GROUP": json.dumps({"nqn": GROUP_NQN, "port_a": ports[3], "port_b": ports[6]}),
         }  # fmt: skip
         guest = rootfs.rootfs_guest(debian_rootfs, files={"script.py": GUEST_SCRIPT.read_bytes()},
@@ -292,6 +319,8 @@ def _expected(scenarios: list[str]) -> list[str]:
     names = list(GUEST_CHECKS[""])
     if "single" in scenarios:
         names += GUEST_CHECKS["single"] + GUEST_CHECKS["ioctl"] + HOST_CHECKS["single"]
+    if "mask" in scenarios:
+        names += GUEST_CHECKS["mask"]
     if "group" in scenarios:
         names += GUEST_CHECKS["group"] + HOST_CHECKS["group"]
     return names
@@ -339,6 +368,12 @@ def test_single_target_disconnect_and_clean_exit(resv_report: Report) -> None:
     _single_ran(resv_report)
     resv_report.assert_passed("single_disconnect_a", "single_disconnect_b", "single_disconnect_c",
                               "single_teardown", "single_no_controller_left", "single_log_clean", "single_clean_exit")
+
+
+def test_masking_per_host_identity(resv_report: Report) -> None:
+    """Two host identities see different namespace lists; a visibility change reaches a connected host live."""
+    _single_ran(resv_report)
+    resv_report.assert_passed(*GUEST_CHECKS["mask"])
 
 
 def test_group_reservation_is_group_wide(resv_report: Report) -> None:

@@ -323,16 +323,22 @@ def subsystem_del(api: Api, as_json: bool, nqn: str, force: bool) -> None:
 
 @click.group()
 def ns() -> None:
-    """Add, list, resize, enable, disable and remove namespaces of a subsystem."""
+    """Add, list, resize, enable, disable and remove namespaces of a subsystem; choose which hosts see them."""
 
 
 def _namespace_table(namespaces: list[dict[str, Any]]) -> str:
     rows = [
         (n["nsid"], n["backend"], n["path"] or "-", format_size(n["size"]), n["block_size"],
-         _yes(n["enabled"]), _yes(n["read_only"]), n["uuid"])
+         _yes(n["enabled"]), _yes(n["read_only"]), _visible_to(n), n["uuid"])
         for n in namespaces
     ]
-    return table(("NSID", "BACKEND", "PATH", "SIZE", "BLOCK", "ENABLED", "RO", "UUID"), rows)
+    return table(("NSID", "BACKEND", "PATH", "SIZE", "BLOCK", "ENABLED", "RO", "VISIBLE TO", "UUID"), rows)
+
+
+def _visible_to(n: dict[str, Any]) -> str:
+    if n.get("auto_visible", True):
+        return "all hosts"
+    return ", ".join(n.get("hosts") or []) or "no host"
 
 
 def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
@@ -369,6 +375,11 @@ def _ns_path(nqn: str, nsid: int | None = None, action: str = "") -> str:
                                              "or grow a shorter one to it; without it the storage is never changed.")
 @click.option("--anagrpid", type=click.IntRange(1, defaults.ANAGRPMAX), default=defaults.DEFAULT_ANAGRPID,
               show_default=True, help="ANA group: hosts with native multipath choose paths by its state per listener.")
+@click.option("--no-auto-visible", is_flag=True,
+              help="Visible only to the hosts given with --host (and added later with `ns host add`), not to every "
+                   "allowed host.")
+@click.option("--host", "hosts", multiple=True, metavar="HOSTNQN",
+              help="A host that sees the namespace (with --no-auto-visible; repeatable).")
 @click.option("--pool", help="RBD pool (rbd backend).")
 @click.option("--image", help="RBD image in --pool (rbd backend).")
 @click.option("--rbd-namespace", help="RADOS namespace of the image (rbd backend).")
@@ -376,8 +387,10 @@ def _ns_path(nqn: str, nsid: int | None = None, action: str = "") -> str:
 @click.option("--ceph-id", help="Ceph client id, e.g. 'admin' for client.admin (rbd backend).")
 @click.option("--ceph-keyring", help="Ceph keyring, one the daemon allows (nvmeof serve --ceph-keyring).")
 def ns_add(api: Api, as_json: bool, nqn, backend, path, size, block_size, nsid, ns_uuid, nguid, eui64,
-           read_only, disabled, create, anagrpid, **rbd) -> None:
+           read_only, disabled, create, anagrpid, no_auto_visible, hosts, **rbd) -> None:
     """Add a namespace to subsystem NQN."""
+    if hosts and not no_auto_visible:
+        raise click.UsageError("--host lists the hosts of a namespace made with --no-auto-visible")
     if backend is None:
         backend = "file" if path else "rbd" if rbd["pool"] or rbd["image"] else "ram"
     body = {
@@ -385,6 +398,8 @@ def ns_add(api: Api, as_json: bool, nqn, backend, path, size, block_size, nsid, 
         "block_size": int(block_size), "nsid": nsid, "uuid": ns_uuid, "nguid": nguid, "eui64": eui64,
         "read_only": read_only, "enabled": not disabled, "create": create, "anagrpid": anagrpid, **rbd,
     }
+    if no_auto_visible:
+        body.update({"auto_visible": False, "hosts": list(hosts)})
     created = api.call("POST", _ns_path(nqn), json_body={k: v for k, v in body.items() if v is not None})
     if as_json:
         echo_json(created)
@@ -470,6 +485,49 @@ def ns_set_anagrpid(api: Api, as_json: bool, nqn: str, nsid: int, anagrpid: int)
         echo_json(result)
     else:
         click.echo(f"namespace {nsid} of {nqn} is in ANA group {result['anagrpid']}")
+
+
+@api_command(ns, "set-auto-visible")
+@click.argument("nqn")
+@click.argument("nsid", type=click.IntRange(1, NSID_MAX))
+@click.argument("setting", type=click.Choice(["on", "off"]))
+def ns_set_auto_visible(api: Api, as_json: bool, nqn: str, nsid: int, setting: str) -> None:
+    """Show a namespace to every allowed host (on; its host list is dropped) or only to the hosts added with
+    `ns host add` (off). Connected hosts whose view changes are told."""
+    result = api.call("PUT", _ns_path(nqn, nsid, "auto_visible"), json_body={"auto_visible": setting == "on"})
+    _echo_visibility(as_json, result, nqn, nsid)
+
+
+def _echo_visibility(as_json: bool, result: dict[str, Any], nqn: str, nsid: int) -> None:
+    if as_json:
+        echo_json(result)
+    else:
+        click.echo(f"namespace {nsid} of {nqn} is visible to {_visible_to(result)}")
+
+
+@ns.group("host")
+def ns_host() -> None:
+    """Which hosts see a namespace made with --no-auto-visible (masking)."""
+
+
+@api_command(ns_host, "add")
+@click.argument("nqn")
+@click.argument("nsid", type=click.IntRange(1, NSID_MAX))
+@click.argument("hostnqn")
+def ns_host_add(api: Api, as_json: bool, nqn: str, nsid: int, hostnqn: str) -> None:
+    """Make namespace NSID of NQN visible to HOSTNQN (a host allowed on the subsystem)."""
+    result = api.call("POST", _ns_path(nqn, nsid, "hosts"), json_body={"hostnqn": hostnqn})
+    _echo_visibility(as_json, result, nqn, nsid)
+
+
+@api_command(ns_host, "remove")
+@click.argument("nqn")
+@click.argument("nsid", type=click.IntRange(1, NSID_MAX))
+@click.argument("hostnqn")
+def ns_host_remove(api: Api, as_json: bool, nqn: str, nsid: int, hostnqn: str) -> None:
+    """Hide namespace NSID of NQN from HOSTNQN again."""
+    result = api.call("DELETE", _ns_path(nqn, nsid, f"hosts/{_nqn(hostnqn)}"))
+    _echo_visibility(as_json, result, nqn, nsid)
 
 
 @api_command(ns, "reservations")
