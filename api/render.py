@@ -29,6 +29,8 @@ def namespace(ns: Any) -> schemas.NamespaceOut:
         anagrpid=ns.anagrpid,
         reservation=RTYPE_NAMES.get(ns.pr.rtype, "none") if ns.pr.rtype else "none",
         registrants=len(ns.pr.registrants),
+        qos=None if ns.qos is None else schemas.NamespaceQosOut(**ns.qos.limits.as_dict(), hosts={
+            h: schemas.QosLimitsOut(**lim.as_dict()) for h, lim in sorted(ns.qos.host_limits.items())}),
         **{key: ns.spec[key] for key in OPTION_KEYS if key in ns.spec},
     )
 

@@ -10,7 +10,9 @@ Our format::
                      "namespaces": [{"nsid", "backend", "path" | "size", "block_size", "uuid",
                                      "nguid", "eui64", "read_only", "enabled", "anagrpid",
                                      "pool", "image", "rbd_namespace", "ceph_conf", "ceph_id", "ceph_keyring"
-                                     (rbd)}]}],
+                                     (rbd), "qos": {"rw_ios_per_second", "rw_mbytes_per_second",
+                                     "r_mbytes_per_second", "w_mbytes_per_second",
+                                     "hosts": {"<hostnqn>": {the same}}} (only when limited)}]}],
      "listeners": [{"trtype", "adrfam", "traddr", "trsvcid", "portid", "discovery",
                     "ana_states": {"<anagrpid>": "optimized" | "non-optimized" | "inaccessible" | ...}}],
      "referrals": [{"trtype", "adrfam", "traddr", "trsvcid", "subnqn", "portid"}]}
@@ -36,6 +38,8 @@ from typing import Any
 
 from nvmeof import defaults
 from nvmeof.spec.logs import ANA_STATE_NAMES, AnaState, parse_ana_state
+from target.qos import QosError
+from target.qos import parse_config as parse_qos
 
 CONFIG_VERSION = 1
 CONFIG_FILE_MODE = 0o600
@@ -89,6 +93,7 @@ NAMESPACE_KEYS: dict[str, str] = {
     "read_only": _BOOL,
     "enabled": _BOOL,
     "anagrpid": _INT,  # its ANA group, 1..ANAGRPMAX (default 1)
+    "qos": _DICT,  # QoS limits (target/qos.py): {"rw_ios_per_second": N, ..., "hosts": {"<hostnqn>": {...}}}
     # an RBD namespace's settings (target.backends.BACKEND_OPTIONS; the service checks which kind takes them)
     "pool": _STR,
     "image": _STR,
@@ -168,6 +173,11 @@ def item_problems(kind: str, item: Any, where: str) -> list[str]:
         for key in ("dhchap_hash", "dhchap_dhgroup"):
             if any(not isinstance(name, str) for name in item.get(key) or []):
                 problems.append(f"{where}.{key}: expected a list of names")
+    if kind == "namespace" and isinstance(item.get("qos"), dict):
+        try:
+            parse_qos(item["qos"], f"{where}.qos")
+        except QosError as exc:
+            problems.append(str(exc))
     if kind == "listener" and isinstance(item.get("ana_states"), dict):
         problems.extend(ana_states_problems(item["ana_states"], f"{where}.ana_states"))
     return problems

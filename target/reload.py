@@ -13,8 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from target.qos import parse_config
+
 # Namespace keys a running namespace can take on live; any other difference needs a new nsid.
-LIVE_NAMESPACE_KEYS = ("size", "enabled", "anagrpid")
+LIVE_NAMESPACE_KEYS = ("size", "enabled", "anagrpid", "qos")
 # Subsystem keys that the Identify data or the controllers already carry: fixed while it exists.
 FIXED_SUBSYSTEM_KEYS = ("serial", "model", "max_namespaces")
 ACCESS_KEYS = ("allow_any_host", "hosts", "dhchap_hash", "dhchap_dhgroup")
@@ -31,6 +33,7 @@ class ReloadPlan:
     resized: list[tuple[str, int, int]] = field(default_factory=list)
     enabled: list[tuple[str, int, bool]] = field(default_factory=list)
     anagrpid: list[tuple[str, int, int]] = field(default_factory=list)  # (subnqn, nsid, new ANA group)
+    qos: list[tuple[str, int, Any]] = field(default_factory=list)  # (subnqn, nsid, the whole new qos entry)
     new_listeners: list[dict[str, Any]] = field(default_factory=list)
     removed_listeners: list[str] = field(default_factory=list)
     ana_states: list[tuple[str, dict[str, str]]] = field(default_factory=list)  # (listener id, its whole ana_states)
@@ -134,3 +137,6 @@ def _plan_namespaces(plan: ReloadPlan, nqn: str, old: list[dict[str, Any]], new:
             plan.enabled.append((nqn, nsid, ns["enabled"]))
         if ns.get("anagrpid") is not None and ns["anagrpid"] != cur.get("anagrpid", 1):
             plan.anagrpid.append((nqn, nsid, ns["anagrpid"]))
+        # Unlike the keys above, a missing qos is no limit (the running config writes it only when set).
+        if parse_config(ns.get("qos")) != parse_config(cur.get("qos")):
+            plan.qos.append((nqn, nsid, ns.get("qos")))

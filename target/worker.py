@@ -25,6 +25,7 @@ from typing import Any
 from nvmeof import defaults
 from nvmeof.spec.nvme import LBA_OPCODES
 from nvmeof.tcp import HandoffState, TcpConnection
+from target import qos
 from target.backends import attach_backend
 from target.backends.base import BackendError, close_backends
 from target.backends.rbd import exit_process
@@ -212,6 +213,7 @@ class Worker:
             ns.enabled = bool(msg["enabled"])
             ns.read_only = bool(msg["read_only"])
             ns.anagrpid = int(msg.get("anagrpid", ns.anagrpid))
+            _set_qos(ns, msg)
             if msg["size"] != ns.backend.size:
                 self._resize(key, ns, msg["size"])
             return
@@ -224,6 +226,7 @@ class Worker:
         ns = Namespace(nsid=msg["nsid"], backend=backend, block_size=msg["block_size"],
                        read_only=bool(msg["read_only"]), enabled=bool(msg["enabled"]),
                        anagrpid=int(msg.get("anagrpid", 1)))
+        _set_qos(ns, msg)
         sub = self._subsystem(msg["subnqn"])
         old = sub.namespaces.get(ns.nsid)
         if old is not None:
@@ -369,6 +372,18 @@ class Worker:
         row = _take_stats(ns)
         if row is not None:
             self.channel.send({"op": "report", "active": [], "errors": [], "stats": {str(key): row}})
+
+
+def _set_qos(ns: Namespace, msg: dict[str, Any]) -> None:
+    """This worker's share of the namespace's QoS limits (ARCHITECTURE.md, QoS: each of N workers enforces
+    1/N of every rate, as it may serve any of the namespace's queues)."""
+    limits, hosts = qos.parse_config(msg.get("qos"))
+    if ns.qos is None:
+        ns.qos = qos.NamespaceQos(limits, hosts, share=float(msg.get("qos_share", 1.0)))
+    else:
+        ns.qos.update(limits, hosts)
+    if not ns.qos.limited():
+        ns.qos = None
 
 
 def _take_stats(ns: Namespace) -> list[int] | None:

@@ -1,4 +1,4 @@
-"""/subsystems/{nqn}/namespaces: add, list, show, resize, enable/disable, ANA group, statistics, remove."""
+"""/subsystems/{nqn}/namespaces: add, list, show, resize, enable/disable, ANA group, QoS, statistics, remove."""
 
 from __future__ import annotations
 
@@ -66,6 +66,16 @@ async def set_namespace_anagrpid(
 ) -> schemas.NamespaceOut:
     """Move the namespace to another ANA group; connected hosts get an ANA change event and re-read the ANA log."""
     return render.namespace(await service.set_namespace_anagrpid(nqn, nsid, body.anagrpid))
+
+
+@router.put("/{nsid}/qos", response_model=schemas.NamespaceOut)
+async def set_namespace_qos(
+    nqn: str, body: schemas.NamespaceQosSet, service: Service, nsid: int = Nsid,
+) -> schemas.NamespaceOut:
+    """Set QoS limits of the namespace, or of one host on it (``host``): commands past a limit wait, none
+    fails. Limits not in the body stay; 0 removes one. Applies at once to commands waiting."""
+    limits = body.model_dump(exclude={"host"}, exclude_none=True)
+    return render.namespace(await service.set_namespace_qos(nqn, nsid, limits, host=body.host))
 
 
 @router.get("/{nsid}/stats", response_model=schemas.NamespaceStatsOut)
