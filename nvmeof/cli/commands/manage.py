@@ -339,13 +339,15 @@ _QOS_UNITS = (("rw_ios_per_second", "IOPS"), ("rw_mbytes_per_second", "MiB/s"),
               ("r_mbytes_per_second", "MiB/s read"), ("w_mbytes_per_second", "MiB/s write"))
 
 
-def _qos_words(qos: dict[str, Any] | None) -> str:
-    """A namespace's QoS limits in one cell: "200 IOPS, 10 MiB/s (+1 host)", "-" when unlimited."""
-    if not qos:
-        return "-"
-    words = ", ".join(f"{qos[key]} {unit}" for key, unit in _QOS_UNITS if qos.get(key)) or "per host"
+def _qos_words(qos: dict[str, Any] | None, unlimited: str = "-") -> str:
+    """QoS limits in one cell: "200 IOPS, 10 MiB/s (+1 host)"; ``unlimited`` when there are none."""
+    qos = qos or {}
+    words = ", ".join(f"{qos[key]} {unit}" for key, unit in _QOS_UNITS if qos.get(key))
     hosts = len(qos.get("hosts") or {})
-    return words + (f" (+{hosts} host{'s' if hosts > 1 else ''})" if hosts and words != "per host" else "")
+    per_host = f"{hosts} host{'s' if hosts > 1 else ''}"
+    if not words:
+        return f"limits for {per_host}" if hosts else unlimited
+    return words + (f" (+{per_host})" if hosts else "")
 
 
 def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
@@ -512,9 +514,10 @@ def ns_set_qos(api: Api, as_json: bool, nqn: str, nsid: int, hostnqn: str | None
     qos = result.get("qos") or {}
     if hostnqn is not None:
         host_qos = (qos.get("hosts") or {}).get(hostnqn)
-        click.echo(f"namespace {nsid} of {nqn}, host {hostnqn}: QoS {_qos_words(host_qos)}")
+        click.echo(f"namespace {nsid} of {nqn}, host {hostnqn}: QoS {_qos_words(host_qos, 'unlimited')}")
     else:
-        click.echo(f"namespace {nsid} of {nqn}: QoS {_qos_words({k: v for k, v in qos.items() if k != 'hosts'})}")
+        own = {k: v for k, v in qos.items() if k != "hosts"}
+        click.echo(f"namespace {nsid} of {nqn}: QoS {_qos_words(own, 'unlimited')}")
 
 
 @api_command(ns, "reservations")
