@@ -9,9 +9,18 @@ quota left is positive, charging its whole size: one larger than a slice drives 
 the next slices pay the debt (bdev_qos_rw_queue_io, bdev_qos_reset_timeslice); quota left over at the
 end of a slice is dropped. Here each limit is a token bucket refilled continuously at its rate (no
 timeslice timer), with the same rule: a command goes when every bucket it draws on is not in debt, and
-takes its whole cost, so any size passes and the debt delays what follows. A bucket holds at most
-QOS_BURST_SECONDS of its rate, so over any interval T a limit lets through at most
+takes its whole cost, so any size passes and the debt delays what follows. While no command waits a bucket
+holds at most QOS_BURST_SECONDS of its rate, so over any interval T a limit lets through at most
 ``rate * (T + QOS_BURST_SECONDS)`` plus one command (the one that went into debt): the documented burst.
+
+SPDK's poller owns a core; our event loop shares one, and a process that is not scheduled for longer than
+the burst (a loaded machine stalls it 50-300 ms) would lose the tokens of that time although commands were
+waiting for them: measured, a 200 IOPS limit gave 130-155 IOPS under load. So while commands wait, the
+bucket may fill past its burst by up to QOS_CATCHUP_SECONDS of its rate: a waiting command whose turn came
+during a stall goes when the loop runs again, as it would have on time. After a stall the commands it held
+back leave together; over any interval that contains the stall the rate still holds, and no interval sees
+more than ``rate * (T + QOS_BURST_SECONDS + QOS_CATCHUP_SECONDS)`` plus one command. Tokens a waiting queue
+did not use are dropped back to the burst once it is empty.
 
 Waiting commands queue in arrival order per bucket set (a small command does not overtake a large one
 that waits, so none starves). Like SPDK, only Read, Write (and Compare, a read) are limited; Flush,
@@ -79,23 +88,30 @@ assert tuple(f.name for f in fields(QosLimits)) == LIMIT_KEYS
 class Bucket:
     """One rate: tokens refill at ``rate`` per second up to ``capacity``; a charge may leave it in debt."""
 
-    __slots__ = ("capacity", "rate", "stamp", "tokens")
+    __slots__ = ("capacity", "catchup", "rate", "stamp", "tokens")
 
     def __init__(self, rate: float, now: float, tokens: float | None = None) -> None:
         self.rate = rate
         # At least one unit, so that a bucket whose burst rounds below one I/O still lets one through.
         self.capacity = max(rate * defaults.QOS_BURST_SECONDS, 1.0)
+        self.catchup = self.capacity + rate * defaults.QOS_CATCHUP_SECONDS   # the cap while commands wait
         self.tokens = self.capacity if tokens is None else min(tokens, self.capacity)
         self.stamp = now
 
-    def refill(self, now: float) -> None:
+    def refill(self, now: float, waiting: bool = False) -> None:
         if now > self.stamp:
-            self.tokens = min(self.capacity, self.tokens + (now - self.stamp) * self.rate)
+            cap = self.catchup if waiting else self.capacity
+            self.tokens = min(cap, self.tokens + (now - self.stamp) * self.rate)
             self.stamp = now
 
-    def wait(self, now: float) -> float:
+    def settle(self) -> None:
+        """The queue emptied: what it did not use is dropped back to the burst."""
+        if self.tokens > self.capacity:
+            self.tokens = self.capacity
+
+    def wait(self, now: float, waiting: bool = False) -> float:
         """Seconds until this bucket is out of debt (0: a command may take from it now)."""
-        self.refill(now)
+        self.refill(now, waiting)
         if self.tokens >= -self.rate * _SLACK:
             return 0.0
         return -self.tokens / self.rate
@@ -139,12 +155,12 @@ class Throttle:
         if self.waiters:
             self._pump()
 
-    def delay(self, is_read: bool, nbytes: int, now: float) -> float:
-        """Seconds until a command of this kind may go (0: now)."""
+    def delay(self, is_read: bool, nbytes: int, now: float, waiting: bool = False) -> float:
+        """Seconds until a command of this kind may go (0: now); ``waiting``: the queue's head asks."""
         wait = 0.0
         for bucket in (self._ios, self._rw, self._r if is_read else self._w):
             if bucket is not None:
-                wait = max(wait, bucket.wait(now))
+                wait = max(wait, bucket.wait(now, waiting))
         return wait
 
     def charge(self, is_read: bool, nbytes: int, ios: int = 1) -> None:
@@ -194,13 +210,16 @@ class Throttle:
             if fut.done():
                 waiters.popleft()
                 continue
-            wait = self.delay(is_read, nbytes, self.clock())
+            wait = self.delay(is_read, nbytes, self.clock(), waiting=True)
             if wait:
                 self._timer = asyncio.get_running_loop().call_later(wait, self._pump)
                 return
             waiters.popleft()
             self.charge(is_read, nbytes)
             fut.set_result(None)
+        for bucket in (self._ios, self._rw, self._r, self._w):
+            if bucket is not None:
+                bucket.settle()
 
     def close(self) -> None:
         """Limit removed: release everything waiting."""

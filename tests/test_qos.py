@@ -265,3 +265,32 @@ async def test_throttled_command_waits_without_holding_up_others(
     assert [r.status for r in results] == [0] * 4
     assert ns1.stats.throttled == 4
     await _close(tgt, admin, rec)
+
+
+async def test_a_stalled_loop_does_not_cost_waiting_commands_their_turn() -> None:
+    """Commands waiting while the process could not run go when it runs again (up to QOS_CATCHUP_SECONDS late);
+    tokens nobody waited for stay capped at the burst."""
+    clock = Clock()
+    rate = 100
+    t = Throttle(QosLimits(rw_ios_per_second=rate), clock=clock)   # burst 2
+    while t.try_take(True, 512):
+        pass                                   # bucket in debt by one
+    futs = [asyncio.ensure_future(t.take(True, 512)) for _ in range(200)]
+    await asyncio.sleep(0)
+    clock.now += 0.2 + 1 / rate                # the loop stalled 200 ms past the first turn
+    t._pump()
+    released = 200 - len(t.waiters)
+    assert released == 0.2 * rate + 1          # each command whose turn came during the stall goes now
+    clock.now += 10.0                          # a stall longer than the catch-up: at most that much goes
+    t._pump()
+    released = 200 - len(t.waiters) - released
+    cap = max(rate * defaults.QOS_BURST_SECONDS, 1) + rate * defaults.QOS_CATCHUP_SECONDS
+    assert released == int(cap) + 1
+    t.close()
+    await asyncio.gather(*futs)
+    # idle time fills only the burst
+    clock.now += 10.0
+    assert sum(t.try_take(True, 512) for _ in range(100)) == 0 + 100   # no limit now (closed)
+    t.set_limits(QosLimits(rw_ios_per_second=rate))
+    clock.now += 10.0
+    assert sum(t.try_take(True, 512) for _ in range(100)) == max(rate * defaults.QOS_BURST_SECONDS, 1) + 1
