@@ -203,7 +203,13 @@ async def test_cancelled_waiter_does_not_block_the_queue() -> None:
 # --- a limited namespace on the target ---------------------------------------------------------------
 
 
-async def _limited_target(limits: QosLimits) -> tuple:
+ENGINES = pytest.mark.parametrize("engine", ["stream", "batch"])
+
+
+async def _limited_target(limits: QosLimits, engine: str, monkeypatch: pytest.MonkeyPatch) -> tuple:
+    """A target whose nsid 1 has ``limits`` and nsid 2 none, an admin and an I/O queue, on ``engine``."""
+    if engine == "batch":
+        test_tcp_batch._use_batch(monkeypatch)
     tgt = make_target()
     sub = tgt.subsystems[SUBNQN]
     sub.namespaces[2] = Namespace(2, RamBackend(1 << 20))
@@ -220,12 +226,10 @@ async def _close(tgt, *hosts) -> None:  # type: ignore[no-untyped-def]
     await tgt.close()
 
 
-@pytest.mark.parametrize("engine", ["stream", "batch"])
+@ENGINES
 async def test_limited_namespace_is_delayed_and_the_unlimited_one_untouched(
         engine: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    if engine == "batch":
-        test_tcp_batch._use_batch(monkeypatch)
-    tgt, admin, rec = await _limited_target(QosLimits(rw_ios_per_second=200))
+    tgt, admin, rec = await _limited_target(QosLimits(rw_ios_per_second=200), engine, monkeypatch)
     data = os.urandom(4096)
     sends = [_wr(i * 8, data, nsid=n) for n in (1, 2) for i in range(4)]
     sends += [_rd(i, 8, nsid=n) for n in (1, 2) for i in range(20)]
@@ -243,12 +247,10 @@ async def test_limited_namespace_is_delayed_and_the_unlimited_one_untouched(
     await _close(tgt, admin, rec)
 
 
-@pytest.mark.parametrize("engine", ["stream", "batch"])
+@ENGINES
 async def test_throttled_command_waits_without_holding_up_others(
         engine: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    if engine == "batch":
-        test_tcp_batch._use_batch(monkeypatch)
-    tgt, admin, rec = await _limited_target(QosLimits(rw_ios_per_second=1))
+    tgt, admin, rec = await _limited_target(QosLimits(rw_ios_per_second=1), engine, monkeypatch)
     ns1 = tgt.subsystems[SUBNQN].namespaces[1]
     assert ns1.qos is not None and ns1.qos.namespace is not None
     for _ in range(600):

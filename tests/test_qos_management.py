@@ -4,14 +4,14 @@ the REST API, the CLI, /metrics, and a gateway group sharing them through a dir 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 from fastapi.testclient import TestClient
-from test_cli_manage import TOKEN as CLI_TOKEN
-from test_cli_manage import LiveServer, root
+from test_ana_management import run  # noqa: F401  (the CLI against a live API server)
 from test_gateway_group import SUB as GW_SUB
 from test_gateway_group import Member, until
 
@@ -28,18 +28,22 @@ TOKEN = "qos-t0ken"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
-async def _service(path: Path) -> TargetService:
+@contextlib.asynccontextmanager
+async def _served(path: Path) -> AsyncIterator[TargetService]:
+    """A service with SUB (allowing HOST only) and two RAM namespaces, saving to ``path``."""
     svc = TargetService(Target(), config_path=path)
-    await svc.add_subsystem(SUB, serial="S1", hosts=[HOST], allow_any_host=False)
-    await svc.add_namespace(SUB, backend="ram", size=1 << 20, nsid=1)
-    await svc.add_namespace(SUB, backend="ram", size=1 << 20, nsid=2)
-    return svc
+    try:
+        await svc.add_subsystem(SUB, serial="S1", hosts=[HOST], allow_any_host=False)
+        await svc.add_namespace(SUB, backend="ram", size=1 << 20, nsid=1)
+        await svc.add_namespace(SUB, backend="ram", size=1 << 20, nsid=2)
+        yield svc
+    finally:
+        await svc.target.close()
 
 
 async def test_set_merge_persist_and_restore(tmp_path: Path) -> None:
     path = tmp_path / "config.json"
-    svc = await _service(path)
-    try:
+    async with _served(path) as svc:
         ns = await svc.set_namespace_qos(SUB, 1, {"rw_ios_per_second": 200})
         throttle = ns.qos
         assert throttle is not None and throttle.limits == QosLimits(rw_ios_per_second=200)
@@ -52,8 +56,6 @@ async def test_set_merge_persist_and_restore(tmp_path: Path) -> None:
                                    "hosts": {HOST: {"w_mbytes_per_second": 3}}}
         assert "qos" not in saved[1]
         assert svc.get_namespace(SUB, 2).qos is None
-    finally:
-        await svc.target.close()
     again = TargetService(Target())
     try:
         assert await again.restore(configmod.load_config(path)) == []
@@ -70,8 +72,7 @@ async def test_set_merge_persist_and_restore(tmp_path: Path) -> None:
 
 
 async def test_refusals_name_what_was_wrong(tmp_path: Path) -> None:
-    svc = await _service(tmp_path / "config.json")
-    try:
+    async with _served(tmp_path / "config.json") as svc:
         cases = [
             ((SUB, 1, {"rw_ios_per_second": -5}), {}, 400, "rw_ios_per_second"),
             ((SUB, 1, {"r_mbytes_per_second": 10**9}), {}, 400, "r_mbytes_per_second"),
@@ -85,14 +86,11 @@ async def test_refusals_name_what_was_wrong(tmp_path: Path) -> None:
                 await svc.set_namespace_qos(*args, **kwargs)
             assert err.value.status == status and word in err.value.message, (args, err.value.message)
         assert svc.get_namespace(SUB, 1).qos is None   # nothing half applied
-    finally:
-        await svc.target.close()
 
 
 async def test_reload_changes_limits_live(tmp_path: Path) -> None:
     path = tmp_path / "config.json"
-    svc = await _service(path)
-    try:
+    async with _served(path) as svc:
         ns = await svc.set_namespace_qos(SUB, 1, {"rw_ios_per_second": 100})
         throttle = ns.qos
         config = configmod.load_config(path)
@@ -112,8 +110,6 @@ async def test_reload_changes_limits_live(tmp_path: Path) -> None:
         config["subsystems"][0]["namespaces"][0]["qos"] = {"rw_ios_per_second": -1}
         with pytest.raises(configmod.ConfigError, match=r"namespaces\[0\]\.qos\.rw_ios_per_second"):
             configmod.validate_config(config)
-    finally:
-        await svc.target.close()
 
 
 def test_config_file_problems_are_named() -> None:
@@ -128,8 +124,7 @@ def test_config_file_problems_are_named() -> None:
 
 
 async def test_metrics_export_throttled_time(tmp_path: Path) -> None:
-    svc = await _service(tmp_path / "config.json")
-    try:
+    async with _served(tmp_path / "config.json") as svc:
         ns = svc.get_namespace(SUB, 1)
         ns.stats.throttled, ns.stats.throttled_ns = 3, 1_500_000_000
         text = metrics.render(svc.list_subsystems(), [])
@@ -143,8 +138,6 @@ async def test_metrics_export_throttled_time(tmp_path: Path) -> None:
         total = NamespaceStats()
         total.add_row(ns.stats.to_row())
         assert (total.throttled, total.throttled_ns) == (3, 1_500_000_000)
-    finally:
-        await svc.target.close()
 
 
 @pytest.fixture
@@ -180,23 +173,7 @@ def test_rest(client: TestClient) -> None:
     assert client.get(f"{ns_url}/1/stats").json()["throttled_ns"] == 0
 
 
-@pytest.fixture
-def run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    server = LiveServer(TargetService(Target(), config_path=tmp_path / "config.json"))
-    monkeypatch.setenv("NVMEOF_API_TOKEN", CLI_TOKEN)
-    monkeypatch.setenv("NVMEOF_API", server.url)
-    runner = CliRunner()
-
-    def invoke(*args: str, code: int = 0):
-        result = runner.invoke(root, list(args), catch_exceptions=False)
-        assert result.exit_code == code, (args, result.output)
-        return result
-
-    yield invoke
-    server.close()
-
-
-def test_cli(run) -> None:
+def test_cli(run) -> None:  # noqa: F811  (the fixture imported above)
     run("subsystem", "add", SUB)
     run("ns", "add", SUB, "--size", "1M")
     out = run("ns", "set-qos", SUB, "1", "--rw-ios-per-second", "200", "--rw-mbytes-per-second", "20").output
