@@ -781,6 +781,8 @@ def export_nvmetcli(config: dict[str, Any]) -> Converted:
                     f"{label}: block size {block_size} is not carried; the kernel target uses the "
                     "device's logical block size (the file system's block size for a file)"
                 )
+            if ns.get("qos"):
+                warnings.append(f"{label}: the kernel target has no QoS limits; they are left out")
             grpid = ns.get("anagrpid", defaults.DEFAULT_ANAGRPID)
             ana_groups.add(grpid)
             namespaces.append(

@@ -112,6 +112,16 @@ async def test_reload_changes_limits_live(tmp_path: Path) -> None:
             configmod.validate_config(config)
 
 
+def test_nvmetcli_export_says_the_limits_are_left_out(tmp_path: Path) -> None:
+    disk = tmp_path / "d.img"
+    disk.write_bytes(bytes(1 << 16))
+    config = {"version": 1, "subsystems": [{"nqn": SUB, "namespaces": [
+        {"nsid": 1, "backend": "file", "path": str(disk), "qos": {"rw_ios_per_second": 100}}]}]}
+    out = configmod.export_nvmetcli(configmod.validate_config(config))
+    assert out["subsystems"][0]["namespaces"][0]["device"]["path"] == str(disk)
+    assert any("no QoS limits" in w for w in out.warnings)
+
+
 def test_config_file_problems_are_named() -> None:
     bad = {"version": 1, "subsystems": [{"nqn": SUB, "namespaces": [
         {"backend": "ram", "size": 4096, "qos": {"rw_ios_per_second": "fast"}},
