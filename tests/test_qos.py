@@ -7,7 +7,7 @@ import os
 
 import pytest
 import test_tcp_batch
-from target_host import SUBNQN, admin_session, make_target
+from target_host import HOSTNQN, SUBNQN, admin_session, make_target
 from test_fast_paths import _batch, _rd, _wr
 from test_tcp_batch import _fast_count, _io_recording
 
@@ -206,14 +206,16 @@ async def test_cancelled_waiter_does_not_block_the_queue() -> None:
 ENGINES = pytest.mark.parametrize("engine", ["stream", "batch"])
 
 
-async def _limited_target(limits: QosLimits, engine: str, monkeypatch: pytest.MonkeyPatch) -> tuple:
-    """A target whose nsid 1 has ``limits`` and nsid 2 none, an admin and an I/O queue, on ``engine``."""
+async def _limited_target(limits: QosLimits, engine: str, monkeypatch: pytest.MonkeyPatch, *,
+                          per_host: bool = False) -> tuple:
+    """A target whose nsid 1 has ``limits`` (the namespace's, or with ``per_host`` the connecting host's) and
+    nsid 2 none, an admin and an I/O queue, on ``engine``."""
     if engine == "batch":
         test_tcp_batch._use_batch(monkeypatch)
     tgt = make_target()
     sub = tgt.subsystems[SUBNQN]
     sub.namespaces[2] = Namespace(2, RamBackend(1 << 20))
-    sub.namespaces[1].qos = NamespaceQos(limits)
+    sub.namespaces[1].qos = NamespaceQos(qos.UNLIMITED, {HOSTNQN: limits}) if per_host else NamespaceQos(limits)
     admin, cntlid = await admin_session(tgt, SUBNQN)
     rec = await _io_recording(tgt, cntlid, sqflow_off=False)
     return tgt, admin, rec
@@ -227,9 +229,11 @@ async def _close(tgt, *hosts) -> None:  # type: ignore[no-untyped-def]
 
 
 @ENGINES
+@pytest.mark.parametrize("per_host", [False, True])
 async def test_limited_namespace_is_delayed_and_the_unlimited_one_untouched(
-        engine: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    tgt, admin, rec = await _limited_target(QosLimits(rw_ios_per_second=200), engine, monkeypatch)
+        engine: str, per_host: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    tgt, admin, rec = await _limited_target(QosLimits(rw_ios_per_second=200), engine, monkeypatch,
+                                            per_host=per_host)
     data = os.urandom(4096)
     sends = [_wr(i * 8, data, nsid=n) for n in (1, 2) for i in range(4)]
     sends += [_rd(i, 8, nsid=n) for n in (1, 2) for i in range(20)]
