@@ -18,6 +18,9 @@ _NS_METRICS = (
     ("nvmeof_namespace_read_bytes_total", "counter", "Bytes read", "read_bytes", 1),
     ("nvmeof_namespace_written_bytes_total", "counter", "Bytes written", "write_bytes", 1),
     ("nvmeof_namespace_errors_total", "counter", "I/O commands completed with an error", "errors", 1),
+    ("nvmeof_namespace_throttled_total", "counter", "Commands a QoS limit delayed", "throttled", 1),
+    ("nvmeof_namespace_throttled_seconds_total", "counter", "Time commands waited for a QoS limit",
+     "throttled_ns", 1e-9),
 )
 # The same counters per host NQN on each subsystem (Subsystem.host_stats).
 _HOST_METRICS = (
@@ -26,6 +29,9 @@ _HOST_METRICS = (
     ("nvmeof_host_read_bytes_total", "counter", "Bytes the host read", "read_bytes", 1),
     ("nvmeof_host_written_bytes_total", "counter", "Bytes the host wrote", "write_bytes", 1),
     ("nvmeof_host_errors_total", "counter", "The host's I/O commands completed with an error", "errors", 1),
+    ("nvmeof_host_throttled_total", "counter", "The host's commands a QoS limit delayed", "throttled", 1),
+    ("nvmeof_host_throttled_seconds_total", "counter", "Time the host's commands waited for a QoS limit",
+     "throttled_ns", 1e-9),
 )
 # Latency as Prometheus histograms: _bucket{le=...} over fixed power-of-two buckets (target/model.py
 # LATENCY_SHIFT), _sum (seconds) and _count, all monotonic. histogram_quantile() gives p50/p99.

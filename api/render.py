@@ -31,6 +31,8 @@ def namespace(ns: Any) -> schemas.NamespaceOut:
         registrants=len(ns.pr.registrants),
         auto_visible=ns.auto_visible,
         hosts=sorted(ns.hosts),
+        qos=None if ns.qos is None else schemas.NamespaceQosOut(**ns.qos.limits.as_dict(), hosts={
+            h: schemas.QosLimitsOut(**lim.as_dict()) for h, lim in sorted(ns.qos.host_limits.items())}),
         **{key: ns.spec[key] for key in OPTION_KEYS if key in ns.spec},
     )
 

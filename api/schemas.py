@@ -79,6 +79,8 @@ class NamespaceStatsOut(BaseModel):
     errors: int
     read_latency_ns: int = Field(description="Sum over all reads")
     write_latency_ns: int = Field(description="Sum over all writes")
+    throttled: int = Field(0, description="Commands a QoS limit delayed")
+    throttled_ns: int = Field(0, description="Time those commands waited, summed")
 
 
 class RegistrantOut(BaseModel):
@@ -120,6 +122,7 @@ class NamespaceOut(BaseModel):
     registrants: int = Field(0, description="Hosts registered for reservations on this namespace")
     auto_visible: bool = Field(True, description="Visible to every allowed host; false: only to `hosts`")
     hosts: list[str] = Field(default_factory=list, description="Host NQNs that see it while auto_visible is false")
+    qos: NamespaceQosOut | None = Field(None, description="QoS limits; null: unlimited")
     pool: str | None = Field(None, description="RBD pool (backend 'rbd')")
     image: str | None = Field(None, description="RBD image (backend 'rbd')")
     rbd_namespace: str | None = Field(None, description="RADOS namespace of the image, if any")
@@ -194,6 +197,32 @@ class NamespaceAutoVisible(_Request):
 
     auto_visible: bool = Field(description="true: every allowed host sees the namespace (the host list is dropped); "
                                            "false: only the hosts added to it")
+
+
+class QosLimitsOut(BaseModel):
+    rw_ios_per_second: int = Field(0, description="Read and write commands per second; 0: unlimited")
+    rw_mbytes_per_second: int = Field(0, description="Read and written MiB per second; 0: unlimited")
+    r_mbytes_per_second: int = Field(0, description="Read MiB per second; 0: unlimited")
+    w_mbytes_per_second: int = Field(0, description="Written MiB per second; 0: unlimited")
+
+
+class NamespaceQosOut(QosLimitsOut):
+    hosts: dict[str, QosLimitsOut] = Field(default_factory=dict, description="Limits of single hosts (host NQN)")
+
+
+_IOS = Field(None, ge=0, le=defaults.QOS_IOS_MAX, description="Commands per second; 0 removes the limit")
+_MBYTES = Field(None, ge=0, le=defaults.QOS_MBYTES_MAX, description="MiB per second; 0 removes the limit")
+
+
+class NamespaceQosSet(_Request):
+    model_config = _example({"rw_ios_per_second": 2000, "rw_mbytes_per_second": 100})
+
+    rw_ios_per_second: int | None = _IOS
+    rw_mbytes_per_second: int | None = _MBYTES
+    r_mbytes_per_second: int | None = _MBYTES
+    w_mbytes_per_second: int | None = _MBYTES
+    host: str | None = Field(None, description="Set the limits of this host (NQN) on the namespace; without it, "
+                             "the namespace's. Limits not given stay as they are")
 
 
 class NamespaceResize(_Request):

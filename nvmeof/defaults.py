@@ -139,3 +139,10 @@ GATEWAY_BLOCKLIST_EXPIRE = 3600       # seconds a dead gateway's Ceph clients st
 TCP_BATCH_REPLY_SLOTS = 4096          # CIDs of one queue with a cached reply slot (~3 MB); Linux hosts
                                       # use 16 generations x the queue depth of CIDs (nvme_cid), SPDK the depth
 POLL_US_MAX = TCP_POLL_SLICE_US       # largest `--poll-us`: one wake-up polls at most TCP_POLL_SLICE_US anyway
+
+# -- QoS (target/qos.py): per-namespace and per-host rate limits, as SPDK bdev_set_qos_limit --------
+QOS_BURST_SECONDS = 0.02              # a bucket holds this much of its rate: the burst a limit lets through
+QOS_CATCHUP_SECONDS = 0.25            # how late waiting commands may still be let go on time (a stalled loop)
+QOS_IOS_MAX = 10_000_000              # rw_ios_per_second above this is refused as a typing error
+QOS_MBYTES_MAX = 1_000_000            # *_mbytes_per_second above this (~1 TiB/s) likewise; 1 MB = 2**20 B (SPDK)
+QOS_HOSTS_MAX = 1024                  # per-host limits on one namespace

@@ -11,7 +11,9 @@ Our format::
                                      "nguid", "eui64", "read_only", "enabled", "anagrpid",
                                      "auto_visible", "hosts" (masking: false + the host NQNs that see it),
                                      "pool", "image", "rbd_namespace", "ceph_conf", "ceph_id", "ceph_keyring"
-                                     (rbd)}]}],
+                                     (rbd), "qos": {"rw_ios_per_second", "rw_mbytes_per_second",
+                                     "r_mbytes_per_second", "w_mbytes_per_second",
+                                     "hosts": {"<hostnqn>": {the same}}} (only when limited)}]}],
      "listeners": [{"trtype", "adrfam", "traddr", "trsvcid", "portid", "discovery",
                     "ana_states": {"<anagrpid>": "optimized" | "non-optimized" | "inaccessible" | ...}}],
      "referrals": [{"trtype", "adrfam", "traddr", "trsvcid", "subnqn", "portid"}]}
@@ -37,6 +39,8 @@ from typing import Any
 
 from nvmeof import defaults
 from nvmeof.spec.logs import ANA_STATE_NAMES, AnaState, parse_ana_state
+from target.qos import QosError
+from target.qos import parse_config as parse_qos
 
 CONFIG_VERSION = 1
 CONFIG_FILE_MODE = 0o600
@@ -92,6 +96,7 @@ NAMESPACE_KEYS: dict[str, str] = {
     "anagrpid": _INT,  # its ANA group, 1..ANAGRPMAX (default 1)
     "auto_visible": _BOOL,  # false: only the "hosts" listed see it (masking; default true)
     "hosts": _LIST,
+    "qos": _DICT,  # QoS limits (target/qos.py): {"rw_ios_per_second": N, ..., "hosts": {"<hostnqn>": {...}}}
     # an RBD namespace's settings (target.backends.BACKEND_OPTIONS; the service checks which kind takes them)
     "pool": _STR,
     "image": _STR,
@@ -173,6 +178,11 @@ def item_problems(kind: str, item: Any, where: str) -> list[str]:
                 problems.append(f"{where}.{key}: expected a list of names")
     if kind == "namespace" and any(not isinstance(h, str) for h in item.get("hosts") or []):
         problems.append(f"{where}.hosts: expected a list of host NQN strings")
+    if kind == "namespace" and isinstance(item.get("qos"), dict):
+        try:
+            parse_qos(item["qos"], f"{where}.qos")
+        except QosError as exc:
+            problems.append(str(exc))
     if kind == "listener" and isinstance(item.get("ana_states"), dict):
         problems.extend(ana_states_problems(item["ana_states"], f"{where}.ana_states"))
     return problems
@@ -782,6 +792,8 @@ def export_nvmetcli(config: dict[str, Any]) -> Converted:
                     f"{label}: block size {block_size} is not carried; the kernel target uses the "
                     "device's logical block size (the file system's block size for a file)"
                 )
+            if ns.get("qos"):
+                warnings.append(f"{label}: the kernel target has no QoS limits; they are left out")
             grpid = ns.get("anagrpid", defaults.DEFAULT_ANAGRPID)
             ana_groups.add(grpid)
             namespaces.append(

@@ -53,6 +53,8 @@ def parse(req: Request) -> None:
     if resv.rtype and not allowed(resv, ctrl.hostid, op):
         raise pr.conflict(ns, ctrl.hostid, op)
     _parse_nvm(req, ns, op, cmd, ctrl.subsystem.nqn)
+    if ns.qos is not None and (op == _READ or op == _WRITE or op == _COMPARE):
+        req.execute = _throttled(req.execute, op != _WRITE)
     if resv.registrants:
         req.execute = pr.tracked(req.execute)
 
@@ -91,6 +93,25 @@ def _parse_nvm(req: Request, ns: Namespace, op: int, cmd, subnqn: str) -> None:
         req.expect(Direction.H2C, length, _dsm)
     else:
         raise NvmeError(Status.INVALID_OPCODE, f"I/O opcode {op:#04x} is not supported")
+
+
+def _throttled(execute, is_read: bool):
+    # A QoS limit delays the command before it reaches the backend (SPDK queues it in the bdev's QoS
+    # channel the same way); the host's data, if any, has arrived already. The limit is looked up again
+    # here: one changed or removed while the data came in applies.
+    async def run(req: Request) -> None:
+        ns = req.ns
+        qos = ns.qos
+        if qos is not None:
+            ctrl = req.queue.ctrl
+            waited = await qos.take(ctrl.hostnqn, is_read, req.data_len)
+            if waited:
+                for stats in (ns.stats, ctrl.host_stats):
+                    stats.throttled += 1
+                    stats.throttled_ns += waited
+        await execute(req)
+
+    return run
 
 
 def _ana_refused(status: int, ns: Namespace, cntlid: int) -> NvmeError:

@@ -15,6 +15,7 @@ from nvmeof import defaults
 from nvmeof.spec.logs import AnaState
 from nvmeof.status import Status
 from target.backends.base import Backend
+from target.qos import NamespaceQos
 from target.reservations import EMPTY as EMPTY_RESERVATION
 from target.reservations import ReservationState
 
@@ -63,6 +64,8 @@ class NamespaceStats:
     write_latency_ns: int = 0
     read_hist: list[int] = field(default_factory=_histogram)    # read latencies, see LATENCY_SHIFT
     write_hist: list[int] = field(default_factory=_histogram)
+    throttled: int = 0      # commands a QoS limit delayed (target/qos.py), and their time waiting
+    throttled_ns: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {
@@ -73,6 +76,8 @@ class NamespaceStats:
             "errors": self.errors,
             "read_latency_ns": self.read_latency_ns,
             "write_latency_ns": self.write_latency_ns,
+            "throttled": self.throttled,
+            "throttled_ns": self.throttled_ns,
         }
 
     def exported_hist(self, hist: list[int]) -> list[int]:
@@ -84,7 +89,7 @@ class NamespaceStats:
     def to_row(self) -> list:
         """What a worker process reports (target/worker.py); ``add_row`` adds it up in the main process."""
         return [self.reads, self.writes, self.read_bytes, self.write_bytes, self.errors, self.read_latency_ns,
-                self.write_latency_ns, list(self.read_hist), list(self.write_hist)]
+                self.write_latency_ns, list(self.read_hist), list(self.write_hist), self.throttled, self.throttled_ns]
 
     def add_row(self, row: list) -> None:
         self.reads += row[0]
@@ -98,6 +103,9 @@ class NamespaceStats:
                              (self.write_hist, row[8] if len(row) > 8 else ())):
             for i, n in enumerate(counts[:_HIST_SLOTS]):
                 hist[i] += n
+        if len(row) > 10:
+            self.throttled += row[9]
+            self.throttled_ns += row[10]
 
     def busy(self) -> bool:
         return bool(self.reads or self.writes or self.errors)
@@ -126,6 +134,8 @@ class Namespace:
     pr_version: int = 0
     pr_lock: asyncio.Lock | None = None
     pr_inflight: dict[bytes, int] = field(default_factory=dict)
+    # QoS throttles (target/qos.py), None while nothing limits the namespace: the I/O paths test only this
+    qos: NamespaceQos | None = None
 
     def visible_to(self, hostnqn: str) -> bool:
         return self.auto_visible or hostnqn in self.hosts

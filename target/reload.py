@@ -13,8 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from target.qos import parse_config
+
 # Namespace keys a running namespace can take on live; any other difference needs a new nsid.
-LIVE_NAMESPACE_KEYS = ("size", "enabled", "anagrpid", "auto_visible", "hosts")
+LIVE_NAMESPACE_KEYS = ("size", "enabled", "anagrpid", "auto_visible", "hosts", "qos")
 # Subsystem keys that the Identify data or the controllers already carry: fixed while it exists.
 FIXED_SUBSYSTEM_KEYS = ("serial", "model", "max_namespaces")
 ACCESS_KEYS = ("allow_any_host", "hosts", "dhchap_hash", "dhchap_dhgroup")
@@ -33,6 +35,7 @@ class ReloadPlan:
     anagrpid: list[tuple[str, int, int]] = field(default_factory=list)  # (subnqn, nsid, new ANA group)
     # (subnqn, nsid, auto_visible, hosts): masking as the file has it (target/masking.py)
     visibility: list[tuple[str, int, bool, list[Any]]] = field(default_factory=list)
+    qos: list[tuple[str, int, Any]] = field(default_factory=list)  # (subnqn, nsid, the whole new qos entry)
     new_listeners: list[dict[str, Any]] = field(default_factory=list)
     removed_listeners: list[str] = field(default_factory=list)
     ana_states: list[tuple[str, dict[str, str]]] = field(default_factory=list)  # (listener id, its whole ana_states)
@@ -140,3 +143,6 @@ def _plan_namespaces(plan: ReloadPlan, nqn: str, old: list[dict[str, Any]], new:
             wanted = (ns.get("auto_visible", True), sorted(ns.get("hosts") or []))
             if wanted != (cur.get("auto_visible", True), sorted(cur.get("hosts") or [])):
                 plan.visibility.append((nqn, nsid, *wanted))
+        # Unlike the keys above, a missing qos is no limit (the running config writes it only when set).
+        if parse_config(ns.get("qos")) != parse_config(cur.get("qos")):
+            plan.qos.append((nqn, nsid, ns.get("qos")))

@@ -34,6 +34,7 @@ from nvmeof.spec.identify import NSID_MAX
 from nvmeof.spec.logs import ANA_STATE_NAMES, AnaState, parse_ana_state
 from target import config as configmod
 from target import hostauth, masking, pr
+from target import qos as qosmod
 from target.backends import (
     BACKEND_OPTIONS,
     OPTION_KEYS,
@@ -1093,6 +1094,57 @@ class TargetService:
 
         return undo
 
+    async def set_namespace_qos(self, subnqn: str, nsid: int, limits: Mapping[str, Any], *,
+                                host: str | None = None) -> Namespace:
+        """QoS limits of a namespace, or of one host on it (target/qos.py; SPDK bdev_set_qos_limit, the Ceph
+        gateway's namespace set_qos): the limits named in ``limits`` change, the others stay; 0 removes one.
+        Live: commands waiting are re-timed at once; in a gateway group the limit is shared configuration."""
+        async with self._lock:
+            ns = self.get_namespace(subnqn, nsid)
+            if not isinstance(limits, Mapping):
+                raise _bad(f"QoS limits must be an object, got {type(limits).__name__}")
+            ns_limits, hosts = _current_qos(ns)
+            try:
+                if host is None:
+                    ns_limits = ns_limits.merged(limits)
+                else:
+                    host = _nqn(host, "host")
+                    sub = self.target.subsystems[subnqn]
+                    if not sub.host_allowed(host):
+                        raise ServiceError(404, f"host {host} is not allowed on subsystem {subnqn}; allow it first "
+                                                "(or set allow_any_host)")
+                    hosts[host] = hosts.get(host, qosmod.UNLIMITED).merged(limits)
+                    if len(hosts) > defaults.QOS_HOSTS_MAX:
+                        raise _bad(f"namespace {nsid} has QoS limits for {defaults.QOS_HOSTS_MAX} hosts already")
+            except qosmod.QosError as exc:
+                raise _bad(str(exc)) from None
+            undo = self._qos_step(ns, ns_limits, hosts)
+            await self._commit(True, undo)
+            self.target.namespace_changed(subnqn, nsid)
+            log.info("namespace %d of %s: QoS %s%s", nsid, subnqn, f"for host {host} " if host else "",
+                     _qos_words(hosts.get(host, qosmod.UNLIMITED) if host else ns_limits))
+            await self._settle()
+            return ns
+
+    def _qos_step(self, ns: Namespace, limits: qosmod.QosLimits, hosts: Mapping[str, qosmod.QosLimits]) -> Undo:
+        """Apply limits live (the throttles stay where a limit stays, so queued commands keep their place)."""
+        old_limits, old_hosts = _current_qos(ns)
+
+        def apply(limits: qosmod.QosLimits, hosts: Mapping[str, qosmod.QosLimits]) -> None:
+            if ns.qos is None:
+                ns.qos = qosmod.NamespaceQos(limits, hosts)
+            else:
+                ns.qos.update(limits, hosts)
+            if not ns.qos.limited():
+                ns.qos = None
+
+        apply(limits, hosts)
+
+        async def undo() -> None:
+            apply(old_limits, old_hosts)
+
+        return undo
+
     async def remove_namespace(self, subnqn: str, nsid: int) -> None:
         async with self._lock:
             ns = self.get_namespace(subnqn, nsid)
@@ -1685,7 +1737,7 @@ class TargetService:
             args = {key: item.get(key) for key in ("nsid", "path", "size", "uuid", "nguid", "eui64")}
             args["options"] = {key: item[key] for key in OPTION_KEYS if key in item}
             try:
-                await self._add_namespace(
+                ns = await self._add_namespace(
                     nqn,
                     backend=item["backend"],
                     block_size=_given(item, "block_size", defaults.DEFAULT_BLOCK_SIZE),
@@ -1698,6 +1750,9 @@ class TargetService:
                     hosts=_given(item, "hosts", ()),
                     **args,
                 )
+                if item.get("qos"):
+                    ns.qos = qosmod.build(item["qos"])
+                    self.target.namespace_changed(nqn, ns.nsid)
             except ServiceError as exc:
                 errors.append(f"{where}: {exc.message}; skipped")
                 # A namespace whose subsystem is gone (removed since) has nowhere to live.
@@ -1900,6 +1955,7 @@ class TargetService:
             if stale:
                 raise _bad(f"subsystem {item['nqn']}: {'; '.join(stale)}, a host the subsystem no longer admits; "
                            "remove it from the namespace's hosts in the file too")
+        self._reload_qos(plan, undo, later)
         for lid, states in plan.ana_states:
             done = self._reload_ana(lid, states)
             if done is not None:
@@ -1908,6 +1964,12 @@ class TargetService:
                 if changed:
                     later.append(_sync(lambda changed=changed, groups=groups: self._ana_changed(listeners=changed,
                                                                                                 groups=groups)))
+
+    def _reload_qos(self, plan: Any, undo: list[Undo], later: list[Undo]) -> None:
+        for nqn, nsid, item in plan.qos:
+            limits, hosts = qosmod.parse_config(item)   # config.item_problems checked it
+            undo.append(self._qos_step(self.get_namespace(nqn, nsid), limits, hosts))
+            later.append(_sync(lambda nqn=nqn, nsid=nsid: self.target.namespace_changed(nqn, nsid)))
 
     def _resize_problems(self, resized: list[tuple[str, int, int]]) -> list[str]:
         problems = []
@@ -2183,4 +2245,17 @@ def _namespace_entry(ns: Namespace) -> dict[str, Any]:
     )
     if not ns.auto_visible:   # written only when masked: the file of an unmasked namespace is unchanged
         entry.update({"auto_visible": False, "hosts": sorted(ns.hosts)})
+    if ns.qos is not None:
+        entry["qos"] = ns.qos.config()
     return entry
+
+
+def _current_qos(ns: Namespace) -> tuple[qosmod.QosLimits, dict[str, qosmod.QosLimits]]:
+    if ns.qos is None:
+        return qosmod.UNLIMITED, {}
+    return ns.qos.limits, dict(ns.qos.host_limits)
+
+
+def _qos_words(limits: qosmod.QosLimits) -> str:
+    return ", ".join(f"{k} {v}" for k, v in limits.as_dict().items() if v) or "unlimited"
+

@@ -25,6 +25,7 @@ from typing import Any
 from nvmeof import defaults
 from nvmeof.spec.nvme import LBA_OPCODES
 from nvmeof.tcp import HandoffState, TcpConnection
+from target import qos
 from target.backends import attach_backend
 from target.backends.base import BackendError, close_backends
 from target.backends.rbd import exit_process
@@ -213,6 +214,7 @@ class Worker:
             ns.read_only = bool(msg["read_only"])
             ns.anagrpid = int(msg.get("anagrpid", ns.anagrpid))
             _set_visibility(ns, msg)
+            _set_qos(ns, msg)
             if msg["size"] != ns.backend.size:
                 self._resize(key, ns, msg["size"])
             return
@@ -226,6 +228,7 @@ class Worker:
                        read_only=bool(msg["read_only"]), enabled=bool(msg["enabled"]),
                        anagrpid=int(msg.get("anagrpid", 1)))
         _set_visibility(ns, msg)
+        _set_qos(ns, msg)
         sub = self._subsystem(msg["subnqn"])
         old = sub.namespaces.get(ns.nsid)
         if old is not None:
@@ -377,6 +380,18 @@ def _set_visibility(ns: Namespace, msg: dict[str, Any]) -> None:
     # masking: io.parse and the batch path check it against each RemoteController's hostnqn
     ns.auto_visible = bool(msg.get("auto_visible", True))
     ns.hosts = set(msg.get("hosts", ()))
+
+
+def _set_qos(ns: Namespace, msg: dict[str, Any]) -> None:
+    """This worker's share of the namespace's QoS limits (ARCHITECTURE.md, QoS: each of N workers enforces
+    1/N of every rate, as it may serve any of the namespace's queues)."""
+    limits, hosts = qos.parse_config(msg.get("qos"))
+    if ns.qos is None:
+        ns.qos = qos.NamespaceQos(limits, hosts, share=float(msg.get("qos_share", 1.0)))
+    else:
+        ns.qos.update(limits, hosts)
+    if not ns.qos.limited():
+        ns.qos = None
 
 
 def _take_stats(ns: Namespace) -> list[int] | None:

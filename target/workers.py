@@ -426,7 +426,8 @@ class WorkerPool:
             w.channel.send({"op": "ns_del", "key": key, "seq": self._seq})
         for key, (subnqn, ns) in current.items():
             backend = ns.backend
-            state = (backend.size, ns.enabled, ns.read_only, backend.read_only, ns.anagrpid, ns.visibility())
+            qos = ns.qos.config() if ns.qos is not None else None
+            state = (backend.size, ns.enabled, ns.read_only, backend.read_only, ns.anagrpid, ns.visibility(), repr(qos))
             if w.sent.get(key) == state:
                 continue
             try:
@@ -438,6 +439,7 @@ class WorkerPool:
                 "op": "ns", "key": key, "subnqn": subnqn, "nsid": ns.nsid, "backend": description,
                 "size": backend.size, "block_size": ns.block_size, "enabled": ns.enabled, "read_only": ns.read_only,
                 "anagrpid": ns.anagrpid, "auto_visible": ns.auto_visible, "hosts": sorted(ns.hosts),
+                "qos": qos, "qos_share": 1 / len(self.workers),
             }
             if key in w.sent:
                 fds = []   # the worker has attached it already; this is a change of state

@@ -244,7 +244,7 @@ def test_namespace_resize_refused(populated, service):
 def test_namespace_stats(populated, service):
     assert populated.get(ns_url(nsid=1, action="stats")).json() == {
         "reads": 0, "writes": 0, "read_bytes": 0, "write_bytes": 0, "errors": 0,
-        "read_latency_ns": 0, "write_latency_ns": 0,
+        "read_latency_ns": 0, "write_latency_ns": 0, "throttled": 0, "throttled_ns": 0,
     }
     stats = service.get_namespace(NQN, 1).stats
     stats.reads, stats.read_bytes, stats.read_latency_ns, stats.errors = 3, 12288, 4500, 1

@@ -453,3 +453,23 @@ async def test_a_worker_serves_the_checked_file_not_whatever_its_path_names_now(
         assert bytes(await backend.read(0, 4)) == b"AAAA"
     finally:
         backend.close()
+
+
+async def test_a_qos_limit_is_enforced_in_the_workers(served: Served) -> None:
+    """Each of the N workers enforces 1/N of the namespace's rates (ARCHITECTURE.md, QoS); what they delay is
+    reported to the main process's counters."""
+    service = served.daemon.service
+    ns = service.get_namespace(NQN, 1)
+    await service.set_namespace_qos(NQN, 1, {"rw_ios_per_second": 100})
+    async with served.connect() as ctrl:
+        q = ctrl.io_queues
+        data = await asyncio.gather(*(read(q[i % 4], 1, i, 8) for i in range(40)))
+        assert data == [bytes(4096)] * 40   # delayed, none failed
+        await eventually(lambda: ns.stats.reads >= 40 and ns.stats.throttled > 0, what="throttled reads reported")
+        # lifted live: the workers are told, and the next reads do not wait
+        await service.set_namespace_qos(NQN, 1, {"rw_ios_per_second": 0})
+        await eventually(lambda: ns.stats.reads >= 40, what="reads reported")
+        before = ns.stats.throttled
+        await asyncio.gather(*(read(q[i % 4], 1, i, 8) for i in range(40)))
+        await eventually(lambda: ns.stats.reads >= 80, what="the second reads reported")
+        assert ns.stats.throttled == before

@@ -1,4 +1,4 @@
-"""/subsystems/{nqn}/namespaces: add, list, show, resize, enable/disable, ANA group, visibility, statistics,
+"""/subsystems/{nqn}/namespaces: add, list, show, resize, enable/disable, ANA group, visibility, QoS, statistics,
 remove."""
 
 from __future__ import annotations
@@ -90,6 +90,16 @@ async def add_namespace_host(
 async def remove_namespace_host(nqn: str, hostnqn: str, service: Service, nsid: int = Nsid) -> schemas.NamespaceOut:
     """Hide the namespace from that host again; its controllers see the NSID go inactive."""
     return render.namespace(await service.remove_namespace_host(nqn, nsid, hostnqn))
+
+
+@router.put("/{nsid}/qos", response_model=schemas.NamespaceOut)
+async def set_namespace_qos(
+    nqn: str, body: schemas.NamespaceQosSet, service: Service, nsid: int = Nsid,
+) -> schemas.NamespaceOut:
+    """Set QoS limits of the namespace, or of one host on it (``host``): commands past a limit wait, none
+    fails. Limits not in the body stay; 0 removes one. Applies at once to commands waiting."""
+    limits = body.model_dump(exclude={"host"}, exclude_none=True)
+    return render.namespace(await service.set_namespace_qos(nqn, nsid, limits, host=body.host))
 
 
 @router.get("/{nsid}/stats", response_model=schemas.NamespaceStatsOut)

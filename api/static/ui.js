@@ -100,6 +100,8 @@ function addSamples(prev, snap) {
         t: snap.time, iops: ios / dt,
         mbps: (now.read_bytes + now.write_bytes - old.read_bytes - old.write_bytes) / dt / 1e6,
         p50: p50 === null ? null : p50 * 1e6, p99: p99 === null ? null : p99 * 1e6,
+        // time commands spent waiting for a QoS limit, summed over commands: 1000 = one command always waiting
+        throttle: ((now.throttled_ns || 0) - (old.throttled_ns || 0)) / dt / 1e6,
       });
     }
     for (const key of Object.keys(series)) {
@@ -181,6 +183,7 @@ function drawAll(now) {
     drawChart(document.getElementById(`chart-${group}-iops`), group, ["iops"], now);
     drawChart(document.getElementById(`chart-${group}-mbps`), group, ["mbps"], now);
     drawChart(document.getElementById(`chart-${group}-lat`), group, ["p99", "p50"], now);
+    drawChart(document.getElementById(`chart-${group}-throttle`), group, ["throttle"], now);
     const legend = document.getElementById(`legend-${group}`);
     const keys = Object.keys(dashboard.series[group]).sort();
     legend.replaceChildren(...keys.map((key, n) => {

@@ -312,6 +312,9 @@ class BatchMixin:
         last_nsid = -1
         ns: Any = None
         disk: memoryview | None = None
+        hot: memoryview | None = None   # disk, unless a QoS limit must see each command (then the hot lane is off)
+        qos: Any = None
+        hostnqn = ctrl.hostnqn
         read_nowait: Any = None
         write_nowait: Any = None
         shift = nsze = 0
@@ -327,7 +330,7 @@ class BatchMixin:
             head, opcode, flags, cid, nsid, sgl_len, sgl_id, slba, cdw12 = _unpack_cmd(mv, pos)
             # The hot lane: a RAM-disk read of the namespace and length this CID had last time. Every
             # check of the general path below, in the fewest steps; anything else goes there.
-            if (head == key and opcode == _READ and nsid == last_nsid and disk is not None and sgl_id == fast_sgl
+            if (head == key and opcode == _READ and nsid == last_nsid and hot is not None and sgl_id == fast_sgl
                     and flags & PSDT_MASK == _SGL_FLAGS):
                 nlb = (cdw12 & 0xFFFF) + 1
                 length = nlb << shift
@@ -375,6 +378,8 @@ class BatchMixin:
                 backend = ns.backend
                 memory_view = getattr(backend, "memory_view", None)
                 disk = memory_view() if memory_view is not None else None
+                qos = ns.qos
+                hot = disk if qos is None else None
                 read_nowait = backend.read_nowait
                 write_nowait = backend.write_nowait
                 shift = ns.lba_shift
@@ -385,6 +390,8 @@ class BatchMixin:
             length = nlb << shift
             if slba + nlb > nsze or length > _MAX_TRANSFER or sgl_len != length:
                 break
+            # A QoS-limited namespace: a command runs inline only while its buckets allow it now; else it
+            # leaves the fast path, and io.parse's gate makes it wait in its own Task (the loop goes on).
             if opcode == _READ:
                 if disk is not None:
                     offset = slba << shift
@@ -396,15 +403,22 @@ class BatchMixin:
                         break
                     if data is None or len(data) != length:
                         break
+                if qos is not None and not qos.try_take(hostnqn, True, length):
+                    break
                 reads += 1
                 read_bytes += length
             else:
                 if not writable or plen - _CMD_HLEN != length or mv[pos + 32:pos + 40] != _NO_OFFSET:
                     break   # the SGL's offset must be 0 (ICDOFF); anything odd: the stream path says why
+                if qos is not None and not qos.try_take(hostnqn, False, length):
+                    break
                 try:
-                    if not write_nowait(slba << shift, mv[pos + _CMD_HLEN:pos + plen], fua=bool(cdw12 & RW_FUA)):
-                        break
+                    done = write_nowait(slba << shift, mv[pos + _CMD_HLEN:pos + plen], fua=bool(cdw12 & RW_FUA))
                 except Exception:
+                    done = False
+                if not done:
+                    if qos is not None:
+                        qos.refund(hostnqn, False, length)   # the stream path charges it again
                     break
                 writes += 1
                 write_bytes += length

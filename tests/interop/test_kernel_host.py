@@ -32,6 +32,17 @@ BLOCK = 512
 NS2_SIZE = 16 << 20
 NS2_RESIZED = 32 << 20
 STEP_TIMEOUT = 180.0  # the longest stretch between two host steps (dd + fio under TCG: ~60 s)
+# QoS steps: limits well below what the guest does (~2,500 4K IOPS and ~20 MiB/s through user networking on a
+# quiet machine; on a loaded one ~1,000 IOPS and 2-3 MiB/s of writes were measured), each measured by a timed fio
+# run of QOS_RUNTIME s after 1 s of ramp. Above the limit only the bucket's burst (20 ms of the rate, + 1
+# command: 0.3 % of a 10 s run) and fio's window edge (up to iodepth commands: 16 / 2,000 = 0.8 % for IOPS,
+# 4 x 16 KiB / 10 MiB = 0.6 % for bandwidth) can show: 5 % is margin enough. Below it, a stall of the emulated
+# guest longer than the target's catch-up (250 ms) costs its time, so the floor only says the limit did not
+# throttle far below itself.
+QOS_RUNTIME = 10
+QOS_IOPS = 200
+QOS_MBYTES = 1
+QOS_ABOVE, QOS_BELOW = 1.05, 0.80
 
 
 # ------------------------------------------------------------------------------- the guest scripts
@@ -193,6 +204,23 @@ check_id_ns() {
     [ "$sectors" = $((SIZE / 512)) ] || { echo "/sys/block size $sectors sectors, expected $((SIZE / 512))"; return 1; }
 }
 
+QOS_RUNTIME=@QOS_RUNTIME@
+run_fio_rate() {  # TAG fio-arguments: a timed run (no verify); reports TAG_iops, TAG_kibps (reads + writes)
+    need_dev || return 1
+    _tag=$1; shift
+    fio --name=rate --filename=$DEV --ioengine=$ENGINE --direct=1 --time_based --runtime=$QOS_RUNTIME \
+        --ramp_time=1 --group_reporting --output-format=terse --terse-version=3 "$@" > /tmp/fio 2>&1
+    rc=$?
+    cat /tmp/fio
+    [ $rc = 0 ] || { echo "fio exited $rc"; return 1; }
+    # terse v3: 5 error, 7/8 read KiB/s and IOPS, 48/49 write KiB/s and IOPS
+    _line=$(grep '^3;' /tmp/fio | tail -n 1)
+    [ -n "$_line" ] || { echo "fio printed no terse line"; return 1; }
+    echo "$_line" | awk -F';' -v t="$_tag" \
+        '{ printf "@@INFO %s_iops=%d %s_kibps=%d %s_err=%s@@\n", t, $8 + $49, t, $7 + $48, t, $5 }' >&3
+    [ "$(echo "$_line" | cut -d';' -f5)" = 0 ] || { echo "fio reported an error"; return 1; }
+}
+
 check_smart_log() {
     need_dev || return 1
     nvme smart-log /dev/$CTRL > /tmp/smart || { echo "nvme smart-log exited $?"; return 1; }
@@ -255,6 +283,12 @@ run dd_64mib_sha256 check_dd 64
 run fio_randrw_4k_qd32 run_fio --rw=randrw --bs=4k --iodepth=32 --size=8M --numjobs=2 --offset_increment=8M \
     --cpus_allowed=0-1 --cpus_allowed_policy=split
 run fio_seq_128k run_fio --rw=write --bs=128k --iodepth=8 --size=32M --offset=64M
+# ---- QoS: the test limits namespace 1, fio measures what it gets (the test compares, host side)
+run rest_step_qos_iops host_step qos-iops
+run qos_iops_fio run_fio_rate qos_iops --rw=randrw --bs=4k --iodepth=16 --size=64M
+run rest_step_qos_bw host_step qos-bw
+run qos_bw_fio run_fio_rate qos_bw --rw=write --bs=16k --iodepth=4 --size=64M
+run rest_step_qos_off host_step qos-off
 run ns_add check_ns_add
 run ns_resize check_ns_resize
 run ns_remove check_ns_remove
@@ -279,12 +313,14 @@ GUEST_CHECKS = (
     "discover_discovery_port", "discover_io_port",
     "connect_plain", "nvme_list", "id_ctrl", "id_ns", "smart_log", "error_log",
     "dd_64mib_sha256", "fio_randrw_4k_qd32", "fio_seq_128k",
+    "rest_step_qos_iops", "qos_iops_fio", "rest_step_qos_bw", "qos_bw_fio", "rest_step_qos_off",
     "ns_add", "ns_resize", "ns_remove", "disconnect_plain",
     "connect_digests", "digests_dd_16mib_sha256", "digests_fio_randrw", "disconnect_digests",
     "connect_2_io_queues", "dmesg_2_io_queues", "rest_step_queues", "two_queue_fio", "disconnect_2_io_queues",
 )  # fmt: skip
 HOST_CHECKS = (
     "rest_cntlid_matches", "rest_two_io_queues", "digests_negotiated",
+    "qos_iops_within_limit", "qos_bw_within_limit", "qos_throttled_in_metrics",
     "no_leaked_controller", "target_log_clean", "target_clean_exit",
 )  # fmt: skip
 
@@ -293,7 +329,7 @@ def guest_script(*, io_port: int, disc_port: int, digest_port: int, go_port: int
     return guest_script_text(GUEST_SCRIPT, subnqn, {
         "@IOP@": str(io_port), "@DP@": str(disc_port), "@DIGP@": str(digest_port), "@GOP@": str(go_port),
         "@SIZE@": str(TARGET_SIZE), "@BLOCK@": str(BLOCK), "@NS2_SIZE@": str(NS2_SIZE),
-        "@NS2_RESIZED@": str(NS2_RESIZED),
+        "@NS2_RESIZED@": str(NS2_RESIZED), "@QOS_RUNTIME@": str(QOS_RUNTIME),
     })  # fmt: skip
 
 
@@ -424,6 +460,9 @@ def _host_step(name: str, target: OurTarget, barrier: Barrier, sniffer: IcSniffe
     elif name == "ns-remove":
         if 2 in _namespace_ids(target):
             target.remove_namespace(2)
+    elif name.startswith("qos-"):
+        _qos_step(name, target, report)
+        barrier.release(name)
     elif name == "queues":
         mine = [c for c in target.controllers()
                 if c["subnqn"] == target.subnqn and c["hostnqn"] == report.info.get("hostnqn")]
@@ -437,6 +476,34 @@ def _host_step(name: str, target: OurTarget, barrier: Barrier, sniffer: IcSniffe
     else:
         raise AssertionError(f"the guest script asked for an unknown host step {name!r}")
     return False
+
+
+def _qos_step(name: str, target: OurTarget, report: Report) -> None:
+    """Set namespace 1's limit for the next fio run, and judge the run before (its figures are in report.info)."""
+    url = f"/subsystems/{target.subnqn}/namespaces/1/qos"
+    if name == "qos-iops":
+        target.api("PUT", url, json={"rw_ios_per_second": QOS_IOPS})
+    elif name == "qos-bw":
+        _qos_judge(report, "qos_iops_within_limit", "qos_iops", QOS_IOPS, "IOPS")
+        target.api("PUT", url, json={"rw_ios_per_second": 0, "rw_mbytes_per_second": QOS_MBYTES})
+    else:
+        _qos_judge(report, "qos_bw_within_limit", "qos_bw_kibps", QOS_MBYTES * 1024, "KiB/s")
+        target.api("PUT", url, json={"rw_mbytes_per_second": 0})
+        base = target.api_url.rsplit("/api/v1", 1)[0]
+        text = target.client.get(base + "/metrics").text
+        line = f'nvmeof_namespace_throttled_total{{subnqn="{target.subnqn}",nsid="1"}} '
+        counts = [int(x.split()[-1]) for x in text.splitlines() if x.startswith(line)]
+        report.record("qos_throttled_in_metrics", counts != [] and counts[0] > 0,
+                      f"/metrics {line.strip()}: {counts}")
+
+
+def _qos_judge(report: Report, check: str, key: str, limit: int, unit: str) -> None:
+    raw = report.info.get(key if key.endswith("kibps") else f"{key}_iops")
+    got = int(raw) if raw is not None and raw.isdigit() else None
+    ok = got is not None and QOS_BELOW * limit <= got <= QOS_ABOVE * limit
+    report.record(check, ok, f"fio measured {got} {unit} under a limit of {limit} {unit} (allowed "
+                             f"{QOS_BELOW * limit:.0f}..{QOS_ABOVE * limit:.0f})")
+    print(f"QoS {check}: fio {got} {unit}, limit {limit}")
 
 
 def _rest_cntlid_check(target: OurTarget, report: Report) -> None:
@@ -521,6 +588,13 @@ def test_dd_64mib_sha256(kernel_host_report: Report) -> None:
 
 def test_fio_verify(kernel_host_report: Report) -> None:
     kernel_host_report.assert_passed("fio_randrw_4k_qd32", "fio_seq_128k")
+
+
+def test_qos_limits_hold_for_the_kernel_host(kernel_host_report: Report) -> None:
+    """fio in the guest against namespace 1 limited to QOS_IOPS IOPS, then QOS_MBYTES MiB/s (tolerance: QOS_ABOVE)."""
+    kernel_host_report.assert_passed("rest_step_qos_iops", "qos_iops_fio", "qos_iops_within_limit",
+                                     "rest_step_qos_bw", "qos_bw_fio", "qos_bw_within_limit", "rest_step_qos_off",
+                                     "qos_throttled_in_metrics")
 
 
 def test_namespace_add_resize_remove_reach_the_host(kernel_host_report: Report) -> None:

@@ -329,16 +329,31 @@ def ns() -> None:
 def _namespace_table(namespaces: list[dict[str, Any]]) -> str:
     rows = [
         (n["nsid"], n["backend"], n["path"] or "-", format_size(n["size"]), n["block_size"],
-         _yes(n["enabled"]), _yes(n["read_only"]), _visible_to(n), n["uuid"])
+         _yes(n["enabled"]), _yes(n["read_only"]), _visible_to(n), _qos_words(n.get("qos")), n["uuid"])
         for n in namespaces
     ]
-    return table(("NSID", "BACKEND", "PATH", "SIZE", "BLOCK", "ENABLED", "RO", "VISIBLE TO", "UUID"), rows)
+    return table(("NSID", "BACKEND", "PATH", "SIZE", "BLOCK", "ENABLED", "RO", "VISIBLE TO", "QOS", "UUID"), rows)
 
 
 def _visible_to(n: dict[str, Any]) -> str:
     if n.get("auto_visible", True):
         return "all hosts"
     return ", ".join(n.get("hosts") or []) or "no host"
+
+
+_QOS_UNITS = (("rw_ios_per_second", "IOPS"), ("rw_mbytes_per_second", "MiB/s"),
+              ("r_mbytes_per_second", "MiB/s read"), ("w_mbytes_per_second", "MiB/s write"))
+
+
+def _qos_words(qos: dict[str, Any] | None, unlimited: str = "-") -> str:
+    """QoS limits in one cell: "200 IOPS, 10 MiB/s (+1 host)"; ``unlimited`` when there are none."""
+    qos = qos or {}
+    words = ", ".join(f"{qos[key]} {unit}" for key, unit in _QOS_UNITS if qos.get(key))
+    hosts = len(qos.get("hosts") or {})
+    per_host = f"{hosts} host{'s' if hosts > 1 else ''}"
+    if not words:
+        return f"limits for {per_host}" if hosts else unlimited
+    return words + (f" (+{per_host})" if hosts else "")
 
 
 def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
@@ -528,6 +543,39 @@ def ns_host_remove(api: Api, as_json: bool, nqn: str, nsid: int, hostnqn: str) -
     """Hide namespace NSID of NQN from HOSTNQN again."""
     result = api.call("DELETE", _ns_path(nqn, nsid, f"hosts/{_nqn(hostnqn)}"))
     _echo_visibility(as_json, result, nqn, nsid)
+
+
+@api_command(ns, "set-qos")
+@click.argument("nqn")
+@click.argument("nsid", type=click.IntRange(1, NSID_MAX))
+@click.option("--rw-ios-per-second", type=click.IntRange(0, defaults.QOS_IOS_MAX),
+              help="Read and write commands per second (0: unlimited).")
+@click.option("--rw-mbytes-per-second", type=click.IntRange(0, defaults.QOS_MBYTES_MAX),
+              help="Read plus written MiB per second (0: unlimited).")
+@click.option("--r-mbytes-per-second", type=click.IntRange(0, defaults.QOS_MBYTES_MAX),
+              help="Read MiB per second (0: unlimited).")
+@click.option("--w-mbytes-per-second", type=click.IntRange(0, defaults.QOS_MBYTES_MAX),
+              help="Written MiB per second (0: unlimited).")
+@click.option("--host", "hostnqn", help="Limit this host (NQN) on the namespace instead of the whole namespace.")
+def ns_set_qos(api: Api, as_json: bool, nqn: str, nsid: int, hostnqn: str | None, **limits: int | None) -> None:
+    """Set QoS limits of a namespace (or of one host on it): commands past a limit wait, none fails.
+    Limits not given stay as they are; 0 removes one."""
+    body: dict[str, Any] = {key: value for key, value in limits.items() if value is not None}
+    if not body:
+        raise click.UsageError("give at least one limit (--rw-ios-per-second, --rw-mbytes-per-second, ...)")
+    if hostnqn is not None:
+        body["host"] = hostnqn
+    result = api.call("PUT", _ns_path(nqn, nsid, "qos"), json_body=body)
+    if as_json:
+        echo_json(result)
+        return
+    qos = result.get("qos") or {}
+    if hostnqn is not None:
+        host_qos = (qos.get("hosts") or {}).get(hostnqn)
+        click.echo(f"namespace {nsid} of {nqn}, host {hostnqn}: QoS {_qos_words(host_qos, 'unlimited')}")
+    else:
+        own = {k: v for k, v in qos.items() if k != "hosts"}
+        click.echo(f"namespace {nsid} of {nqn}: QoS {_qos_words(own, 'unlimited')}")
 
 
 @api_command(ns, "reservations")

@@ -1,0 +1,125 @@
+#!/usr/bin/env python3
+"""QoS limits under load: a limited namespace holds its limit while an unlimited one on the same target keeps
+its throughput, all in one run of one `nvmeof serve`.
+
+    python3 benchmarks/qos.py                         # 4 s per measurement, 2 rounds, 500 IOPS and 20 MiB/s
+    python3 benchmarks/qos.py --seconds 8 --rounds 3 --json qos.json
+
+The target has two RAM namespaces: nsid 1 with a limit (set through the config file, as an operator would),
+nsid 2 without. Per round, per case (an IOPS limit with 4 KiB random reads, a bandwidth limit with 128 KiB
+reads): nsid 2 alone (its throughput on this target now), nsid 1 alone, then nsid 1 and nsid 2 at the same time
+(two `nvmeof bench` processes). Figures: limited IOPS or MiB/s over the limit, alone and beside the unlimited
+namespace (goal: within 5 %), and the unlimited
+namespace's throughput beside the limited one over its throughput alone. The limits are set low enough that
+the limited namespace's own commands cost the target little, so a drop of the unlimited one would be the
+limit's doing, not the load's: a delayed command is answered alone (one send per command, as at QD1), about
+200 us of target CPU each on the development machine, so 2,000 limited IOPS take 40 % of the target's core
+(`--iops-limit 2000` shows it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import DEFAULT_NQN, Row, machine, parse_size, run_bench, serving, set_pinning, set_tree
+
+CASES = (
+    # (name, the limit for nsid 1, the bench row, the figure compared with the limit)
+    ("iops", {"rw_ios_per_second": 500}, Row("4k-randread-qd32", "randread", 4096, 32)),
+    ("bandwidth", {"rw_mbytes_per_second": 20}, Row("128k-read-qd8", "read", 131072, 8)),
+)
+MIB = 1 << 20
+
+
+def _config(size: int, limit: dict[str, int]) -> dict[str, Any]:
+    return {"version": 1, "subsystems": [{"nqn": DEFAULT_NQN, "allow_any_host": True, "namespaces": [
+        {"nsid": 1, "backend": "ram", "size": size, "qos": limit},
+        {"nsid": 2, "backend": "ram", "size": size},
+    ]}]}  # fmt: skip
+
+
+def _limit_value(limit: dict[str, int], figures: dict[str, Any]) -> tuple[float, float, str]:
+    if "rw_ios_per_second" in limit:
+        return figures["iops"], limit["rw_ios_per_second"], "IOPS"
+    return figures["bw_bytes"] / MIB, limit["rw_mbytes_per_second"], "MiB/s"
+
+
+def measure(args: argparse.Namespace, name: str, limit: dict[str, int], row: Row) -> dict[str, Any]:
+    size = parse_size(args.ramdisk_size)
+    with tempfile.TemporaryDirectory(prefix="nvmeof-qos-") as tmp:
+        cfg = Path(tmp) / "config.json"
+        cfg.write_text(json.dumps(_config(size, limit)))
+        with serving(args.ramdisk_size, extra_args=("--config", str(cfg))) as (proc, port):
+            def bench(nsid: int) -> dict[str, Any]:
+                return run_bench(row, port, proc.pid, runtime=args.seconds, ramp=args.ramp, numjobs=1, nsid=nsid)
+
+            alone = bench(2)
+            limited_alone = bench(1)
+            with ThreadPoolExecutor(2) as pool:
+                limited_f, beside_f = pool.submit(bench, 1), pool.submit(bench, 2)
+                limited, beside = limited_f.result(), beside_f.result()
+    got, want, unit = _limit_value(limit, limited)
+    got_alone = _limit_value(limit, limited_alone)[0]
+    return {"case": name, "limit": want, "unit": unit, "limited": got, "limited_over_limit": got / want,
+            "limited_alone_over_limit": got_alone / want,
+            "unlimited_alone_iops": alone["iops"], "unlimited_beside_iops": beside["iops"],
+            "unlimited_beside_over_alone": beside["iops"] / alone["iops"],
+            "unlimited_alone_cpu_us_per_io": alone["target_cpu_us_per_io"],
+            "limited_mean_lat_us": limited["mean_lat_ns"] / 1e3}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seconds", type=float, default=4.0, help="measured seconds per bench (default 4)")
+    ap.add_argument("--ramp", type=float, default=1.0)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--ramdisk-size", default="64M")
+    ap.add_argument("--tree", help="measure this checkout's nvmeof (default: this one)")
+    ap.add_argument("--pin", metavar="SERVER_CPUS:CLIENT_CPUS", help="bind the target and the clients, e.g. 0:1")
+    ap.add_argument("--iops-limit", type=int, default=500, help="rw_ios_per_second of the IOPS case (default 500)")
+    ap.add_argument("--mbytes-limit", type=int, default=20, help="rw_mbytes_per_second of the bandwidth case")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    set_tree(args.tree)
+    if args.pin:
+        server, _, client = args.pin.partition(":")
+        set_pinning({int(c) for c in server.split(",") if c}, {int(c) for c in client.split(",") if c})
+    cases = [(name, {key: args.iops_limit if key == "rw_ios_per_second" else args.mbytes_limit for key in limit}, row)
+             for name, limit, row in CASES]
+    runs = [measure(args, name, limit, row) for _ in range(args.rounds) for name, limit, row in cases]
+    print(f"machine: {machine()}; {args.rounds} round(s), {args.seconds:g} s + {args.ramp:g} s ramp per bench; "
+          "medians")
+    print(f"{'case':<10} {'limit':>12} {'alone/limit':>11} {'limited got':>12} {'got/limit':>9} {'nsid2 alone':>12} "
+          f"{'nsid2 beside':>12} {'beside/alone':>12}")
+    summary = []
+    for name, _limit, _row in cases:
+        mine = [r for r in runs if r["case"] == name]
+
+        def med(key: str, mine: list[dict[str, Any]] = mine) -> float:
+            return statistics.median(r[key] for r in mine)
+
+        line = {"case": name, "limit": mine[0]["limit"], "unit": mine[0]["unit"],
+                **{k: med(k) for k in ("limited", "limited_over_limit", "limited_alone_over_limit",
+                                       "unlimited_alone_iops",
+                                       "unlimited_beside_iops", "unlimited_beside_over_alone")}}
+        summary.append(line)
+        print(f"{name:<10} {line['limit']:>6g} {line['unit']:<5} {line['limited_alone_over_limit']:>11.3f} "
+              f"{line['limited']:>12.1f} "
+              f"{line['limited_over_limit']:>9.3f} {line['unlimited_alone_iops']:>12.0f} "
+              f"{line['unlimited_beside_iops']:>12.0f} {line['unlimited_beside_over_alone']:>12.3f}")
+    if args.json:
+        args.json.write_text(json.dumps({"machine": machine(), "runs": runs, "summary": summary}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
