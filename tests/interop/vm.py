@@ -340,8 +340,11 @@ def resolve_kernel_package(cache_root: Path, kernel: str = DEFAULT_KERNEL) -> st
     )
     if cached:
         return cached[-1].name
-    error = KernelUnavailable if kernel == BPO_KERNEL else VmSetupError
-    raise error(
+    if kernel == BPO_KERNEL:
+        raise KernelUnavailable(f"cannot tell which {kernel} kernel to boot: {asked} (set {BPO_MIRROR_ENV} to a "
+                                f"reachable Debian archive, or {KERNEL_PACKAGE_ENV[kernel]}) and the cache "
+                                f"{cache_root} holds no such kernel")
+    raise VmSetupError(
         f"cannot tell which {kernel} kernel to boot: {asked} (run `apt-get update`, e.g. via "
         f"tests/interop/install_deps.sh, or set {KERNEL_PACKAGE_ENV[kernel]}) and the cache {cache_root} "
         "holds no such kernel"
