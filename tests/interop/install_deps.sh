@@ -22,6 +22,7 @@ packages=(
     kmod              # depmod for the guest's modules.dep
     dpkg              # dpkg -x of the kernel package
     apt               # apt-get download / apt-cache depends
+    debian-archive-keyring  # verifies the trixie-backports lists of the "bpo" kernel (vm.py, private apt lists)
     binutils          # readelf, used to check the extracted vmlinux is an ELF with a PVH note
     libc-bin          # ldd
 )

@@ -373,6 +373,10 @@ def build_rootfs(cache_dir: Path | str | None = None, *, assets: vm.Assets | Non
     return at once.
     """
     assets = assets if assets is not None else vm.build_assets(cache_dir)
+    if assets.kernel not in vm.KERNELS:
+        # the image's modules come from the host's apt (bookworm); the "bpo" kernel is in a private trixie list
+        raise vm.VmSetupError(f"the Debian root file system guest boots only the kernels {', '.join(vm.KERNELS)}, "
+                              f"not {assets.kernel!r} ({assets.kernel_package})")
     missing = missing_host_tools()
     out = assets.cache_dir / "rootfs"
     out.mkdir(parents=True, exist_ok=True)

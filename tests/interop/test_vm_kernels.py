@@ -163,3 +163,155 @@ def test_an_unused_passthru_node_of_612_is_no_passthru_controller() -> None:
     assert not [w for w in import_nvmetcli({"subsystems": [sub]}).warnings if "passthru" in w]
     sub["passthru"][0]["device"]["path"] = "/dev/nvme0"
     assert [w for w in import_nvmetcli({"subsystems": [sub]}).warnings if "passthru" in w]
+
+
+# ---- the "bpo" kernel: trixie-backports through private apt lists -------------------------------------------
+
+BPO_NAMES = """linux-image-7.3.4+deb13-amd64
+linux-image-7.3.4+deb13-amd64-dbg
+linux-image-7.3.4+deb13-cloud-amd64
+linux-image-7.2.12+deb13-amd64
+linux-image-7.10.1+deb13-amd64
+linux-image-6.12.117+deb13-amd64-unsigned
+linux-image-6.16.12+deb13-rt-amd64"""
+
+
+def _fake_bpo_apt(monkeypatch: pytest.MonkeyPatch, answers: dict[tuple[str, ...], str], updated: list[Path]) -> None:
+    monkeypatch.setattr(vm, "bpo_apt_update", updated.append)
+    monkeypatch.setattr(vm, "_bpo_apt_cache", lambda _root, *args: answers.get(args, ""))
+
+
+def test_bpo_is_asked_for_by_name_and_never_runs_the_suite(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert vm.BPO_KERNEL not in vm.KERNELS and vm.BPO_KERNEL in vm.KNOWN_KERNELS
+    monkeypatch.setenv(vm.KERNELS_ENV, "bpo")
+    with pytest.raises(vm.VmSetupError, match="unknown kernel label"):
+        vm.selected_kernels()
+
+
+def test_bpo_resolves_to_the_newest_downloadable_trixie_image(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("NVMEOF_VM_KERNEL_PACKAGE_BPO", raising=False)
+    updated: list[Path] = []
+    _fake_bpo_apt(monkeypatch, {
+        ("pkgnames", "linux-image-"): BPO_NAMES,
+        # 7.10.1 sorts above 7.3.4 by number, not by text; it has no candidate, so 7.3.4 it is
+        ("policy", "linux-image-7.10.1+deb13-amd64"): "  Candidate: (none)\n",
+        ("policy", "linux-image-7.3.4+deb13-amd64"): "  Candidate: 7.3.4-1~bpo13+1\n",
+        ("policy", "linux-image-7.2.12+deb13-amd64"): "  Candidate: 7.2.12-1~bpo13+1\n",
+    }, updated)
+    assert vm.resolve_kernel_package(tmp_path, "bpo") == "linux-image-7.3.4+deb13-amd64"
+    assert updated == [tmp_path]   # the private lists were refreshed first
+    monkeypatch.setenv("NVMEOF_VM_KERNEL_PACKAGE_BPO", "linux-image-7.2.12+deb13-amd64")
+    assert vm.resolve_kernel_package(tmp_path, "bpo") == "linux-image-7.2.12+deb13-amd64"
+
+
+def test_bpo_without_the_archive_reuses_a_cached_kernel_or_says_why(monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path: Path) -> None:
+    monkeypatch.delenv("NVMEOF_VM_KERNEL_PACKAGE_BPO", raising=False)
+
+    def unreachable(_root: Path) -> None:
+        raise vm.KernelUnavailable("apt-get update of trixie-backports failed: Err: no route")
+
+    monkeypatch.setattr(vm, "bpo_apt_update", unreachable)
+    with pytest.raises(vm.KernelUnavailable, match=r"no route.*NVMEOF_VM_KERNEL_PACKAGE_BPO"):
+        vm.resolve_kernel_package(tmp_path, "bpo")
+    (tmp_path / "linux-image-6.12.117+deb12-amd64-unsigned").mkdir()   # another label's kernel is not taken
+    (tmp_path / "linux-image-6.12.117+deb12-amd64-unsigned" / "vmlinux").write_bytes(b"x")
+    with pytest.raises(vm.KernelUnavailable):
+        vm.resolve_kernel_package(tmp_path, "bpo")
+    (tmp_path / "linux-image-7.3.4+deb13-amd64").mkdir()
+    (tmp_path / "linux-image-7.3.4+deb13-amd64" / "vmlinux").write_bytes(b"x")
+    assert vm.resolve_kernel_package(tmp_path, "bpo") == "linux-image-7.3.4+deb13-amd64"
+
+
+def test_bpo_apt_lists_are_private_and_signed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import subprocess
+
+    calls: list[list[str]] = []
+    answer = {"stdout": "Hit:1 trixie-backports InRelease\n"}
+
+    def fake_run(cmd: list[str], **_kw: object) -> subprocess.CompletedProcess[str]:
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, answer["stdout"], "")
+
+    monkeypatch.setattr(vm.subprocess, "run", fake_run)
+    monkeypatch.setattr(vm, "BPO_KEYRING", tmp_path / "keyring.gpg")
+    (tmp_path / "keyring.gpg").write_bytes(b"")
+    monkeypatch.setenv(vm.BPO_MIRROR_ENV, "http://mirror.invalid/debian")
+    vm.bpo_apt_update(tmp_path)
+    d = tmp_path / "apt-trixie-backports"
+    assert (d / "sources.list").read_text() == \
+        f"deb [signed-by={tmp_path / 'keyring.gpg'}] http://mirror.invalid/debian trixie-backports main\n"
+    opts = " ".join(calls[-1])
+    assert calls[-1][0] == "apt-get" and calls[-1][-1] == "update"
+    # the host's sources.list.d and lists are never read or written
+    assert "Dir::Etc::sourceparts=/dev/null" in opts and f"Dir::Etc::sourcelist={d / 'sources.list'}" in opts
+    assert f"Dir::State::lists={d / 'lists'}" in opts and f"Dir::Cache={d / 'cache'}" in opts
+    assert (d / "lists" / "partial").is_dir()
+    answer["stdout"] = "Err:1 http://mirror.invalid/debian trixie-backports InRelease\nW: Failed to fetch\n"
+    with pytest.raises(vm.KernelUnavailable, match="Failed to fetch"):
+        vm.bpo_apt_update(tmp_path)   # apt-get update exits 0 on a failed source: its W:/Err: lines tell
+    (tmp_path / "keyring.gpg").unlink()
+    with pytest.raises(vm.KernelUnavailable, match="debian-archive-keyring"):
+        vm.bpo_apt_update(tmp_path)
+
+
+def test_bpo_mirror_is_the_archive_of_the_hosts_release(monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+
+    out = ("http://sec.invalid/debian-security/ bookworm-security Packages\n"
+           "http://main.invalid/debian/ bookworm-updates Packages\n"
+           "http://main.invalid/debian/ bookworm Translations\n"
+           "http://main.invalid/debian/ bookworm Packages\n")
+    monkeypatch.delenv(vm.BPO_MIRROR_ENV, raising=False)
+    monkeypatch.setattr(vm.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 0, out, ""))
+    assert vm.bpo_mirror() == "http://main.invalid/debian/"
+    monkeypatch.setattr(vm.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 0, "", ""))
+    with pytest.raises(vm.KernelUnavailable, match=vm.BPO_MIRROR_ENV):
+        vm.bpo_mirror()
+
+
+def test_trixies_split_kernel_packages_are_all_downloaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+
+    depends = {
+        "linux-image-7.3.4+deb13-amd64": "linux-image-7.3.4+deb13-amd64\n |Depends: dracut\n  Depends: "
+        "linux-base-7.3.4+deb13-amd64\n  Depends: linux-binary-7.3.4+deb13-amd64\n  Depends: "
+        "linux-modules-7.3.4+deb13-amd64\n  PreDepends: linux-base\n",
+        # bookworm's image package carries everything; linux-base (no version) is the tools package
+        "linux-image-6.1.0-57-amd64": "linux-image-6.1.0-57-amd64\n  Depends: kmod\n  Depends: linux-base\n",
+    }
+    monkeypatch.setattr(vm.subprocess, "run",
+                        lambda cmd, **kw: subprocess.CompletedProcess(cmd, 0, depends[cmd[-1]], ""))
+    assert vm._kernel_debs("linux-image-7.3.4+deb13-amd64", []) == [
+        "linux-image-7.3.4+deb13-amd64", "linux-base-7.3.4+deb13-amd64", "linux-binary-7.3.4+deb13-amd64",
+        "linux-modules-7.3.4+deb13-amd64"]
+    assert vm._kernel_debs("linux-image-6.1.0-57-amd64", []) == ["linux-image-6.1.0-57-amd64"]
+
+
+def test_unpacked_kernel_in_either_layout(tmp_path: Path) -> None:
+    trixie = tmp_path / "trixie"
+    (trixie / "usr" / "lib" / "modules" / "7.3.4+deb13-amd64" / "kernel").mkdir(parents=True)
+    (trixie / "usr" / "lib" / "modules" / "7.3.4+deb13-amd64" / "vmlinuz").write_bytes(b"bz")
+    kver, tree, image = vm._unpacked_kernel(trixie, "p")
+    assert (kver, tree, image.name) == ("7.3.4+deb13-amd64", trixie / "usr/lib/modules/7.3.4+deb13-amd64", "vmlinuz")
+    bookworm = tmp_path / "bookworm"
+    (bookworm / "lib" / "modules" / "6.1.0-57-amd64").mkdir(parents=True)
+    (bookworm / "boot").mkdir()
+    (bookworm / "boot" / "vmlinuz-6.1.0-57-amd64").write_bytes(b"bz")
+    assert vm._unpacked_kernel(bookworm, "p")[0] == "6.1.0-57-amd64"
+    (bookworm / "boot" / "vmlinuz-6.1.0-57-amd64").unlink()
+    with pytest.raises(vm.VmSetupError, match="0 kernel images"):
+        vm._unpacked_kernel(bookworm, "p")
+
+
+def test_kernel_target_namespaces_with_reservations() -> None:
+    script = vm.guest_kernel_target_script("nqn.x", namespaces=3, resv_enable=True, size_mib=4)
+    assert "modprobe brd rd_nr=3 rd_size=4096" in script and "[ -b /dev/ram2 ]" in script
+    ns = "/sys/kernel/config/nvmet/subsystems/nqn.x/namespaces"
+    for nsid in (1, 2, 3):
+        device = script.index(f"echo -n /dev/ram{nsid - 1} > {ns}/{nsid}/device_path")
+        resv = script.index(f"echo 1 > {ns}/{nsid}/resv_enable")
+        assert device < resv < script.index(f"echo 1 > {ns}/{nsid}/enable")   # nvmet refuses it once enabled
+    assert "resv_enable" not in vm.guest_kernel_target_script("nqn.x")
+    with pytest.raises(ValueError, match="namespaces"):
+        vm.guest_kernel_target_script("nqn.x", namespaces=0)

@@ -97,17 +97,31 @@ ASSET_FORMAT = 1
 # environment variable; NVMEOF_VM_KERNELS (comma-separated labels) limits which ones run.
 KERNELS: tuple[str, ...] = ("6.1", "6.12")
 DEFAULT_KERNEL = "6.1"
+# "bpo": the newest kernel Debian trixie-backports offers (linux-image-X.Y.Z+deb13-amd64; 7.3.4 when this
+# was written), for what bookworm's kernels lack: nvmet reservations (6.13+, configfs `resv_enable`).
+# Not in KERNELS, so the suite's per-kernel tests never run on it (CI time); a test asks for it by name
+# (build_assets(kernel="bpo")). Its apt lists live in a private apt configuration inside the VM cache, so
+# the host's sources never see trixie (see _bpo_apt_options).
+BPO_KERNEL = "bpo"
+KNOWN_KERNELS: tuple[str, ...] = (*KERNELS, BPO_KERNEL)
 KERNEL_PACKAGE_ENV: dict[str, str] = {
     "6.1": "NVMEOF_VM_KERNEL_PACKAGE",
     "6.12": "NVMEOF_VM_KERNEL_PACKAGE_6_12",
+    BPO_KERNEL: "NVMEOF_VM_KERNEL_PACKAGE_BPO",
 }
 KERNELS_ENV = "NVMEOF_VM_KERNELS"
+BPO_SUITE = "trixie-backports"
+BPO_MIRROR_ENV = "NVMEOF_VM_BPO_MIRROR"  # the Debian archive to fetch BPO_SUITE from (default: the host's)
+BPO_KEYRING = Path("/usr/share/keyrings/debian-archive-keyring.gpg")  # bookworm's holds the trixie keys
 # Debian names a kernel's unsigned image package linux-image-<version>+deb12-<flavour>-unsigned.
 _KERNEL_612_PACKAGE_RE = re.compile(r"^linux-image-6\.12\.(\d+)\+deb12-amd64-unsigned$")
+# trixie's image package is a small one that depends on linux-binary-*, linux-modules-*, linux-base-*
+_KERNEL_BPO_PACKAGE_RE = re.compile(r"^linux-image-(\d+)\.(\d+)\.(\d+)\+deb13-amd64$")
 # What a cached kernel folder of each label is called (the fallback without apt lists).
 _CACHED_KERNEL_RE: dict[str, re.Pattern[str]] = {
     "6.1": re.compile(r"^linux-image-6\.1\.\d"),
     "6.12": _KERNEL_612_PACKAGE_RE,
+    BPO_KERNEL: _KERNEL_BPO_PACKAGE_RE,
 }
 
 _RUN_DIR = "/etc/nvmeof-vm"
@@ -173,6 +187,10 @@ class VmError(Exception):
 
 class VmSetupError(VmError):
     """Assets could not be built or QEMU could not be started (host environment problem)."""
+
+
+class KernelUnavailable(VmSetupError):
+    """The kernel package asked for cannot be downloaded here (no such package, archive unreachable)."""
 
 
 class GuestBootError(VmError):
@@ -284,14 +302,25 @@ def resolve_kernel_package(cache_root: Path, kernel: str = DEFAULT_KERNEL) -> st
 
     "6.1": $NVMEOF_VM_KERNEL_PACKAGE, else what linux-image-amd64 depends on.  "6.12":
     $NVMEOF_VM_KERNEL_PACKAGE_6_12, else the newest linux-image-6.12.*+deb12-amd64-unsigned apt offers.
+    "bpo": $NVMEOF_VM_KERNEL_PACKAGE_BPO, else the newest linux-image-X.Y.Z+deb13-amd64 of trixie-backports
+    (the private apt lists in the cache, refreshed here).
     Without apt lists (no `apt-get update` yet) a kernel of that label already in the cache is reused.
     """
-    if kernel not in KERNELS:
-        raise VmSetupError(f"unknown kernel label {kernel!r}; known: {', '.join(KERNELS)}")
+    if kernel not in KNOWN_KERNELS:
+        raise VmSetupError(f"unknown kernel label {kernel!r}; known: {', '.join(KNOWN_KERNELS)}")
     env = os.environ.get(KERNEL_PACKAGE_ENV[kernel])
     if env:
         return env
-    if kernel == "6.12":
+    failure: VmSetupError | None = None
+    if kernel == BPO_KERNEL:
+        try:
+            newest = _newest_bpo_package(cache_root)
+        except KernelUnavailable as exc:
+            newest, failure = None, exc
+        if newest:
+            return newest
+        asked = str(failure) if failure else f"{BPO_SUITE} offers no linux-image-X.Y.Z+deb13-amd64"
+    elif kernel == "6.12":
         newest = _newest_612_package()
         if newest:
             return newest
@@ -311,11 +340,94 @@ def resolve_kernel_package(cache_root: Path, kernel: str = DEFAULT_KERNEL) -> st
     )
     if cached:
         return cached[-1].name
+    if kernel == BPO_KERNEL:
+        raise KernelUnavailable(f"cannot tell which {kernel} kernel to boot: {asked} (set {BPO_MIRROR_ENV} to a "
+                                f"reachable Debian archive, or {KERNEL_PACKAGE_ENV[kernel]}) and the cache "
+                                f"{cache_root} holds no such kernel")
     raise VmSetupError(
         f"cannot tell which {kernel} kernel to boot: {asked} (run `apt-get update`, e.g. via "
         f"tests/interop/install_deps.sh, or set {KERNEL_PACKAGE_ENV[kernel]}) and the cache {cache_root} "
         "holds no such kernel"
     )
+
+
+# --------------------------------------------------------------------------- trixie-backports (private apt)
+
+
+def _bpo_apt_dir(cache_root: Path) -> Path:
+    return cache_root / f"apt-{BPO_SUITE}"
+
+
+def _bpo_apt_options(cache_root: Path) -> list[str]:
+    """apt options that read BPO_SUITE's lists from the VM cache and nothing else: neither the host's
+    sources nor its lists, so a bookworm `apt-get install` can never pull a trixie package."""
+    d = _bpo_apt_dir(cache_root)
+    return [
+        "-o", f"Dir::Etc::sourcelist={d / 'sources.list'}",
+        "-o", "Dir::Etc::sourceparts=/dev/null",
+        "-o", f"Dir::State::lists={d / 'lists'}",
+        "-o", f"Dir::Cache={d / 'cache'}",
+        # the folders belong to whoever runs the tests, which apt's _apt sandbox user may not write
+        "-o", "APT::Sandbox::User=root",
+    ]  # fmt: skip
+
+
+def bpo_mirror() -> str:
+    """The Debian archive URI to take BPO_SUITE from: $NVMEOF_VM_BPO_MIRROR, else the one the host's own
+    apt sources use for its release (`apt-get indextargets`), so no mirror is written down here."""
+    env = os.environ.get(BPO_MIRROR_ENV, "").strip()
+    if env:
+        return env
+    try:
+        out = subprocess.run(["apt-get", "indextargets", "--format", "$(REPO_URI) $(RELEASE) $(IDENTIFIER)"],
+                             capture_output=True, text=True, check=False).stdout
+    except FileNotFoundError as exc:
+        raise KernelUnavailable("apt-get is not installed; run tests/interop/install_deps.sh as root") from exc
+    for line in out.splitlines():
+        uri, _, rest = line.partition(" ")
+        release, _, ident = rest.partition(" ")
+        # the main archive of the host's release (bookworm), not -security or -updates
+        if ident == "Packages" and re.fullmatch(r"[a-z]+", release):
+            return uri
+    raise KernelUnavailable(f"the host's apt sources name no Debian archive for its release (`apt-get "
+                            f"indextargets` printed {out.strip()[:300]!r}); set {BPO_MIRROR_ENV}")
+
+
+def bpo_apt_update(cache_root: Path) -> None:
+    """Write the private sources.list (BPO_SUITE main, signed by Debian's archive keyring) and fetch its lists."""
+    d = _bpo_apt_dir(cache_root)
+    for sub in ("lists/partial", "cache/archives/partial"):
+        (d / sub).mkdir(parents=True, exist_ok=True)
+    if not BPO_KEYRING.is_file():
+        raise KernelUnavailable(f"{BPO_KEYRING} is missing (package debian-archive-keyring; install_deps.sh "
+                                f"installs it): the {BPO_SUITE} lists could not be verified")
+    (d / "sources.list").write_text(f"deb [signed-by={BPO_KEYRING}] {bpo_mirror()} {BPO_SUITE} main\n")
+    proc = subprocess.run(["apt-get", *_bpo_apt_options(cache_root), "-q", "update"], capture_output=True,
+                          text=True, check=False)
+    # apt-get update exits 0 even when a source failed; "W:"/"E:" lines say so
+    failed = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith(("E:", "W:", "Err:"))]
+    if proc.returncode != 0 or failed:
+        raise KernelUnavailable(f"apt-get update of {BPO_SUITE} (private lists in {d}) failed with exit status "
+                                f"{proc.returncode}: {' | '.join(failed)[:800] or proc.stderr.strip()[:800]}")
+
+
+def _bpo_apt_cache(cache_root: Path, *args: str) -> str:
+    return subprocess.run(["apt-cache", *_bpo_apt_options(cache_root), *args], capture_output=True, text=True,
+                          check=False).stdout
+
+
+def _newest_bpo_package(cache_root: Path) -> str | None:
+    """The newest linux-image-X.Y.Z+deb13-amd64 BPO_SUITE offers (after refreshing its private lists)."""
+    bpo_apt_update(cache_root)
+    names = _bpo_apt_cache(cache_root, "pkgnames", "linux-image-").split()
+    found = sorted(
+        ((tuple(int(g) for g in m.groups()), name) for name in names if (m := _KERNEL_BPO_PACKAGE_RE.match(name))),
+        reverse=True,
+    )
+    for _, name in found:
+        if re.search(r"Candidate: (?!\(none\))", _bpo_apt_cache(cache_root, "policy", name)):
+            return name
+    return None
 
 
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -370,8 +482,9 @@ def extract_vmlinux(bzimage: bytes) -> bytes:
     return elf
 
 
-def _copy_modules(src_root: Path, kver: str, dst_root: Path) -> None:
-    src = src_root / "lib" / "modules" / kver
+def _copy_modules(src: Path, kver: str, dst_root: Path) -> None:
+    """The MODULE_PATHS of module tree `src` (a lib/modules/KVER) to dst_root/lib/modules/KVER, as plain .ko."""
+    src_root = src.parents[2]
     dst = dst_root / "lib" / "modules" / kver
     for rel in MODULE_PATHS:
         path = src / "kernel" / rel
@@ -416,26 +529,53 @@ def decompress_modules(tree: Path) -> int:
     return count
 
 
-def _fetch_kernel(package: str, kdir: Path) -> None:
+def _kernel_debs(package: str, apt_options: Sequence[str]) -> list[str]:
+    """`package` and the packages that carry its files: trixie's linux-image-X+deb13-amd64 holds nothing
+    but depends on linux-binary-X (the image), linux-modules-X and linux-base-X (modules.order, .builtin)."""
+    out = subprocess.run(["apt-cache", *apt_options, "depends", "--no-recommends", "--no-suggests", package],
+                         capture_output=True, text=True, check=False).stdout
+    parts = re.findall(r"^\s*Depends:\s*(linux-(?:binary|modules|base)-\d\S*)", out, re.MULTILINE)
+    return [package, *dict.fromkeys(parts)]
+
+
+def _unpacked_kernel(root: Path, package: str) -> tuple[str, Path, Path]:
+    """(kernel version, module tree, bzImage) of kernel packages unpacked into `root`: bookworm's keep them
+    in lib/modules and boot/vmlinuz-*, trixie's (merged /usr) in usr/lib/modules/KVER with its vmlinuz."""
+    trees = [p for base in ("lib", "usr/lib") if (root / base / "modules").is_dir()
+             for p in (root / base / "modules").iterdir() if p.is_dir()]
+    if len(trees) != 1:
+        raise VmSetupError(f"{package} holds {len(trees)} module trees ({[t.name for t in trees]}), expected 1")
+    tree = trees[0]
+    bzimages = [*(root / "boot").glob("vmlinuz-*"), *([tree / "vmlinuz"] if (tree / "vmlinuz").is_file() else [])]
+    if len(bzimages) != 1:
+        raise VmSetupError(f"{package} holds {len(bzimages)} kernel images (boot/vmlinuz-* or "
+                           f"lib/modules/KVER/vmlinuz), expected 1")
+    return tree.name, tree, bzimages[0]
+
+
+def _fetch_kernel(package: str, kdir: Path, apt_options: Sequence[str] = ()) -> None:
     work = Path(tempfile.mkdtemp(prefix="kernel-", dir=kdir.parent))
     try:
-        _run(["apt-get", "download", "-q", "-o", "APT::Sandbox::User=root", package], cwd=work)
+        names = _kernel_debs(package, apt_options)
+        proc = subprocess.run(["apt-get", *apt_options, "download", "-q", "-o", "APT::Sandbox::User=root", *names],
+                              cwd=work, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            # the package is gone from the archive or the archive is unreachable: nothing here can fix that
+            raise KernelUnavailable(f"apt-get download {' '.join(names)} failed with exit status "
+                                    f"{proc.returncode}: {proc.stderr.strip()[-800:]}")
         debs = list(work.glob("*.deb"))
-        if len(debs) != 1:
-            raise VmSetupError(f"apt-get download {package} produced {len(debs)} .deb files, expected 1")
+        if len(debs) != len(names):
+            raise VmSetupError(f"apt-get download {' '.join(names)} produced {len(debs)} .deb files, "
+                               f"expected {len(names)}")
         root = work / "root"
-        _run(["dpkg-deb", "-x", str(debs[0]), str(root)])
-        kvers = [p.name for p in (root / "lib" / "modules").iterdir() if p.is_dir()]
-        if len(kvers) != 1:
-            raise VmSetupError(f"{package} holds {len(kvers)} module trees ({kvers}), expected 1")
-        kver = kvers[0]
-        bzimages = list((root / "boot").glob("vmlinuz-*"))
-        if len(bzimages) != 1:
-            raise VmSetupError(f"{package} holds {len(bzimages)} boot/vmlinuz-* images, expected 1")
+        for deb in debs:
+            _run(["dpkg-deb", "-x", str(deb), str(root)])
+            deb.unlink()
+        kver, tree, bzimage = _unpacked_kernel(root, package)
         staging = work / "out"
         staging.mkdir()
-        (staging / "vmlinux").write_bytes(extract_vmlinux(bzimages[0].read_bytes()))
-        _copy_modules(root, kver, staging / "modules")
+        (staging / "vmlinux").write_bytes(extract_vmlinux(bzimage.read_bytes()))
+        _copy_modules(tree, kver, staging / "modules")
         (staging / "kernel-version").write_text(kver + "\n")
         if kdir.exists():
             shutil.rmtree(kdir)
@@ -620,7 +760,8 @@ _assets_memo: dict[tuple[Path, str], Assets] = {}
 
 
 def build_assets(cache_dir: Path | str | None = None, kernel: str = DEFAULT_KERNEL) -> Assets:
-    """Kernel, modules and base initramfs for kernel label `kernel`, built once per package and cached.
+    """Kernel, modules and base initramfs for kernel label `kernel` (one of KNOWN_KERNELS), built once per
+    package and cached; KernelUnavailable when the package cannot be downloaded.
 
     The cache is `cache_dir`, else $NVMEOF_VM_CACHE, else ~/.cache/nvmeof-toolkit/vm, with one folder
     per kernel package (`<cache>/<package>/`); concurrent callers serialize on a lock file so only
@@ -636,7 +777,11 @@ def build_assets(cache_dir: Path | str | None = None, kernel: str = DEFAULT_KERN
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not ((kdir / "vmlinux").is_file() and (kdir / "kernel-version").is_file()):
-            _fetch_kernel(package, kdir)
+            apt_options: list[str] = []
+            if kernel == BPO_KERNEL:
+                bpo_apt_update(root)  # also when the package was pinned: download needs the lists
+                apt_options = _bpo_apt_options(root)
+            _fetch_kernel(package, kdir, apt_options)
         kver = (kdir / "kernel-version").read_text().strip()
         recipe = _recipe_hash()
         initramfs = kdir / f"initramfs-{recipe}.cpio"
@@ -1164,28 +1309,37 @@ def guest_kernel_target_script(
     trtype: str = "tcp",
     size_mib: int = 64,
     hosts: Sequence[KernelTargetHost] | None = None,
+    namespaces: int = 1,
+    resv_enable: bool = False,
 ) -> str:
-    """Shell fragment: configure the kernel target (nvmet) exposing a brd RAM disk as nsid 1.
+    """Shell fragment: configure the kernel target (nvmet) exposing brd RAM disks as nsid 1..`namespaces`
+    (`size_mib` each; /dev/ram<nsid-1>).
 
     `ports` is (nvmet port id, trsvcid) pairs; every port gets the subsystem linked, which also
     serves discovery on it.  Any host may connect, unless `hosts` lists the allowed ones (with their
-    DH-HMAC-CHAP keys: nvmet then authenticates them, NVME_TARGET_AUTH).  Exits 1 with a message on
-    failure.
+    DH-HMAC-CHAP keys: nvmet then authenticates them, NVME_TARGET_AUTH).  `resv_enable` turns on
+    persistent reservations per namespace (configfs `resv_enable`, Linux 6.13+; it must be set before
+    the namespace is enabled).  Exits 1 with a message on failure.
     """
     if size_mib <= 0:
         raise ValueError(f"size_mib must be positive, got {size_mib}")
+    if namespaces <= 0:
+        raise ValueError(f"namespaces must be positive, got {namespaces}")
     q_nqn = shlex.quote(subnqn)
     cfs = "/sys/kernel/config/nvmet"
     sub = f"{cfs}/subsystems/{q_nqn}"
     steps = [
-        f"modprobe brd rd_nr=1 rd_size={size_mib * 1024}",
-        "[ -b /dev/ram0 ]",
+        f"modprobe brd rd_nr={namespaces} rd_size={size_mib * 1024}",
+        f"[ -b /dev/ram{namespaces - 1} ]",
         f"mkdir {sub}",
         f"echo {0 if hosts else 1} > {sub}/attr_allow_any_host",
-        f"mkdir {sub}/namespaces/1",
-        f"echo -n /dev/ram0 > {sub}/namespaces/1/device_path",
-        f"echo 1 > {sub}/namespaces/1/enable",
     ]
+    for nsid in range(1, namespaces + 1):
+        ns = f"{sub}/namespaces/{nsid}"
+        steps += [f"mkdir {ns}", f"echo -n /dev/ram{nsid - 1} > {ns}/device_path"]
+        if resv_enable:
+            steps.append(f"echo 1 > {ns}/resv_enable")
+        steps.append(f"echo 1 > {ns}/enable")
     described = [(step, step) for step in steps]
     for host in hosts or ():
         described += _kernel_target_host_steps(sub, host)
@@ -1230,7 +1384,7 @@ class KernelTarget:
     trsvcid: int  # host port forwarded to the guest's port 4420
     subnqn: str
     discovery_trsvcid: int  # host port forwarded to the guest's port 8009
-    size: int  # namespace 1 size in bytes
+    size: int  # each namespace's size in bytes
     guest: Guest
 
 
@@ -1238,10 +1392,13 @@ def kernel_target_script(
     subnqn: str = KERNEL_TARGET_NQN,
     size_mib: int = KERNEL_TARGET_SIZE_MIB,
     hosts: Sequence[KernelTargetHost] | None = None,
+    namespaces: int = 1,
+    resv_enable: bool = False,
 ) -> str:
     """Guest script: configure nvmet on ports 4420 and 8009, print a ready marker, then idle."""
     setup = guest_kernel_target_script(
-        subnqn, ((1, KERNEL_TARGET_PORT), (2, KERNEL_DISCOVERY_PORT)), size_mib=size_mib, hosts=hosts
+        subnqn, ((1, KERNEL_TARGET_PORT), (2, KERNEL_DISCOVERY_PORT)), size_mib=size_mib, hosts=hosts,
+        namespaces=namespaces, resv_enable=resv_enable,
     )
     return setup + f'echo "{_KERNEL_TARGET_READY}"\nwhile :; do sleep 3600; done\n'
 
@@ -1252,17 +1409,20 @@ def start_kernel_target(
     subnqn: str = KERNEL_TARGET_NQN,
     size_mib: int = KERNEL_TARGET_SIZE_MIB,
     hosts: Sequence[KernelTargetHost] | None = None,
+    namespaces: int = 1,
+    resv_enable: bool = False,
 ) -> KernelTarget:
     """Boot a guest running the kernel target; the caller stops `.guest`.
 
     `hosts`: only these hosts may connect, with their DH-HMAC-CHAP settings (default: any host).
+    `namespaces`, `resv_enable`: as for guest_kernel_target_script.
     Host ports are picked free; if one is taken before QEMU binds it, new ports are picked.
     """
     for attempt in range(3):
         io_port, disc_port = free_ports(2)
         guest = Guest(assets, hostfwd=((io_port, KERNEL_TARGET_PORT), (disc_port, KERNEL_DISCOVERY_PORT)))
         try:
-            guest.start(kernel_target_script(subnqn, size_mib, hosts))
+            guest.start(kernel_target_script(subnqn, size_mib, hosts, namespaces, resv_enable))
             guest.wait_for(_KERNEL_TARGET_READY, 60)
         except GuestBootError as exc:
             guest.stop()
