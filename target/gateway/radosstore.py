@@ -30,7 +30,10 @@ from nvmeof import defaults
 from target.gateway.store import (
     ConfigConflict,
     GroupStore,
+    MemberAlive,
     MemberRecord,
+    MemberRemoved,
+    MemberUnknown,
     StoreError,
     check_name,
     fence_deadline,
@@ -42,6 +45,7 @@ log = logging.getLogger(__name__)
 
 LOCK_FLAG_MUST_RENEW = 0x2  # librados.h LIBRADOS_LOCK_FLAG_MUST_RENEW: renew only, fail if not held
 CMPXATTR_OP_EQ = 1          # librados.h LIBRADOS_CMPXATTR_OP_EQ
+CMPXATTR_OP_NE = 2          # librados.h LIBRADOS_CMPXATTR_OP_NE (an absent omap key compares as "")
 ECANCELED = 125             # an omap_cmp that does not hold cancels the write op
 JOIN_LOCK_SECONDS = 10
 NOTIFY_TIMEOUT_MS = 1000    # a watcher killed with -9 makes notify time out (~30 s) until the OSD drops it
@@ -223,7 +227,57 @@ class RadosStore(GroupStore):
 
     def publish(self, info: dict[str, Any]) -> None:
         assert self.name is not None and self.index is not None, "join() first"
-        self._set({f"member.{self.name}": json.dumps({"index": self.index, "info": info}).encode()})
+        key = f"member.{self.name}"
+
+        def write() -> None:
+            # only over our own record: one removed while we were cut off is never written back
+            with self._rados.WriteOpCtx() as op:
+                op.omap_cmp(key, "", CMPXATTR_OP_NE)
+                self.ioctx.set_omap(op, (key,), (json.dumps({"index": self.index, "info": info}).encode(),))
+                self.ioctx.operate_write_op(op, self.config_obj)
+
+        try:
+            write()
+        except self._rados.Error as exc:
+            if getattr(exc, "errno", None) == ECANCELED or "125" in str(exc):
+                raise MemberRemoved(f"gateway {self.name} is no longer recorded in {self.where}") from None
+            raise StoreError(f"group store {self.where}: writing {self.config_obj} failed: {exc}") from exc
+        self._notify()
+
+    def remove_member(self, name: str) -> None:
+        check_name(name, "gateway name", "NAME")
+        self._call("taking the join lock", self._lock_join)  # join() assigns indexes under it too
+        try:
+            if name not in self._records():
+                raise MemberUnknown(f"no gateway {name} is recorded in group {self.group} ({self.where})")
+            obj = self._member_obj(name)
+            try:  # held until the object is removed: a process starting as ``name`` meanwhile waits
+                self.ioctx.lock_exclusive(obj, "alive", f"removing-by-{self.name}", desc="removing",
+                                          duration=JOIN_LOCK_SECONDS)
+            except self._rados.ObjectBusy:
+                raise MemberAlive(f"gateway {name} is alive (it holds the membership lease, cls_lock \"alive\" on "
+                                  f"{obj}, renewed every heartbeat); stop it, or wait --gateway-lease seconds after "
+                                  "it died, before removing it from the group") from None
+            except self._rados.ObjectExists:
+                pass  # ours from a removal that failed half-way
+
+            def forget() -> None:
+                with self._rados.WriteOpCtx() as op:
+                    self.ioctx.remove_omap_keys(op, (f"member.{name}", f"resvack.{name}"))
+                    self.ioctx.operate_write_op(op, self.config_obj)
+
+            self._call(f"removing member {name}", forget)
+            try:
+                self.ioctx.remove_object(obj)
+            except self._rados.ObjectNotFound:
+                pass
+            except self._rados.Error as exc:  # the record is gone already; its lock expires by itself
+                log.warning("group store %s: removing %s failed: %s", self.where, obj, exc)
+        finally:
+            try:
+                self.ioctx.unlock(self.config_obj, "join", self.name or "?")
+            except self._rados.Error:
+                pass  # it expires by itself
         self._notify()
 
     def _lockers(self, obj: str, lock: str) -> tuple[int, str | None]:
