@@ -351,3 +351,29 @@ def test_dir_store_removes_a_member_for_good(tmp_path: Path) -> None:
 @pytest.mark.ceph
 def test_rados_store_removes_a_member_for_good(rados_group: Any) -> None:
     removal_contract(rados_group[1])
+
+
+@pytest.mark.ceph
+def test_rados_change_does_not_wait_for_a_killed_members_watch(rados_group: Any, ceph_cluster: Any) -> None:
+    """After kill -9 of a member its watch lingers on the OSD (osd_client_watch_timeout, 30 s) and a notify
+    completes only at its timeout: a change must return with that notify still in flight, while the live
+    members are told at once."""
+    group, make = rados_group
+    holder = spawn_holder("rados", ceph_cluster.pool, group, str(ceph_cluster.conf))
+    one, two = make(), make()
+    try:
+        one.join("gw-a", {})
+        two.join("gw-b", {})
+        seen: list[int] = []
+        two.watch(lambda: seen.append(1))
+        # the joins' notifies are acked (after each watcher's callback ran) by every watcher while all live
+        wait_for(lambda: not one._notifies and not two._notifies, "the joins' notifies", 10)
+        seen.clear()
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(10)
+        one.put_config({"subsystems": []}, 0)
+        assert one._notifies, "put_config waited for the dead watcher's notify to time out"
+        wait_for(lambda: bool(seen), "the live member's notification", 5)
+        wait_for(lambda: not one._notifies, "the notify's completion (its timeout)", 10)
+    finally:
+        holder.kill()

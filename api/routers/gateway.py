@@ -26,6 +26,7 @@ class GatewayListenerOut(BaseModel):
 class GatewayClientOut(BaseModel):
     entity: str = Field(description="Ceph entity of one librados client the member uses, e.g. client.4127")
     addrs: list[str] = Field(description="Its addresses: what a takeover puts on the OSD blocklist")
+    worker: int | None = Field(None, description="The --workers process using it; null: the main process")
 
 
 class GatewayMemberOut(BaseModel):

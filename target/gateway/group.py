@@ -128,7 +128,7 @@ class GatewayGroup:
         self._tasks: list[asyncio.Task[Any]] = []
         self._stopping = False
         self._ready = False
-        self.not_taking_part: str | None = None  # why this member cannot own groups (removed, fenced), for gateway list
+        self.removed: str | None = None  # why this member was dropped from the store (see _removed)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="gateway-store")
         self._step_lock = asyncio.Lock()
@@ -285,7 +285,7 @@ class GatewayGroup:
             "failback": self.failback,
             "standby": ANA_STATE_NAMES[self.standby],
             "config_version": self.config_version,
-            "clients": local_identities(self.store),  # its Ceph clients, for fencing
+            "clients": local_identities(self.store, self.service.target),  # its Ceph clients, for fencing
         }
 
     async def _publish(self) -> None:
@@ -439,6 +439,8 @@ class GatewayGroup:
             await self._step()
 
     async def _step(self) -> None:
+        if self.fence.reason is not None:
+            await self.fence.recheck()  # may reconnect the store: before the store calls below
         try:
             await self._run(self.store.heartbeat)
             members = await self._run(self.store.members)
@@ -579,12 +581,17 @@ class GatewayGroup:
             except Exception:  # the main process serves the new states already; workers resync at the next one
                 log.exception("gateway %s: worker processes did not confirm the new ANA states", self.name)
 
+    @property
+    def not_taking_part(self) -> str | None:
+        """Why this member may own no ANA group now (removed from the store, fenced), for gateway list; None: it may."""
+        return self.removed or self.fence.reason
+
     def _removed(self) -> None:
-        if self.not_taking_part is None:
-            self.not_taking_part = (f"no longer recorded in group {self.store.group} ({self.store.where}): removed "
+        if self.removed is None:
+            self.removed = (f"no longer recorded in group {self.store.group} ({self.store.where}): removed "
                                     "with `nvmeof gateway remove` while it was not alive; restart it to join as a "
                                     "new member")
-            log.error("gateway %s is %s", self.name, self.not_taking_part)
+            log.error("gateway %s is %s", self.name, self.removed)
 
     async def remove_member(self, name: str) -> None:
         """`nvmeof gateway remove NAME`: forget a member that is gone for good (refused while it is alive)."""
