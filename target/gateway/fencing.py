@@ -107,9 +107,9 @@ def any_cluster(store: Any = None) -> Any:
     return clusters[0] if clusters else None
 
 
-def blocklisted_addrs(cluster: Any) -> set[str]:
-    """The addresses on the OSD blocklist now (`ceph osd blocklist ls`), as split_addrs spells them. Blocks;
-    StoreError when the monitor refuses or does not answer."""
+def blocklisted_addrs(cluster: Any) -> dict[str, str]:
+    """The addresses on the OSD blocklist now (`ceph osd blocklist ls`: [{"addr", "until"}]), as split_addrs
+    spells them, each with until when. Blocks; StoreError when the monitor refuses or does not answer."""
     if cluster is None:
         raise StoreError("this gateway has no Ceph client left to ask the monitor with")
     try:
@@ -122,10 +122,11 @@ def blocklisted_addrs(cluster: Any) -> set[str]:
         entries = json.loads(out or b"[]")
     except ValueError as exc:
         raise StoreError(f"osd blocklist ls answered what is not JSON: {exc}") from exc
-    listed: set[str] = set()
+    listed: dict[str, str] = {}
     for entry in entries if isinstance(entries, list) else []:
-        addr = entry.get("addr") if isinstance(entry, dict) else entry
-        listed.update(split_addrs(str(addr)))
+        if isinstance(entry, dict):
+            for addr in split_addrs(str(entry.get("addr"))):
+                listed[addr] = str(entry.get("until") or "?")
     return listed
 
 
@@ -328,10 +329,11 @@ class TakeoverFence:
         except StoreError as exc:
             self._say(f"its Ceph client was blocklisted ({self._what}); whether it still is cannot be read: {exc}")
             return
-        still = sorted(self.fenced_addrs & listed)
+        still = sorted(self.fenced_addrs & set(listed))
         self._listed_seen |= set(still)
         if still:
-            self._say(f"its Ceph client address(es) {', '.join(still)} are on the OSD blocklist (another gateway "
+            until = ", ".join(f"{addr} until {listed[addr]}" for addr in still)
+            self._say(f"its Ceph client address(es) {until} are on the OSD blocklist (another gateway "
                       f"fenced it after {self._what} failed); it takes part again once they are off it (ceph osd "
                       "blocklist rm ADDR, or when the entry expires)")
             return
