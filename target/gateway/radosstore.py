@@ -46,7 +46,8 @@ log = logging.getLogger(__name__)
 
 LOCK_FLAG_MUST_RENEW = 0x2  # librados.h LIBRADOS_LOCK_FLAG_MUST_RENEW: renew only, fail if not held
 CMPXATTR_OP_EQ = 1          # librados.h LIBRADOS_CMPXATTR_OP_EQ
-CMPXATTR_OP_NE = 2          # librados.h LIBRADOS_CMPXATTR_OP_NE (an absent omap key compares as "")
+CMPXATTR_OP_GT = 3          # librados.h LIBRADOS_CMPXATTR_OP_GT (an absent omap key compares as ""; the OSD's
+                            # omap_cmp knows EQ, LT and GT only: PrimaryLogPG::do_osd_ops, CEPH_OSD_OP_OMAP_CMP)
 ECANCELED = 125             # an omap_cmp that does not hold cancels the write op
 JOIN_LOCK_SECONDS = 10
 NOTIFY_TIMEOUT_MS = 1000    # how long a notify's completion waits for acks (sent asynchronously: see _notify)
@@ -294,7 +295,7 @@ class RadosStore(GroupStore):
         def write() -> None:
             # only over our own record: one removed while we were cut off is never written back
             with self._rados.WriteOpCtx() as op:
-                op.omap_cmp(key, "", CMPXATTR_OP_NE)
+                op.omap_cmp(key, "", CMPXATTR_OP_GT)  # present: any record is > ""
                 self.ioctx.set_omap(op, (key,), (json.dumps({"index": self.index, "info": info}).encode(),))
                 self.ioctx.operate_write_op(op, self.config_obj)
 
