@@ -125,7 +125,7 @@ def test_a_fenced_gateway_steps_down_and_rejoins_once_unblocklisted(tmp_path: Pa
             report = a.gateway_list()
             if what in (report.get("not_taking_part") or ""):
                 return report
-            assert time.monotonic() < deadline, (report, a.log()[-3000:])
+            assert time.monotonic() < deadline, (report.get("not_taking_part"), a.log()[-3000:])
             time.sleep(0.2)
 
     try:
