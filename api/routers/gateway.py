@@ -38,6 +38,8 @@ class GatewayMemberOut(BaseModel):
     cntlid_range: list[int] = Field(description="[first, last] controller ID this member hands out")
     owns: list[int] = Field(description="ANA groups it owns (optimized there)")
     clients: list[GatewayClientOut] = Field(default_factory=list, description="Its Ceph clients (fencing)")
+    not_taking_part: str | None = Field(None, description="Why this live member may own no ANA group (fenced, "
+                                        "removed), as it published it; null: it may")
 
 
 class AnaGroupOwnerOut(BaseModel):

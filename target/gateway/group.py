@@ -286,6 +286,7 @@ class GatewayGroup:
             "standby": ANA_STATE_NAMES[self.standby],
             "config_version": self.config_version,
             "clients": local_identities(self.store, self.service.target),  # its Ceph clients, for fencing
+            "not_taking_part": self.not_taking_part,
         }
 
     async def _publish(self) -> None:
@@ -648,6 +649,7 @@ class GatewayGroup:
                 "cntlid_range": info.get("cntlid_range") or list(cntlid_range(m.index)),
                 "owns": info.get("owns") or [],
                 "clients": info.get("clients") or [],
+                "not_taking_part": info.get("not_taking_part") if m.alive else None,
             })
         groups = []
         for g, owner in owners.items():

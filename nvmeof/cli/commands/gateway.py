@@ -33,6 +33,9 @@ def gateway_list(api: Api, as_json: bool) -> None:
         rows.append((m["name"], m["index"], "yes" if m["alive"] else "no", "yes" if m["ready"] else "no",
                      f"{lo}-{hi}", ",".join(str(g) for g in m["owns"]) or "-", listeners))
     click.echo(table(("NAME", "INDEX", "ALIVE", "READY", "CNTLIDS", "OWNS", "LISTENERS"), rows))
+    for m in report["members"]:
+        if m.get("not_taking_part") and m["name"] != report["name"]:
+            click.echo(f"{m['name']} takes no part: {m['not_taking_part']}")
     click.echo("")
     names = [m["name"] for m in report["members"] if m["alive"]]
     rows = [(g["anagrpid"], g["owner"] or "none", g["preferred"] or "-", _fenced(g.get("fenced")),
