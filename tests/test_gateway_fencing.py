@@ -509,3 +509,22 @@ def test_a_fenced_member_takes_no_part_until_its_addresses_are_off_the_blocklist
             await a.stop()
 
     asyncio.run(go())
+
+
+def test_blocklist_listing_is_read_across_several_json_values() -> None:
+    from target.gateway.fencing import blocklisted_addrs
+
+    class Monitor:
+        def __init__(self, ret: int, out: bytes) -> None:
+            self.ret, self.out = ret, out
+
+        def mon_command(self, cmd: str, inbuf: bytes) -> tuple[int, bytes, str]:
+            return self.ret, self.out, "EACCES"
+
+    two = b'[{"addr":"127.0.0.1:0/7","until":"t1"}]\n[{"addr":"v2:10.0.0.1:0/9","until":"t2"}]'
+    assert blocklisted_addrs(Monitor(0, two)) == {"127.0.0.1:0/7": "t1", "10.0.0.1:0/9": "t2"}
+    assert blocklisted_addrs(Monitor(0, b"")) == {}
+    with pytest.raises(StoreError, match="EACCES"):
+        blocklisted_addrs(Monitor(-13, b""))
+    with pytest.raises(StoreError, match="not JSON"):
+        blocklisted_addrs(Monitor(0, b"[{"))

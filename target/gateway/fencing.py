@@ -118,14 +118,21 @@ def blocklisted_addrs(cluster: Any) -> dict[str, str]:
         raise StoreError(f"osd blocklist ls failed: {exc}") from exc
     if ret != 0:
         raise StoreError(f"osd blocklist ls failed: {errs or 'error'} ({ret})")
+    # the monitor may answer several JSON values one after the other (16.2.15 here: json.loads stopped with
+    # "Extra data" after the first array), so every array is read
+    text, entries, pos = (out or b"").decode(errors="replace"), [], 0
+    decoder = json.JSONDecoder()
     try:
-        entries = json.loads(out or b"[]")
+        while text[pos:].strip():
+            pos += len(text[pos:]) - len(text[pos:].lstrip())
+            value, pos = decoder.raw_decode(text, pos)
+            entries.extend(value if isinstance(value, list) else [])
     except ValueError as exc:
         raise StoreError(f"osd blocklist ls answered what is not JSON: {exc}") from exc
     listed: dict[str, str] = {}
-    for entry in entries if isinstance(entries, list) else []:
-        if isinstance(entry, dict):
-            for addr in split_addrs(str(entry.get("addr"))):
+    for entry in entries:
+        if isinstance(entry, dict) and entry.get("addr"):
+            for addr in split_addrs(str(entry["addr"])):
                 listed[addr] = str(entry.get("until") or "?")
     return listed
 
