@@ -27,9 +27,11 @@ from nvmeof.spec.nvme import LBA_OPCODES
 from nvmeof.tcp import HandoffState, TcpConnection
 from target import qos
 from target.backends import attach_backend
+from target.backends import rbd as rbd_backend
 from target.backends.base import BackendError, close_backends
 from target.backends.rbd import exit_process
 from target.core import Target
+from target.gateway.fencing import identity
 from target.model import Namespace, NamespaceStats, Subsystem
 from target.request import Request, TargetQueue
 from target.transports.tcp import TargetConnection, TcpLimits, TcpPort
@@ -145,6 +147,11 @@ class Worker:
         loop.add_signal_handler(signal.SIGINT, lambda: None)
         self.channel.start()
         self.channel.send({"op": "ready", "pid": os.getpid()})
+        # Its librados clients are the gateway's too: the main process publishes them for fencing, and steps
+        # down when one of them is blocklisted (target/gateway/fencing.py). Callbacks come from librbd threads.
+        rbd_backend.on_new_connection(lambda: loop.call_soon_threadsafe(self._send_clients))
+        rbd_backend.on_blocklisted(lambda what: loop.call_soon_threadsafe(
+            self.channel.send, {"op": "blocklisted", "what": f"worker {self.index}: {what}"}))
         reporter = loop.create_task(self._report_loop())
         try:
             await self._stop.wait()
@@ -161,6 +168,10 @@ class Worker:
                 log.warning("worker %d: a %s backend did not close within %.0f s", self.index, backend.kind,
                             defaults.BACKEND_CLOSE_WAIT)
             self.channel.close()
+
+    def _send_clients(self) -> None:
+        clients = [ident for ident in map(identity, rbd_backend.client_clusters()) if ident is not None]
+        self.channel.send({"op": "clients", "clients": clients})
 
     def _on_channel_lost(self) -> None:
         log.info("worker %d: control channel closed by the main process; exiting", self.index)

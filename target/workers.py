@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from nvmeof import defaults
 from nvmeof.tcp import HandoffRefused, HandoffState, State
+from target.backends import rbd as rbd_backend
 from target.backends.base import BackendError
 from target.controller import ErrorRecord
 from target.core import Target
@@ -77,6 +78,7 @@ class WorkerHandle:
         self.acked = 0       # highest namespace-change seq it has applied
         self.last_sent = 0   # highest namespace-change seq sent to it
         self.monitor: asyncio.Task[None] | None = None
+        self.ceph_clients: list[dict[str, Any]] = []   # its librados clients' identities (op "clients")
 
 
 class _Placed:
@@ -138,6 +140,7 @@ class WorkerPool:
             child.close()
         w.pid = w.proc.pid
         w.started = time.monotonic()
+        w.ceph_clients = []
         w.sent = {}
         w.hids = set()
         w.acked = w.last_sent = self._seq
@@ -222,6 +225,10 @@ class WorkerPool:
     def pids(self) -> list[int]:
         return [w.pid for w in self.workers if w.alive]
 
+    def ceph_clients(self) -> list[dict[str, Any]]:
+        """The librados clients of the live workers ({"entity", "addrs", "worker"}), for fencing."""
+        return [c for w in self.workers if w.alive for c in w.ceph_clients]
+
     def placement(self) -> dict[tuple[int, int], int]:
         """(cntlid, qid) -> pid of the worker serving that I/O queue (a debugging aid)."""
         return {(p.ctrl.cntlid, p.queue.qid): p.worker.pid for p in self.placed.values()}
@@ -244,6 +251,11 @@ class WorkerPool:
         elif op == "ready":
             if w.ready is not None and not w.ready.done():
                 w.ready.set_result(None)
+        elif op == "clients":
+            w.ceph_clients = [dict(c, worker=w.index) for c in msg.get("clients", ()) if isinstance(c, dict)]
+            rbd_backend.clients_changed()   # a gateway group publishes them (fencing)
+        elif op == "blocklisted":
+            rbd_backend.report_blocklisted(str(msg.get("what")))   # a gateway group steps down
         elif op == "ns_error":
             ns = self._ns_by_key.get(msg["key"])
             where = f"namespace {ns.nsid}" if ns is not None else "a namespace"
@@ -632,6 +644,9 @@ class PooledTarget(Target):
 
     async def settle(self) -> None:
         await self.pool.settle()
+
+    def ceph_clients(self) -> list[dict[str, Any]]:
+        return self.pool.ceph_clients()
 
     def controllers_info(self) -> list[dict[str, Any]]:
         # Which process serves each queue, so an operator (or a test) can see the hand-off happened;

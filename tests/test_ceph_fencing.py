@@ -51,13 +51,17 @@ async def timed_write(gw: Gateway, data: bytes, deadline: float) -> tuple[float,
                 await asyncio.sleep(0.2)
 
 
-def test_survivor_writes_at_once_after_kill9_of_the_owner(tmp_path: Path, ceph_cluster: Any, rbd_image: str) -> None:
+@pytest.mark.parametrize("workers", [0, 1])
+def test_survivor_writes_at_once_after_kill9_of_the_owner(tmp_path: Path, ceph_cluster: Any, rbd_image: str,
+                                                          workers: int) -> None:
+    """With --workers the owner's I/O runs in a worker process with librados clients of its own: those are
+    published (with the worker's index) and fenced like the main process's."""
     ceph_cluster.rbd("create", "--size", "32M", f"{ceph_cluster.pool}/{rbd_image}")
     group = f"fence{os.urandom(3).hex()}"
     common = ["--nqn", SUBNQN, "--ceph-conf", str(ceph_cluster.conf), "--rbd-image",
               f"{ceph_cluster.pool}/{rbd_image}", "--group-store", f"rados:{ceph_cluster.pool}",
               "--gateway-lease", str(LEASE), "--gateway-group", group]
-    a = Gateway(tmp_path, "fence-a", common)
+    a = Gateway(tmp_path, "fence-a", [*common, *(["--workers", str(workers)] if workers else [])])
     b = Gateway(tmp_path, "fence-b", common)
     try:
         a.start()
@@ -68,11 +72,14 @@ def test_survivor_writes_at_once_after_kill9_of_the_owner(tmp_path: Path, ceph_c
         deadline = time.monotonic() + SETTLE
         while True:  # a publishes its clients (store connection + the image's) in its member record
             dead = next(m for m in b.gateway_list()["members"] if m["name"] == "fence-a")
-            if len(dead.get("clients") or []) >= 2:
+            if len(dead.get("clients") or []) >= 2 + workers:
                 break
             assert time.monotonic() < deadline, f"fence-a never published its Ceph clients: {dead}"
             time.sleep(0.2)
         a_addrs = {addr for client in dead["clients"] for addr in client["addrs"]}
+        worker_addrs = {addr for client in dead["clients"] if client.get("worker") is not None
+                        for addr in client["addrs"]}
+        assert bool(worker_addrs) == bool(workers), dead["clients"]
         a.kill9()
         killed = time.monotonic()
         took_over, _ = wait_states(b, {1: OPT}, FAILOVER_BOUND)
@@ -86,6 +93,8 @@ def test_survivor_writes_at_once_after_kill9_of_the_owner(tmp_path: Path, ceph_c
         assert a_addrs and all(addr in listed for addr in a_addrs), (a_addrs, listed)
         groups = b.gateway_list()["ana_groups"]
         assert [(g["anagrpid"], g["owner"], g.get("fenced")) for g in groups] == [(1, "fence-b", True)]
+        text = b.gateway_list(text=True)
+        assert any(line.split()[:4] == ["1", "fence-b", "fence-a", "yes"] for line in text.splitlines()), text
         assert "fenced gateway fence-a" in b.log()
         assert b.stop() == 0
     finally:
@@ -94,12 +103,14 @@ def test_survivor_writes_at_once_after_kill9_of_the_owner(tmp_path: Path, ceph_c
     assert "Traceback" not in b.log(), b.log()[-4000:]
 
 
-@pytest.mark.parametrize("which", ["rbd", "all"])
-def test_a_fenced_gateway_steps_down(tmp_path: Path, ceph_cluster: Any, rbd_image: str, which: str) -> None:
+@pytest.mark.parametrize("which", ["rbd", "all", "store"])
+def test_a_fenced_gateway_steps_down_and_rejoins_once_unblocklisted(tmp_path: Path, ceph_cluster: Any,
+                                                                    rbd_image: str, which: str) -> None:
     """Blocklist a lone owner's clients from outside (what a survivor's takeover does): "rbd" only the image's
-    client (its next write gets ESHUTDOWN, EBLOCKLISTED, from librbd), "all" the store's too (its heartbeat gets
-    it); either way it steps down at once, saying why. (Alone, with its store reachable, it takes the group
-    again at its next step: nobody else is there.)"""
+    client (its next write gets ESHUTDOWN, EBLOCKLISTED, from librbd), "all" the store's too, "store" only the
+    store's (its heartbeat gets it); either way it steps down at once, saying why, and takes no part while
+    listed, though it is alone. Taken off the blocklist: with only the store's client fenced it reconnects the
+    store with a new client and owns the group again; with the image's client fenced it says to restart."""
     from nvmeof.spec.logs import AnaState
 
     ceph_cluster.rbd("create", "--size", "8M", f"{ceph_cluster.pool}/{rbd_image}")
@@ -107,17 +118,27 @@ def test_a_fenced_gateway_steps_down(tmp_path: Path, ceph_cluster: Any, rbd_imag
               f"{ceph_cluster.pool}/{rbd_image}", "--group-store", f"rados:{ceph_cluster.pool}",
               "--gateway-lease", str(LEASE), "--gateway-group", f"fenced{os.urandom(3).hex()}"]
     a = Gateway(tmp_path, "fenced-a", common)
+
+    def report_says(what: str) -> dict[str, Any]:
+        deadline = time.monotonic() + SETTLE
+        while True:
+            report = a.gateway_list()
+            if what in (report.get("not_taking_part") or ""):
+                return report
+            assert time.monotonic() < deadline, (report.get("not_taking_part"), a.log()[-3000:])
+            time.sleep(0.2)
+
     try:
         a.start()
         wait_states(a, {1: OPT}, SETTLE)
         data = os.urandom(4096)
         asyncio.run(timed_write(a, data, time.monotonic() + 30))
         me = next(m for m in a.gateway_list()["members"] if m["name"] == "fenced-a")
-        clients = me["clients"] if which == "all" else me["clients"][1:]  # the store's connection comes first
-        assert len(me["clients"]) == 2 and clients
-        for client in clients:
-            for addr in client["addrs"]:
-                ceph_cluster.ceph("osd", "blocklist", "add", addr, "600")
+        assert len(me["clients"]) == 2
+        clients = {"all": me["clients"], "rbd": me["clients"][1:], "store": me["clients"][:1]}[which]
+        fenced = [addr for client in clients for addr in client["addrs"]]
+        for addr in fenced:
+            ceph_cluster.ceph("osd", "blocklist", "add", addr, "600")
 
         async def one_write() -> None:
             async with connect("127.0.0.1", a.io_port, SUBNQN, timeout=30) as ctrl:
@@ -126,16 +147,37 @@ def test_a_fenced_gateway_steps_down(tmp_path: Path, ceph_cluster: Any, rbd_imag
                 except Exception:  # refused: the point is what the gateway does next
                     pass
 
-        asyncio.run(one_write())
-        if which == "all":
-            wait_states(a, {1: AnaState.NON_OPTIMIZED}, SETTLE)
-        cause = "the group store" if which == "all" else f"RBD image {ceph_cluster.pool}/{rbd_image}: write"
+        if which != "store":
+            asyncio.run(one_write())
+        wait_states(a, {1: AnaState.NON_OPTIMIZED}, SETTLE)
+        cause = {"rbd": f"RBD image {ceph_cluster.pool}/{rbd_image}: write"}.get(which, "the group store")
         deadline = time.monotonic() + SETTLE
         while "ANA group 1: fenced-a steps down (its Ceph client was blocklisted" not in a.log():
             assert time.monotonic() < deadline, a.log()[-3000:]
             time.sleep(0.1)
         assert f"ERROR nvmeof.gateway: gateway fenced-a: its Ceph client is blocklisted ({cause}" in a.log(), \
             a.log()[-3000:]
+        report = report_says("on the OSD blocklist")
+        assert all(addr in report["not_taking_part"] for addr in fenced), report
+        assert "this gateway takes no part: its Ceph client address(es)" in a.gateway_list(text=True)
+        mine = next(m for m in report["members"] if m["name"] == "fenced-a")
+        assert mine["owns"] == [] and not mine["ready"], report  # alone, but fenced: it does not take the group
+
+        for addr in fenced:
+            ceph_cluster.ceph("osd", "blocklist", "rm", addr)
+        if which == "store":
+            wait_states(a, {1: OPT}, SETTLE)
+            report = a.gateway_list()
+            assert report["not_taking_part"] is None, report
+            now = next(m for m in report["members"] if m["name"] == "fenced-a")["clients"]
+            assert now[0]["entity"] != me["clients"][0]["entity"], (me, now)  # a new store client
+            assert "takes part in the group again through a new group store client" in a.log()
+            asyncio.run(timed_write(a, data, time.monotonic() + 30))
+        else:
+            report = report_says("restart this gateway")
+            assert f"{ceph_cluster.pool}/{rbd_image}" in report["not_taking_part"], report
+            mine = next(m for m in report["members"] if m["name"] == "fenced-a")
+            assert mine["owns"] == [] and not mine["ready"], report
     finally:
         a.stop()
 

@@ -87,11 +87,14 @@ class Gateway:
         assert resp.is_success, f"{method} {path} on {self.name}: {resp.status_code} {resp.text}"
         return resp.json() if resp.content else None
 
+    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """`nvmeof gateway ARGS...` against this gateway's API."""
+        return subprocess.run([sys.executable, "-m", "nvmeof.cli", "gateway", *args,
+                               "--api", f"http://127.0.0.1:{self.api_port}", "--token", self.token],
+                              capture_output=True, text=True, timeout=60, cwd=REPO)
+
     def gateway_list(self, *, text: bool = False) -> Any:
-        fmt = [] if text else ["-o", "json"]
-        out = subprocess.run([sys.executable, "-m", "nvmeof.cli", "gateway", "list", *fmt,
-                              "--api", f"http://127.0.0.1:{self.api_port}", "--token", self.token],
-                             capture_output=True, text=True, timeout=60, cwd=REPO)
+        out = self.cli("list", *([] if text else ["-o", "json"]))
         assert out.returncode == 0, out.stderr
         return out.stdout if text else json.loads(out.stdout)
 
@@ -217,9 +220,21 @@ def test_two_gateways_fail_over_and_back(tmp_path: Path) -> None:
         lines = a.gateway_list(text=True).splitlines()
         assert lines[0].startswith("group ha (store dir:") and lines[0].endswith("this gateway: gw-a")
         rows = [line.split() for line in lines if line.split()[:1] in (["1"], ["2"])]
-        assert rows == [["1", "gw-a", "gw-a", "optimized", "non-optimized"],
-                        ["2", "gw-b", "gw-b", "non-optimized", "optimized"]]
-        assert a.stop() == 0 and b.stop() == 0
+        assert ["ANAGRPID", "OWNER", "PREFERRED", "FENCED", "GW-A", "GW-B"] in [line.split() for line in lines]
+        assert rows == [["1", "gw-a", "gw-a", "-", "optimized", "non-optimized"],
+                        ["2", "gw-b", "gw-b", "-", "non-optimized", "optimized"]]
+
+        # gw-b gone for good: `gateway remove` is refused while it runs, then n counts gw-a alone
+        refused = a.cli("remove", "gw-b")
+        assert refused.returncode != 0 and "gateway gw-b is alive" in refused.stderr, refused
+        assert b.stop() == 0
+        removed = a.cli("remove", "gw-b")
+        assert removed.returncode == 0 and "gateway gw-b removed from the group" in removed.stdout, removed
+        listing = a.gateway_list()
+        assert [m["name"] for m in listing["members"]] == ["gw-a"]
+        assert [(g["anagrpid"], g["preferred"]) for g in listing["ana_groups"]] == [(1, "gw-a"), (2, "gw-a")]
+        wait_states(a, {1: OPT, 2: OPT}, SETTLE)
+        assert a.stop() == 0
     finally:
         a.stop()
         b.stop()

@@ -464,3 +464,67 @@ def test_dir_store_failed_acquire_leaks_no_locked_fd(tmp_path: Path, monkeypatch
     finally:
         other.close()
         mine.close()
+
+
+def test_a_fenced_member_takes_no_part_until_its_addresses_are_off_the_blocklist(tmp_path: Path,
+                                                                                 monkeypatch) -> None:
+    """The rejoin logic over a dir store, with the monitor's `osd blocklist ls` answered by a stand-in: fenced,
+    the member steps down and is not eligible while one of its published addresses is listed (or the list cannot
+    be read), saying which; once none is, it takes part again (its groups come back by failback)."""
+    import json
+
+    from target.gateway import fencing
+
+    addr = "127.0.0.1:0/4242"
+    answer: dict[str, object] = {"ret": 0, "list": [{"addr": addr, "until": "2026-12-03T10:00:00.0+0000"}]}
+
+    class Monitor:
+        def mon_command(self, cmd: str, inbuf: bytes) -> tuple[int, bytes, str]:
+            assert json.loads(cmd) == {"prefix": "osd blocklist ls", "format": "json"}
+            return int(answer["ret"]), json.dumps(answer["list"]).encode(), "EACCES: access denied"
+
+    monkeypatch.setattr(fencing, "any_cluster", lambda store=None: Monitor())
+
+    async def go() -> None:
+        a = await Member(tmp_path, "gw-a").start(first=True)
+        b = await Member(tmp_path, "gw-b").start()
+        try:
+            await until(lambda: a.group.owned == {1} and b.group.owned == {2}, "split")
+            a.group._published = dict(a.group._published or {}, clients=[{"entity": "client.9", "addrs": [addr]}])
+            await a.group.fence.fenced_here("RBD image rbd/x: write")
+            await until(lambda: b.group.owned == {1, 2}, "gw-b takes group 1 over")
+            await until(lambda: f"{addr} until 2026-12-03T10:00:00.0+0000 are on the OSD blocklist"
+                        in (a.group.not_taking_part or ""), "the reason names the listed address")
+            report = await b.group.report()
+            assert "on the OSD blocklist" in next(m for m in report["members"] if m["name"] == "gw-a")[
+                "not_taking_part"] and not a.group._eligible_me()
+            answer["ret"] = -13
+            await until(lambda: "cannot be read" in (a.group.not_taking_part or ""), "an unreadable blocklist")
+            assert a.group.owned == set()
+            answer["ret"], answer["list"] = 0, [{"addr": "127.0.0.1:0/1", "until": "x"}]  # someone else's
+            await until(lambda: a.group.not_taking_part is None, "gw-a takes part again")
+            await until(lambda: a.group.owned == {1} and b.group.owned == {2}, "failback of group 1 to gw-a")
+        finally:
+            await b.stop()
+            await a.stop()
+
+    asyncio.run(go())
+
+
+def test_blocklist_listing_is_read_across_several_json_values() -> None:
+    from target.gateway.fencing import blocklisted_addrs
+
+    class Monitor:
+        def __init__(self, ret: int, out: bytes) -> None:
+            self.ret, self.out = ret, out
+
+        def mon_command(self, cmd: str, inbuf: bytes) -> tuple[int, bytes, str]:
+            return self.ret, self.out, "EACCES"
+
+    two = b'[{"addr":"127.0.0.1:0/7","until":"t1"}]\n[{"addr":"v2:10.0.0.1:0/9","until":"t2"}]'
+    assert blocklisted_addrs(Monitor(0, two)) == {"127.0.0.1:0/7": "t1", "10.0.0.1:0/9": "t2"}
+    assert blocklisted_addrs(Monitor(0, b"")) == {}
+    with pytest.raises(StoreError, match="EACCES"):
+        blocklisted_addrs(Monitor(-13, b""))
+    with pytest.raises(StoreError, match="not JSON"):
+        blocklisted_addrs(Monitor(0, b"[{"))

@@ -352,3 +352,50 @@ def test_a_ram_disk_is_refused_in_a_group_and_nothing_reaches_the_store(tmp_path
             await a.stop()
 
     asyncio.run(go())
+
+
+def test_a_dead_member_is_removed_for_good_and_no_longer_counts(tmp_path: Path) -> None:
+    """DELETE /gateway/members/NAME (nvmeof gateway remove): refused while alive (409) or unknown (404); once
+    removed, n counts the remaining members (group 3 prefers (3-1) % 2 = index 0, not the dead gw-c), and a new
+    member gets the freed index and CNTLID range, and with them group 3."""
+    import httpx
+
+    from api.app import create_app
+
+    async def call(service: TargetService, method: str, path: str) -> httpx.Response:
+        app = create_app(service, token="t0k")
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            return await client.request(method, f"/api/v1/gateway{path}", headers={"Authorization": "Bearer t0k"})
+
+    def preferred(report: dict, g: int) -> str:
+        return next(x["preferred"] for x in report["ana_groups"] if x["anagrpid"] == g)
+
+    async def go() -> None:
+        a = await Member(tmp_path, "gw-a").start(first=True)
+        await a.service.add_namespace(SUB, backend="null", size=1 << 20, nsid=3, anagrpid=3)
+        b = await Member(tmp_path, "gw-b").start()
+        c = await Member(tmp_path, "gw-c").start()
+        d = None
+        try:
+            await until(lambda: (a.group.owned, b.group.owned, c.group.owned) == ({1}, {2}, {3}), "three-way split")
+            assert preferred((await call(b.service, "GET", "")).json(), 3) == "gw-c"
+            await c.crash()
+            await until(lambda: a.group.owned == {1, 3}, "gw-a takes group 3 over")
+            alive = await call(b.service, "DELETE", "/members/gw-a")
+            assert alive.status_code == 409 and "gw-a is alive" in alive.json()["detail"]
+            assert (await call(b.service, "DELETE", "/members/gw-b")).status_code == 409  # itself
+            assert (await call(b.service, "DELETE", "/members/gw-x")).status_code == 404
+            assert (await call(b.service, "DELETE", "/members/gw-c")).status_code == 204
+            report = (await call(b.service, "GET", "")).json()
+            assert [m["name"] for m in report["members"]] == ["gw-a", "gw-b"]
+            assert preferred(report, 3) == "gw-a" and preferred(report, 2) == "gw-b"
+            assert a.group.owned == {1, 3} and b.group.owned == {2}
+            d = await Member(tmp_path, "gw-d").start()
+            assert d.group.index == 2 and (d.target.cntlid_min, d.target.cntlid_max) == cntlid_range(2)
+            await until(lambda: d.group.owned == {3} and a.group.owned == {1}, "group 3 fails back to gw-d")
+        finally:
+            for m in (d, b, a):
+                if m is not None:
+                    await m.stop()
+
+    asyncio.run(go())

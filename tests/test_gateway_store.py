@@ -21,7 +21,17 @@ from typing import Any
 import pytest
 
 from target.gateway.dirstore import DirStore
-from target.gateway.store import ConfigConflict, GroupStore, StoreError, fence_margin, now, parse_store
+from target.gateway.store import (
+    ConfigConflict,
+    GroupStore,
+    MemberAlive,
+    MemberRemoved,
+    MemberUnknown,
+    StoreError,
+    fence_margin,
+    now,
+    parse_store,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 LEASE = 3.0
@@ -296,3 +306,74 @@ def test_dir_store_reservation_records(tmp_path: Path) -> None:
 def test_rados_store_reservation_records(rados_group: Any) -> None:
     _, make = rados_group
     reservation_contract(make(), make())
+
+
+def removal_contract(make: Callable[[], GroupStore]) -> None:
+    """`gateway remove`: refused for a live member and an unknown name; a member that stopped goes for good (its
+    record, its reservation acknowledgements), it cannot write its record back, and its index is the next
+    newcomer's."""
+    one, two, three = make(), make(), make()
+    one.join("gw-a", {})
+    two.join("gw-b", {})
+    three.join("gw-c", {})
+    two.ack_reservations({"k": 1})
+    with pytest.raises(MemberAlive, match="gw-b is alive"):
+        one.remove_member("gw-b")
+    with pytest.raises(MemberUnknown, match="no gateway gw-x"):
+        one.remove_member("gw-x")
+    two.leave()  # its membership lock is gone: not alive
+    assert {m.name: m.alive for m in one.members()} == {"gw-a": True, "gw-b": False, "gw-c": True}
+    one.remove_member("gw-b")
+    assert [(m.name, m.index) for m in three.members()] == [("gw-a", 0), ("gw-c", 2)]
+    assert "gw-b" not in one.reservation_acks()
+    with pytest.raises(MemberRemoved):
+        two.publish({"back": True})
+    assert [m.name for m in one.members()] == ["gw-a", "gw-c"]
+    with pytest.raises(MemberUnknown):
+        one.remove_member("gw-b")
+    assert make().join("gw-d", {}) == 1
+
+
+def test_dir_store_removes_a_member_for_good(tmp_path: Path) -> None:
+    made: list[GroupStore] = []
+
+    def make() -> GroupStore:
+        made.append(DirStore(tmp_path, "g", LEASE))
+        return made[-1]
+
+    try:
+        removal_contract(make)
+    finally:
+        for store in made:
+            store.close()
+
+
+@pytest.mark.ceph
+def test_rados_store_removes_a_member_for_good(rados_group: Any) -> None:
+    removal_contract(rados_group[1])
+
+
+@pytest.mark.ceph
+def test_rados_change_does_not_wait_for_a_killed_members_watch(rados_group: Any, ceph_cluster: Any) -> None:
+    """After kill -9 of a member its watch lingers on the OSD (osd_client_watch_timeout, 30 s) and a notify
+    completes only at its timeout: a change must return with that notify still in flight, while the live
+    members are told at once."""
+    group, make = rados_group
+    holder = spawn_holder("rados", ceph_cluster.pool, group, str(ceph_cluster.conf))
+    one, two = make(), make()
+    try:
+        one.join("gw-a", {})
+        two.join("gw-b", {})
+        seen: list[int] = []
+        two.watch(lambda: seen.append(1))
+        # the joins' notifies are acked (after each watcher's callback ran) by every watcher while all live
+        wait_for(lambda: not one._notifies and not two._notifies, "the joins' notifies", 10)
+        seen.clear()
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(10)
+        one.put_config({"subsystems": []}, 0)
+        assert one._notifies, "put_config waited for the dead watcher's notify to time out"
+        wait_for(lambda: bool(seen), "the live member's notification", 5)
+        wait_for(lambda: not one._notifies, "the notify's completion (its timeout)", 10)
+    finally:
+        holder.kill()

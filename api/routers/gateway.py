@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, status
 from pydantic import BaseModel, Field
 
 from api.deps import Service
@@ -26,6 +26,7 @@ class GatewayListenerOut(BaseModel):
 class GatewayClientOut(BaseModel):
     entity: str = Field(description="Ceph entity of one librados client the member uses, e.g. client.4127")
     addrs: list[str] = Field(description="Its addresses: what a takeover puts on the OSD blocklist")
+    worker: int | None = Field(None, description="The --workers process using it; null: the main process")
 
 
 class GatewayMemberOut(BaseModel):
@@ -37,6 +38,8 @@ class GatewayMemberOut(BaseModel):
     cntlid_range: list[int] = Field(description="[first, last] controller ID this member hands out")
     owns: list[int] = Field(description="ANA groups it owns (optimized there)")
     clients: list[GatewayClientOut] = Field(default_factory=list, description="Its Ceph clients (fencing)")
+    not_taking_part: str | None = Field(None, description="Why this live member may own no ANA group (fenced, "
+                                        "removed), as it published it; null: it may")
 
 
 class AnaGroupOwnerOut(BaseModel):
@@ -59,14 +62,29 @@ class GatewayOut(BaseModel):
     failback: str
     standby: str
     config_version: int = Field(description="Version of the shared configuration applied here")
+    not_taking_part: str | None = Field(None, description="Why this gateway may own no ANA group now (its Ceph "
+                                        "client is blocklisted, it was removed from the group); null: it may")
     members: list[GatewayMemberOut]
     ana_groups: list[AnaGroupOwnerOut]
 
 
-@router.get("", response_model=GatewayOut, summary="The gateway group this target belongs to")
-async def gateway(service: Service) -> Any:
+def _group(service: Any) -> Any:
     group = getattr(service, "gateway", None)
     if group is None:
         raise ServiceError(404, "this target is not a member of a gateway group; start nvmeof serve with "
                                 "--gateway-group NAME --group-store dir:PATH|rados:POOL")
-    return await group.report()
+    return group
+
+
+@router.get("", response_model=GatewayOut, summary="The gateway group this target belongs to")
+async def gateway(service: Service) -> Any:
+    return await _group(service).report()
+
+
+@router.delete("/members/{name}", status_code=status.HTTP_204_NO_CONTENT,
+               summary="Remove a member that is gone for good from the group")
+async def remove_member(name: str, service: Service) -> None:
+    """Its record goes: it no longer counts in n (ANA group g prefers member (g-1) % n by index) and its index and
+    controller ID range are free for the next new member. 409 while it is alive (dir store: its process holds its
+    member flock; RADOS: its membership lease has not expired), 404 when no member has that name."""
+    await _group(service).remove_member(name)

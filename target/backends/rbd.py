@@ -261,6 +261,12 @@ def on_blocklisted(callback: Callable[[str], None]) -> None:
 
 
 def _connected(cluster: Any) -> None:
+    clients_changed()
+
+
+def clients_changed() -> None:
+    """Run the on_new_connection callbacks: this process's set of clients changed (also: a worker process of
+    ours reported new clients, target/workers.py)."""
     for callback in list(_on_connect):
         try:
             callback()
@@ -273,6 +279,11 @@ def _blocklisted(conn: _Connection | None, what: str) -> None:
         with _connections_lock:
             if _connections.get(conn.key) is conn:
                 del _connections[conn.key]   # later opens connect anew; this one ends with its last image
+    report_blocklisted(what)
+
+
+def report_blocklisted(what: str) -> None:
+    """Run the on_blocklisted callbacks (also: a worker process of ours got ESHUTDOWN, target/workers.py)."""
     for callback in list(_on_blocklisted):
         try:
             callback(what)
@@ -829,6 +840,16 @@ class RbdBackend(Backend):
     def wait_closed(self, timeout: float | None = None) -> bool:
         """True once the image and its connection share are released (tests, shutdown)."""
         return self._closed.wait(timeout)
+
+    @property
+    def client_blocklisted(self) -> bool:
+        """Its librados client answered ESHUTDOWN (blocklisted) and left the registry: the image stays on that
+        client until it is closed; it is not re-opened through a new one while it runs."""
+        conn = self._conn
+        if conn is None:
+            return False
+        with _connections_lock:
+            return _connections.get(conn.key) is not conn
 
     def describe(self) -> dict[str, Any]:
         # Names only: a keyring's path is shown, never its content.

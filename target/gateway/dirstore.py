@@ -33,7 +33,17 @@ from pathlib import Path
 from typing import Any
 
 from nvmeof import defaults
-from target.gateway.store import ConfigConflict, GroupStore, MemberRecord, StoreError, check_name, free_index
+from target.gateway.store import (
+    ConfigConflict,
+    GroupStore,
+    MemberAlive,
+    MemberRecord,
+    MemberRemoved,
+    MemberUnknown,
+    StoreError,
+    check_name,
+    free_index,
+)
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +180,28 @@ class DirStore(GroupStore):
 
     def publish(self, info: dict[str, Any]) -> None:
         assert self.name is not None and self.index is not None, "join() first"
-        _write_atomic(self._member_file(self.name), {"name": self.name, "index": self.index, "info": info})
+        with self._store_lock():
+            if not self._member_file(self.name).exists():
+                raise MemberRemoved(f"gateway {self.name} is no longer recorded in {self.where}")
+            _write_atomic(self._member_file(self.name), {"name": self.name, "index": self.index, "info": info})
+
+    def remove_member(self, name: str) -> None:
+        check_name(name, "gateway name", "NAME")
+        with self._store_lock():  # join() takes it too: nobody can start as ``name`` meanwhile
+            if name not in self._records():
+                raise MemberUnknown(f"no gateway {name} is recorded in group {self.group} ({self.where})")
+            lock = self.path / "members" / f"{name}.lock"
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                if not _try_flock(fd, fcntl.LOCK_EX):
+                    raise MemberAlive(f"gateway {name} is alive (its process holds the flock on {lock}); stop it "
+                                      "before removing it from the group")
+                for path in (self._member_file(name), lock, self.path / "resv-acks" / f"{name}.json"):
+                    with contextlib.suppress(FileNotFoundError):
+                        path.unlink()
+            finally:
+                os.close(fd)
+        self._fire()
 
     def _alive(self, name: str) -> bool:
         if name == self.name:

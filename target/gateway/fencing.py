@@ -8,7 +8,8 @@ librbd itself use (librbd's BreakRequest with rbd_blocklist_on_break_lock): put 
 blocklist, then break its lock.
 
 So every member publishes the identities (entity client.N and addresses) of each librados client it uses (the
-store's connection and the RBD backend's shared ones: target/backends/rbd.py client_clusters()), and a member
+store's connection, the RBD backend's shared ones: target/backends/rbd.py client_clusters(), and those of its
+--workers processes, which they report to the main process), and a member
 taking a group over, when the member record of some gateway is not alive, first:
   1. blocklists that gateway's client addresses for defaults.GATEWAY_BLOCKLIST_EXPIRE seconds
      (rados_blocklist_add, as `ceph osd blocklist add`);
@@ -18,15 +19,20 @@ The whole step runs in a thread, bounded by the store timeout. When it fails (no
 the monitor out of reach) the takeover still happens (availability), with a WARNING saying what that costs, and
 `gateway list` shows fenced: false for the group.
 
-The other side: a member whose librbd answers ESHUTDOWN (Ceph's EBLOCKLISTED) was fenced by another; it steps
-down for every group at once and says so (ERROR); the RBD registry drops that connection, so namespaces opened
-later connect with a new client.
+The other side: a member whose librbd answers ESHUTDOWN (Ceph's EBLOCKLISTED), in the main process or in a
+worker, or whose store client gets it, was fenced by another; it steps down for every group at once, says so
+(ERROR) and takes no part (not eligible; `gateway list` says why) until it can rejoin: at each step it reads the
+OSD blocklist (`osd blocklist ls`, a monitor command, which a blocklisted client may still send); once none of
+its addresses is listed it reconnects the group store through a new client and takes part again, unless an RBD
+namespace still sits on a blocklisted client (images are not re-opened while the daemon runs; it says to
+restart). The RBD registry drops a blocklisted connection, so namespaces opened later connect anew.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import errno
+import json
 import logging
 import time
 import weakref
@@ -78,19 +84,57 @@ def local_clusters(store: Any = None) -> list[Any]:
     return out
 
 
-def local_identities(store: Any = None) -> list[dict[str, Any]]:
+def local_identities(store: Any = None, target: Any = None) -> list[dict[str, Any]]:
+    """This gateway's clients: this process's, then (``target`` given) those of its --workers processes, which
+    open every RBD namespace with librados clients of their own (target/worker.py reports them)."""
     out = []
     for cluster in local_clusters(store):
         ident = identity(cluster)
         if ident is not None and ident not in out:
             out.append(ident)
+    out.extend(worker_identities(target))
     return out
+
+
+def worker_identities(target: Any) -> list[dict[str, Any]]:
+    clients = getattr(target, "ceph_clients", None)
+    return list(clients()) if clients is not None else []
 
 
 def any_cluster(store: Any = None) -> Any:
     """A librados handle to send the blocklist command with (the store's first), or None."""
     clusters = local_clusters(store)
     return clusters[0] if clusters else None
+
+
+def blocklisted_addrs(cluster: Any) -> dict[str, str]:
+    """The addresses on the OSD blocklist now (`ceph osd blocklist ls`: [{"addr", "until"}]), as split_addrs
+    spells them, each with until when. Blocks; StoreError when the monitor refuses or does not answer."""
+    if cluster is None:
+        raise StoreError("this gateway has no Ceph client left to ask the monitor with")
+    try:
+        ret, out, errs = cluster.mon_command(json.dumps({"prefix": "osd blocklist ls", "format": "json"}), b"")
+    except Exception as exc:
+        raise StoreError(f"osd blocklist ls failed: {exc}") from exc
+    if ret != 0:
+        raise StoreError(f"osd blocklist ls failed: {errs or 'error'} ({ret})")
+    # the monitor may answer several JSON values one after the other (16.2.15 here: json.loads stopped with
+    # "Extra data" after the first array), so every array is read
+    text, entries, pos = (out or b"").decode(errors="replace"), [], 0
+    decoder = json.JSONDecoder()
+    try:
+        while text[pos:].strip():
+            pos += len(text[pos:]) - len(text[pos:].lstrip())
+            value, pos = decoder.raw_decode(text, pos)
+            entries.extend(value if isinstance(value, list) else [])
+    except ValueError as exc:
+        raise StoreError(f"osd blocklist ls answered what is not JSON: {exc}") from exc
+    listed: dict[str, str] = {}
+    for entry in entries:
+        if isinstance(entry, dict) and entry.get("addr"):
+            for addr in split_addrs(str(entry["addr"])):
+                listed[addr] = str(entry.get("until") or "?")
+    return listed
 
 
 def member_addrs(members: Iterable[MemberRecord]) -> set[str]:
@@ -193,6 +237,13 @@ class TakeoverFence:
         self.fenced: dict[int, bool | None] = {}   # per ANA group: the last takeover fenced (True/False), or None
         self._done: set[str] = set()               # addresses blocklisted already
         self._fenced_at = 0.0
+        # fenced here: why this gateway takes no part (None: it does), its addresses when that happened, those
+        # seen on the blocklist since, whether the group store's client was among them, and what failed first
+        self.reason: str | None = None
+        self.fenced_addrs: set[str] = set()
+        self._listed_seen: set[str] = set()
+        self._store_fenced = False
+        self._what = ""
         _register(self)
 
     async def before_takeover(self, anagrpid: int, members: list[MemberRecord]) -> bool:
@@ -206,9 +257,10 @@ class TakeoverFence:
         live = [m for m in members if m.alive and m.name != me]
         backends = group_backends(self.group, anagrpid)
         cluster = any_cluster(self.group.store)
+        own = {a for c in worker_identities(self.group.service.target) for a in c.get("addrs") or []}
 
         def fence_all() -> list[FenceResult]:
-            return [fence_member(m, live, backends, cluster=cluster, expire=self.expire, done=self._done)
+            return [fence_member(m, live, backends, cluster=cluster, expire=self.expire, done=self._done, own=own)
                     for m in dead]
 
         started = time.monotonic()
@@ -248,12 +300,19 @@ class TakeoverFence:
     async def fenced_here(self, what: str) -> None:
         """This gateway's Ceph client was blocklisted: another member took its groups over and fenced it."""
         group = self.group
+        if not self.fenced_addrs:  # the published clients too: the registry dropped the blocklisted one already
+            published = (group._published or {}).get("clients") or []
+            now_used = local_identities(group.store, group.service.target)
+            self.fenced_addrs = {str(a) for c in [*published, *now_used] for a in c.get("addrs") or []}
+            self._what = what
+            self.reason = (f"its Ceph client was blocklisted ({what} failed with ESHUTDOWN/EBLOCKLISTED): another "
+                           "gateway fenced it; it checks the OSD blocklist at each step to rejoin")
         if time.monotonic() - self._fenced_at < group.store.lease and not group.owned:
             return  # said already; nothing left to give up
         self._fenced_at = time.monotonic()
         log.error("gateway %s: its Ceph client is blocklisted (%s failed with ESHUTDOWN/EBLOCKLISTED): another "
-                  "gateway fenced it after taking over; stepping down for ANA group(s) %s. Restart this gateway to "
-                  "serve through a new client (RBD namespaces opened from now on get one already)", group.name, what,
+                  "gateway fenced it after taking over; stepping down for ANA group(s) %s; it takes part again once "
+                  "its addresses are off the OSD blocklist", group.name, what,
                   ", ".join(str(g) for g in sorted(group.owned)) or "none")
         if group.owned:
             await group._step_down(sorted(group.owned), "its Ceph client was blocklisted by another gateway")
@@ -263,7 +322,66 @@ class TakeoverFence:
         (the lease would do it too, later)."""
         text = str(exc)
         if "108" in text or "blocklist" in text.lower() or "shutdown" in text.lower():
+            self._store_fenced = True
             await self.fenced_here(f"the group store {group_where(self.group)}")
+
+    async def recheck(self) -> None:
+        """While fenced (each step): read the OSD blocklist; once none of this gateway's addresses is on it,
+        reconnect the group store through a new client (if its client was fenced) and take part again, or say
+        exactly why not (self.reason: the log and `gateway list`)."""
+        group = self.group
+        store = group.store
+        try:
+            listed = await group._run(blocklisted_addrs, any_cluster(store))
+        except StoreError as exc:
+            self._say(f"its Ceph client was blocklisted ({self._what}); whether it still is cannot be read: {exc}")
+            return
+        still = sorted(self.fenced_addrs & set(listed))
+        self._listed_seen |= set(still)
+        if still:
+            until = ", ".join(f"{addr} until {listed[addr]}" for addr in still)
+            self._say(f"its Ceph client address(es) {until} are on the OSD blocklist (another gateway "
+                      f"fenced it after {self._what} failed); it takes part again once they are off it (ceph osd "
+                      "blocklist rm ADDR, or when the entry expires)")
+            return
+        stale = stale_namespaces(group, self._listed_seen)
+        if stale:
+            self._say(f"its addresses are off the OSD blocklist, but RBD namespace(s) {', '.join(stale)} were opened "
+                      "through a blocklisted client, and images are not re-opened while the gateway runs: restart "
+                      "this gateway to serve them through a new client")
+            return
+        own = {a for c in local_identities(store) for a in c["addrs"]}
+        if hasattr(store, "reconnect") and (self._store_fenced or own & self._listed_seen):
+            try:
+                await group._run(store.reconnect, timeout=store.lease + defaults.GATEWAY_STORE_TIMEOUT + 10)
+            except StoreError as exc:
+                self._say(f"its addresses are off the OSD blocklist, but reconnecting to the group store failed: "
+                          f"{exc}")
+                return
+        log.info("gateway %s: its Ceph clients are off the OSD blocklist; it takes part in the group again%s",
+                 group.name, " through a new group store client " + ", ".join(
+                     i["entity"] for i in local_identities(store)[:1]) if self._store_fenced else "")
+        self.reason, self.fenced_addrs, self._listed_seen, self._store_fenced = None, set(), set(), False
+        group._wake.set()
+
+    def _say(self, reason: str) -> None:
+        if reason != self.reason:
+            log.error("gateway %s takes no part in the group: %s", self.group.name, reason)
+        self.reason = reason
+
+
+def stale_namespaces(group: GatewayGroup, listed: set[str]) -> list[str]:
+    """RBD namespaces served through a client that was blocklisted: in this process (its connection left the RBD
+    registry), or every RBD namespace when a worker's client was listed (workers open every namespace)."""
+    workers = any(a in listed for c in worker_identities(group.service.target) for a in c.get("addrs") or [])
+    out = []
+    for sub in group.service.list_subsystems():
+        for ns in sub.namespaces.values():
+            backend = ns.backend
+            if getattr(backend, "client_blocklisted", False) or (workers and hasattr(backend, "exclusive_lock_owners")):
+                info = backend.describe()
+                out.append(f"{sub.nqn} nsid {ns.nsid} ({info.get('pool')}/{info.get('image')})")
+    return out
 
 
 def group_where(group: GatewayGroup) -> str:

@@ -40,7 +40,16 @@ from nvmeof import defaults
 from nvmeof.spec.logs import ANA_STATE_NAMES, AnaState
 from target.gateway.fencing import TakeoverFence, local_identities
 from target.gateway.prstore import GroupPrStore
-from target.gateway.store import ConfigConflict, GroupStore, MemberRecord, StoreError, now
+from target.gateway.store import (
+    ConfigConflict,
+    GroupStore,
+    MemberAlive,
+    MemberRecord,
+    MemberRemoved,
+    MemberUnknown,
+    StoreError,
+    now,
+)
 from target.model import Listener
 from target.service import ServiceError, TargetService
 
@@ -119,6 +128,7 @@ class GatewayGroup:
         self._tasks: list[asyncio.Task[Any]] = []
         self._stopping = False
         self._ready = False
+        self.removed: str | None = None  # why this member was dropped from the store (see _removed)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="gateway-store")
         self._step_lock = asyncio.Lock()
@@ -262,7 +272,7 @@ class GatewayGroup:
         return out
 
     def _eligible_me(self) -> bool:
-        return self._ready and self._store_ok and bool(self._io_listeners())
+        return self._ready and self._store_ok and self.not_taking_part is None and bool(self._io_listeners())
 
     def _info(self) -> dict[str, Any]:
         lo, hi = cntlid_range(self.index) if self.index is not None else (0, 0)
@@ -275,7 +285,8 @@ class GatewayGroup:
             "failback": self.failback,
             "standby": ANA_STATE_NAMES[self.standby],
             "config_version": self.config_version,
-            "clients": local_identities(self.store),  # its Ceph clients, for fencing
+            "clients": local_identities(self.store, self.service.target),  # its Ceph clients, for fencing
+            "not_taking_part": self.not_taking_part,
         }
 
     async def _publish(self) -> None:
@@ -429,6 +440,8 @@ class GatewayGroup:
             await self._step()
 
     async def _step(self) -> None:
+        if self.fence.reason is not None:
+            await self.fence.recheck()  # may reconnect the store: before the store calls below
         try:
             await self._run(self.store.heartbeat)
             members = await self._run(self.store.members)
@@ -452,7 +465,10 @@ class GatewayGroup:
         self._update_peers(members)
         await self._decide(members)
         await self._apply_states()
-        await self._publish()
+        try:
+            await self._publish()
+        except MemberRemoved:
+            self._removed()
 
     def _eligible(self, member: MemberRecord) -> bool:
         if member.name == self.name:
@@ -471,7 +487,8 @@ class GatewayGroup:
                     claims[int(g)] = m.name
         before, self._claims = self._claims, claims
         if not any(m.name == self.name for m in members):
-            # not recorded (a store wiped under us): our locks are not the ones the others see
+            # not recorded (removed while cut off, a store wiped under us): our locks are not the ones the others see
+            self._removed()
             if self.owned:
                 await self._step_down(sorted(self.owned), "this gateway is no longer recorded in the store")
             return
@@ -565,6 +582,36 @@ class GatewayGroup:
             except Exception:  # the main process serves the new states already; workers resync at the next one
                 log.exception("gateway %s: worker processes did not confirm the new ANA states", self.name)
 
+    @property
+    def not_taking_part(self) -> str | None:
+        """Why this member may own no ANA group now (removed from the store, fenced), for gateway list; None: it may."""
+        return self.removed or self.fence.reason
+
+    def _removed(self) -> None:
+        if self.removed is None:
+            self.removed = (f"no longer recorded in group {self.store.group} ({self.store.where}): removed "
+                                    "with `nvmeof gateway remove` while it was not alive; restart it to join as a "
+                                    "new member")
+            log.error("gateway %s is %s", self.name, self.removed)
+
+    async def remove_member(self, name: str) -> None:
+        """`nvmeof gateway remove NAME`: forget a member that is gone for good (refused while it is alive)."""
+        if name == self.name:
+            raise ServiceError(409, f"gateway {name} is this gateway, which is alive; remove it from another member "
+                               "after stopping it")
+        try:
+            await self._run(self.store.remove_member, name)
+        except MemberUnknown as exc:
+            raise ServiceError(404, str(exc)) from None
+        except MemberAlive as exc:
+            raise ServiceError(409, str(exc)) from None
+        except StoreError as exc:
+            raise ServiceError(503, f"the gateway group's store is out of reach ({exc}); nothing was removed") from None
+        log.info("gateway %s removed member %s from group %s: its index and controller ID range are free; the "
+                 "ANA groups' preferred owners are counted over the remaining members", self.name, name,
+                 self.store.group)
+        self._wake.set()
+
     # --- discovery ---------------------------------------------------------------------------------
     def _update_peers(self, members: list[MemberRecord]) -> None:
         peers = []
@@ -602,6 +649,7 @@ class GatewayGroup:
                 "cntlid_range": info.get("cntlid_range") or list(cntlid_range(m.index)),
                 "owns": info.get("owns") or [],
                 "clients": info.get("clients") or [],
+                "not_taking_part": info.get("not_taking_part") if m.alive else None,
             })
         groups = []
         for g, owner in owners.items():
@@ -623,6 +671,7 @@ class GatewayGroup:
             "failback": self.failback,
             "standby": ANA_STATE_NAMES[self.standby],
             "config_version": self.config_version,
+            "not_taking_part": self.not_taking_part,
             "members": rows,
             "ana_groups": groups,
         }

@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import struct
+import threading
 import time
 from typing import Any
 
@@ -30,7 +31,10 @@ from nvmeof import defaults
 from target.gateway.store import (
     ConfigConflict,
     GroupStore,
+    MemberAlive,
     MemberRecord,
+    MemberRemoved,
+    MemberUnknown,
     StoreError,
     check_name,
     fence_deadline,
@@ -42,9 +46,11 @@ log = logging.getLogger(__name__)
 
 LOCK_FLAG_MUST_RENEW = 0x2  # librados.h LIBRADOS_LOCK_FLAG_MUST_RENEW: renew only, fail if not held
 CMPXATTR_OP_EQ = 1          # librados.h LIBRADOS_CMPXATTR_OP_EQ
+CMPXATTR_OP_GT = 3          # librados.h LIBRADOS_CMPXATTR_OP_GT (an absent omap key compares as ""; the OSD's
+                            # omap_cmp knows EQ, LT and GT only: PrimaryLogPG::do_osd_ops, CEPH_OSD_OP_OMAP_CMP)
 ECANCELED = 125             # an omap_cmp that does not hold cancels the write op
 JOIN_LOCK_SECONDS = 10
-NOTIFY_TIMEOUT_MS = 1000    # a watcher killed with -9 makes notify time out (~30 s) until the OSD drops it
+NOTIFY_TIMEOUT_MS = 1000    # how long a notify's completion waits for acks (sent asynchronously: see _notify)
 OMAP_MAX = 10_000
 
 
@@ -84,19 +90,71 @@ class RadosStore(GroupStore):
         self.timeout = timeout
         self.duration = max(1, math.ceil(lease))
         self.config_obj = f"nvmeof.{group}.config"
-        conf = ceph_conf or defaults.CEPH_CONF
-        try:
-            self.cluster = self._rados.Rados(conffile=conf)
-            if keyring:
-                self.cluster.conf_set("keyring", keyring)
-            for key in ("rados_osd_op_timeout", "rados_mon_op_timeout", "client_mount_timeout"):
-                self.cluster.conf_set(key, str(max(1, math.ceil(timeout))))
-            self.cluster.connect(timeout=max(1, int(timeout)))
-            self.ioctx = self.cluster.open_ioctx(pool)
-        except self._rados.Error as exc:
-            raise StoreError(f"--group-store rados:{pool}: cannot reach the cluster of {conf}: {exc}") from exc
+        self.ceph_conf = ceph_conf or defaults.CEPH_CONF
+        self.keyring = keyring
+        self.cluster, self.ioctx = self._connect()
         self._watch: Any = None
         self._broken_watch: Any = None  # a watch librados reported broken, closed at the next heartbeat
+        self._notifies: set[Any] = set()  # aio_notify completions in flight (close() waits for them)
+        self._notifies_done = threading.Condition()
+
+    def _connect(self) -> tuple[Any, Any]:
+        """A new librados client (a new entity client.N and address) and its ioctx on the pool."""
+        cluster = None
+        try:
+            cluster = self._rados.Rados(conffile=self.ceph_conf)
+            if self.keyring:
+                cluster.conf_set("keyring", self.keyring)
+            for key in ("rados_osd_op_timeout", "rados_mon_op_timeout", "client_mount_timeout"):
+                cluster.conf_set(key, str(max(1, math.ceil(self.timeout))))
+            cluster.connect(timeout=max(1, int(self.timeout)))
+            return cluster, cluster.open_ioctx(self.pool)
+        except self._rados.Error as exc:
+            if cluster is not None:
+                cluster.shutdown()
+            raise StoreError(f"--group-store rados:{self.pool}: cannot reach the cluster of {self.ceph_conf}: "
+                             f"{exc}") from exc
+
+    def reconnect(self) -> None:
+        """Go on through a new client: this one was blocklisted (fenced by another member), and a client that
+        was blocklisted lost its watch and its locks; the new one takes this member's membership lock again
+        (once the old one's lease ran out) and watches anew. The old client is shut down."""
+        cluster, ioctx = self._connect()
+        old = (self.cluster, self.ioctx, self._watch, self._broken_watch)
+        self.cluster, self.ioctx = cluster, ioctx
+        self._watch = self._broken_watch = None
+
+        def shut_old() -> None:
+            for watch in old[2:]:
+                if watch is not None:
+                    try:
+                        watch.close()
+                    except self._rados.Error:
+                        pass  # the OSD dropped the blocklisted client's watch already
+            try:
+                old[1].close()
+                old[0].shutdown()
+            except self._rados.Error:
+                pass
+
+        # later: a call of another thread that read the old ioctx before the swap ends within the op timeout,
+        # and so do notifies in flight on it
+        closer = threading.Timer(self.timeout + NOTIFY_TIMEOUT_MS / 1000 + 2, shut_old)
+        closer.daemon = True
+        closer.start()
+        if self.name is not None:
+            self._wait_alive(self.name)
+            self._start_watch()
+            self._notify()
+
+    def _wait_alive(self, name: str) -> None:
+        """Take member ``name``'s membership lock, waiting out a previous holder's lease."""
+        deadline = now() + self.lease + 5
+        while not self._take_alive():
+            if now() > deadline:
+                raise StoreError(f"gateway {name} is already running in group {self.group} ({self.where}); "
+                                 "give this one another --gateway-name")
+            time.sleep(0.25)
 
     @property
     def where(self) -> str:
@@ -132,21 +190,30 @@ class RadosStore(GroupStore):
         self._call(f"writing {self.config_obj}", write)
 
     def _notify(self) -> None:
+        """Tell every watcher the object changed, without waiting for their acks: the OSD delivers a notify to
+        the live watchers at once, but completes it only when all have acked or the timeout passed, and a
+        member killed with -9 keeps its watch until osd_client_watch_timeout (30 s). A synchronous notify made
+        every change wait NOTIFY_TIMEOUT_MS for that dead watcher for 30 s (scripts/gateway_kill9_mgmt_latency.py)."""
+
+        def done(completion: Any, *_: Any) -> None:
+            rc = completion.get_return_value()
+            if rc < 0:  # a dead watcher not dropped yet: the live ones got it anyway
+                log.debug("notify on %s: error %d", self.config_obj, rc)
+            with self._notifies_done:
+                self._notifies.discard(completion)
+                self._notifies_done.notify_all()
+
         try:
-            self.ioctx.notify(self.config_obj, "changed", NOTIFY_TIMEOUT_MS)
-        except self._rados.Error as exc:  # a dead watcher not dropped yet: the live ones got it
+            with self._notifies_done:
+                self._notifies.add(self.ioctx.aio_notify(self.config_obj, done, "changed", NOTIFY_TIMEOUT_MS))
+        except self._rados.Error as exc:
             log.debug("notify on %s: %s", self.config_obj, exc)
 
     # membership ------------------------------------------------------------------------------------
     def join(self, name: str, info: dict[str, Any]) -> int:
         check_name(name, "gateway name", "--gateway-name")
         self.name = name
-        deadline = now() + self.lease + 5
-        while not self._take_alive():
-            if now() > deadline:
-                raise StoreError(f"gateway {name} is already running in group {self.group} ({self.where}); "
-                                 "give this one another --gateway-name")
-            time.sleep(0.25)
+        self._wait_alive(name)
         self._call("taking the join lock", self._lock_join)
         try:
             records = self._records()
@@ -223,7 +290,57 @@ class RadosStore(GroupStore):
 
     def publish(self, info: dict[str, Any]) -> None:
         assert self.name is not None and self.index is not None, "join() first"
-        self._set({f"member.{self.name}": json.dumps({"index": self.index, "info": info}).encode()})
+        key = f"member.{self.name}"
+
+        def write() -> None:
+            # only over our own record: one removed while we were cut off is never written back
+            with self._rados.WriteOpCtx() as op:
+                op.omap_cmp(key, "", CMPXATTR_OP_GT)  # present: any record is > ""
+                self.ioctx.set_omap(op, (key,), (json.dumps({"index": self.index, "info": info}).encode(),))
+                self.ioctx.operate_write_op(op, self.config_obj)
+
+        try:
+            write()
+        except self._rados.Error as exc:
+            if getattr(exc, "errno", None) == ECANCELED or "125" in str(exc):
+                raise MemberRemoved(f"gateway {self.name} is no longer recorded in {self.where}") from None
+            raise StoreError(f"group store {self.where}: writing {self.config_obj} failed: {exc}") from exc
+        self._notify()
+
+    def remove_member(self, name: str) -> None:
+        check_name(name, "gateway name", "NAME")
+        self._call("taking the join lock", self._lock_join)  # join() assigns indexes under it too
+        try:
+            if name not in self._records():
+                raise MemberUnknown(f"no gateway {name} is recorded in group {self.group} ({self.where})")
+            obj = self._member_obj(name)
+            try:  # held until the object is removed: a process starting as ``name`` meanwhile waits
+                self.ioctx.lock_exclusive(obj, "alive", f"removing-by-{self.name}", desc="removing",
+                                          duration=JOIN_LOCK_SECONDS)
+            except self._rados.ObjectBusy:
+                raise MemberAlive(f"gateway {name} is alive (it holds the membership lease, cls_lock \"alive\" on "
+                                  f"{obj}, renewed every heartbeat); stop it, or wait --gateway-lease seconds after "
+                                  "it died, before removing it from the group") from None
+            except self._rados.ObjectExists:
+                pass  # ours from a removal that failed half-way
+
+            def forget() -> None:
+                with self._rados.WriteOpCtx() as op:
+                    self.ioctx.remove_omap_keys(op, (f"member.{name}", f"resvack.{name}"))
+                    self.ioctx.operate_write_op(op, self.config_obj)
+
+            self._call(f"removing member {name}", forget)
+            try:
+                self.ioctx.remove_object(obj)
+            except self._rados.ObjectNotFound:
+                pass
+            except self._rados.Error as exc:  # the record is gone already; its lock expires by itself
+                log.warning("group store %s: removing %s failed: %s", self.where, obj, exc)
+        finally:
+            try:
+                self.ioctx.unlock(self.config_obj, "join", self.name or "?")
+            except self._rados.Error:
+                pass  # it expires by itself
         self._notify()
 
     def _lockers(self, obj: str, lock: str) -> tuple[int, str | None]:
@@ -283,6 +400,8 @@ class RadosStore(GroupStore):
                 except self._rados.Error:
                     pass
         self._watch = self._broken_watch = None
+        with self._notifies_done:  # librados calls back into them: never close the ioctx under one
+            self._notifies_done.wait_for(lambda: not self._notifies, NOTIFY_TIMEOUT_MS / 1000 + 2)
         try:
             self.ioctx.close()
             self.cluster.shutdown()

@@ -34,6 +34,18 @@ class ConfigConflict(StoreError):
         self.current = current
 
 
+class MemberUnknown(StoreError):
+    """remove_member: no member of that name is recorded."""
+
+
+class MemberAlive(StoreError):
+    """remove_member: the member is alive (it holds its membership lock); stop it first."""
+
+
+class MemberRemoved(StoreError):
+    """publish: this member's record was removed (`nvmeof gateway remove`) while it was not alive."""
+
+
 @dataclasses.dataclass(frozen=True)
 class MemberRecord:
     name: str
@@ -86,11 +98,18 @@ class GroupStore(abc.ABC):
 
     @abc.abstractmethod
     def publish(self, info: dict[str, Any]) -> None:
-        """Replace this member's published info (others see it in members())."""
+        """Replace this member's published info (others see it in members()); MemberRemoved when its record
+        was removed meanwhile (it is never written back: its index may be another member's now)."""
 
     @abc.abstractmethod
     def members(self) -> list[MemberRecord]:
         """Every member ever recorded, by index, each with whether it is alive now."""
+
+    @abc.abstractmethod
+    def remove_member(self, name: str) -> None:
+        """Forget member ``name`` for good: its record (so its index and CNTLID range are free for the next
+        new member, and it no longer counts in n) and its reservation acknowledgements. MemberAlive while it
+        holds its membership lock, MemberUnknown when it is not recorded. Atomic against a join of ``name``."""
 
     @abc.abstractmethod
     def heartbeat(self) -> None:
