@@ -36,6 +36,7 @@ from typing import Any
 
 from nvmeof import defaults
 from nvmeof.spec.logs import ANA_STATE_NAMES, AnaState, parse_ana_state
+from target.backends import BACKEND_OPTIONS
 
 CONFIG_VERSION = 1
 CONFIG_FILE_MODE = 0o600
@@ -89,13 +90,7 @@ NAMESPACE_KEYS: dict[str, str] = {
     "read_only": _BOOL,
     "enabled": _BOOL,
     "anagrpid": _INT,  # its ANA group, 1..ANAGRPMAX (default 1)
-    # an RBD namespace's settings (target.backends.BACKEND_OPTIONS; the service checks which kind takes them)
-    "pool": _STR,
-    "image": _STR,
-    "rbd_namespace": _STR,
-    "ceph_conf": _STR,
-    "ceph_id": _STR,
-    "ceph_keyring": _STR,
+    # and the settings of each backend kind (target.backends.BACKEND_OPTIONS, strings): _allowed_keys
 }
 LISTENER_KEYS: dict[str, str] = {
     "trtype": _STR,
@@ -144,12 +139,20 @@ def _type_ok(value: Any, kind: str) -> bool:
     return isinstance(value, list)
 
 
+def _allowed_keys(kind: str) -> dict[str, str]:
+    """The keys of a ``kind`` item; a namespace's include every registered backend's settings (the
+    service checks which kind takes which), as registered when the item is read."""
+    if kind != "namespace":
+        return ITEM_KEYS[kind]
+    return {**NAMESPACE_KEYS, **{key: _STR for keys in BACKEND_OPTIONS.values() for key in keys}}
+
+
 def item_problems(kind: str, item: Any, where: str) -> list[str]:
     """Structural problems of one config item (``kind`` in ITEM_KEYS): unknown keys, wrong types,
     missing required keys. Nested namespaces are not checked here."""
     if not isinstance(item, dict):
         return [f"{where}: expected an object, got {type(item).__name__}"]
-    allowed = ITEM_KEYS[kind]
+    allowed = _allowed_keys(kind)
     problems = []
     for key, value in item.items():
         if key not in allowed:
@@ -751,7 +754,7 @@ def export_nvmetcli(config: dict[str, Any]) -> Converted:
         namespaces = []
         for ns in sub.get("namespaces") or []:
             label = f"namespace {ns.get('nsid')} of {nqn}"
-            if ns["backend"] != "file":
+            if not ns.get("path"):   # nvmet serves a file or block device by its path, nothing else
                 warnings.append(f"{label}: {ns['backend']} backend has no nvmetcli equivalent, left out")
                 continue
             device = {"path": ns["path"]}

@@ -35,13 +35,15 @@ from nvmeof.spec.logs import ANA_STATE_NAMES, AnaState, parse_ana_state
 from target import config as configmod
 from target import hostauth, pr
 from target.backends import (
-    BACKEND_OPTIONS,
-    OPTION_KEYS,
     BackendError,
-    BackingPolicy,
+    BackendSpec,
+    StoragePolicy,
     backend_class,
     kinds,
     open_backend,
+    spec_of,
+    storage_key,
+    validate_spec,
 )
 from target.backends.base import close_backends
 from target.model import (
@@ -242,20 +244,17 @@ class TargetService:
         target: TargetHooks,
         *,
         config_path: str | os.PathLike[str] | None = None,
-        backing_dirs: Iterable[str | os.PathLike[str]] | None = None,
-        block_devices: Iterable[str | os.PathLike[str]] = (),
-        ceph_confs: Iterable[str | os.PathLike[str]] = (),
-        ceph_keyrings: Iterable[str | os.PathLike[str]] = (),
-        rbd_op_timeout: float = defaults.RBD_OP_TIMEOUT,
+        **policy_settings: Any,
     ) -> None:
-        """``backing_dirs`` (default: the state directory's disks/) and ``block_devices`` are the
-        operator's (`nvmeof serve --backing-dir/--allow-block-device`): where file namespaces may
-        live, for every caller alike. A configuration file replayed at start-up may add its own
-        ``backing_dirs``/``allow_block_devices`` (it is the operator's file too); nothing that comes
-        through the API can widen them. BackingError (a BackendError) if one of them is unusable."""
+        """``policy_settings`` are the operator's fences for the backends that have one (StoragePolicy:
+        ``backing_dirs``, default the state directory's disks/, and ``block_devices`` where file
+        namespaces may live; ``ceph_confs``... for RBD; `nvmeof serve --backing-dir`, ...), for every
+        caller alike. A configuration file replayed at start-up may add its own (it is the operator's
+        file too); nothing that comes through the API can widen them. BackingError (a BackendError)
+        if one of them is unusable, TypeError for a setting no backend takes."""
         self.target = target
         self.config_path = os.fspath(config_path) if config_path is not None else None
-        self.backing = BackingPolicy(backing_dirs, block_devices, ceph_confs, ceph_keyrings, rbd_op_timeout)
+        self.backing = StoragePolicy.from_settings(**policy_settings)
         self._flag_backing = self.backing
         # the configuration file's own policy keys, written back by snapshot() as they were read
         self._config_backing: dict[str, list[str]] = {}
@@ -716,7 +715,7 @@ class TargetService:
         options: dict[str, Any] | None = None,
         anagrpid: int = defaults.DEFAULT_ANAGRPID,
     ) -> Namespace:
-        """``options``: the settings only ``backend`` takes (BACKEND_OPTIONS: an RBD namespace's
+        """``options``: the settings only ``backend`` takes (target.backends.BACKEND_OPTIONS: an RBD namespace's
         ``pool``, ``image``, ...). ``anagrpid``: its ANA group, 1..ANAGRPMAX."""
         async with self._lock:
             return await self._add_namespace(
@@ -764,7 +763,6 @@ class TargetService:
             raise _bad(f"backend {backend!r} cannot be exported by gateway group {self.gateway.store.group}: every "
                        "gateway would serve its own copy under one NGUID/UUID, and a host switching paths would "
                        "read another gateway's data; use --backend file on storage every gateway reaches, or rbd")
-        options = _backend_options(backend, options)
         if block_size not in BLOCK_SIZES:
             raise _bad(f"block size {block_size!r} is not supported; use 512 or 4096")
         read_only = _bool(read_only, "read_only")
@@ -777,58 +775,23 @@ class TargetService:
                     f"size {size} is not a multiple of the block size {block_size}; "
                     f"try {size // block_size * block_size or block_size}"
                 )
-        if backend == "file":
-            if path is None or path == "":
-                raise _bad("a file namespace needs a path (a regular file or a block device)")
-            try:
-                # Stored resolved: the config file and the API show the file actually served, and a
-                # restart from another working directory serves the same one.
-                path = self.backing.check(path)
-            except BackendError as exc:
-                raise _bad(str(exc)) from None
-            if create and size is None:
-                raise _bad(f"creating {path} needs a size")
+        try:
+            spec = validate_spec(backend, BackendSpec(path, size, read_only, create, dict(options or {})), self.backing)
+        except BackendError as exc:
+            raise _bad(str(exc)) from None
+        shown = backend_class(backend).storage_name(spec)
+        where = storage_key(backend, spec, self.backing)
+        if where is not None:
             for other_sub, other in self._all_namespaces():
-                if _resolved(other.spec.get("path")) == path:
+                if self._storage_key(other.spec) == where:
                     raise ServiceError(
                         409,
-                        f"{path} already backs namespace {other.nsid} of {other_sub.nqn}; "
-                        "two namespaces on one file would corrupt each other",
+                        f"{shown} already backs namespace {other.nsid} of {other_sub.nqn}; "
+                        "two namespaces on the same storage would corrupt each other",
                     )
             for u in self._pending("namespace"):
-                if _resolved(u.item.get("path")) == path:
-                    raise self._pending_conflict(f"a namespace on {path}", u)
-        elif backend in BACKEND_OPTIONS:
-            if path is not None:
-                raise _bad(f"a {backend} namespace takes no path; give {' and '.join(BACKEND_OPTIONS[backend][:2])}")
-            if create and size is None:
-                raise _bad(f"creating a {backend} namespace's storage needs a size")
-            try:
-                # Stored resolved, like file paths; an unlisted one is refused before librados reads it.
-                for key, check in (("ceph_conf", self.backing.ceph_conf), ("ceph_keyring", self.backing.ceph_keyring)):
-                    if key in options:
-                        options[key] = check(options[key])
-            except BackendError as exc:
-                raise _bad(str(exc)) from None
-            default_conf = self.backing.ceph_conf(None)
-            where = _storage_key(backend, options, default_conf)
-            for other_sub, other in self._all_namespaces():
-                if _storage_key(other.spec.get("backend", ""), other.spec, default_conf) == where:
-                    raise ServiceError(
-                        409,
-                        f"{_storage_name(backend, options)} already backs namespace {other.nsid} of {other_sub.nqn}; "
-                        "two namespaces on one image would corrupt each other",
-                    )
-            for u in self._pending("namespace"):
-                if _storage_key(u.item.get("backend", ""), u.item, default_conf) == where:
-                    raise self._pending_conflict(f"a namespace on {_storage_name(backend, options)}", u)
-        else:
-            if path is not None:
-                raise _bad(f"a {backend} namespace takes a size, not a path")
-            if create:
-                raise _bad("create applies to file and rbd namespaces only")
-            if size is None:
-                raise _bad(f"a {backend} namespace needs a size in bytes (a multiple of {block_size})")
+                if self._storage_key(u.item) == where:
+                    raise self._pending_conflict(f"a namespace on {shown}", u)
         taken = sub.namespaces.keys() | self._pending_nsids(subnqn)
         if nsid is None:
             nsid = next((n for n in range(1, sub.max_namespaces + 1) if n not in taken), None)
@@ -862,12 +825,11 @@ class TargetService:
         # Everything else is checked; opening the backend is the last step that can fail.
         try:
             store, stored_ids = await asyncio.to_thread(
-                _open_store, backend, path=path, size=size, read_only=read_only, create=create,
-                policy=self.backing, options=options,
+                _open_store, backend, path=spec.path, size=size, read_only=read_only, create=create,
+                policy=self.backing, options=dict(spec.options),
             )
         except BackendError as exc:
             raise _bad(str(exc)) from None
-        shown = path or _storage_name(backend, options)
         if store.size % block_size:
             self._discard_backend(store)
             raise _bad(
@@ -882,21 +844,22 @@ class TargetService:
             except ServiceError:
                 self._discard_backend(store)
                 raise
-        elif store.holds_user_data and backend in BACKEND_OPTIONS:
+        elif store.holds_user_data:
             # The first gateway to serve this storage gives it its identity; every later one (and
-            # every restart) reads it back, so hosts see one namespace behind all of them.
+            # every restart) reads it back, so hosts see one namespace behind all of them (a backend
+            # that cannot keep it, a file, ignores this).
             ids = {"uuid": str(ns_uuid), "nguid": ns_nguid.hex(), "eui64": ns_eui64.hex()}
             try:
                 await asyncio.to_thread(store.store_identity, ids)
             except BackendError as exc:
                 self._discard_backend(store)
                 raise _bad(f"{shown}: cannot store the namespace identity with it: {exc}") from None
-        spec: dict[str, Any] = {"backend": backend}
-        if path is not None:
-            spec["path"] = path
+        entry: dict[str, Any] = {"backend": backend}
+        if spec.path is not None:
+            entry["path"] = spec.path
         if size is not None:
-            spec["size"] = size
-        spec.update(options)
+            entry["size"] = size
+        entry.update(spec.options)
         ns = Namespace(
             nsid=nsid,
             backend=store,
@@ -907,7 +870,7 @@ class TargetService:
             read_only=read_only or store.read_only,
             enabled=enabled,
             anagrpid=anagrpid,
-            spec=spec,
+            spec=entry,
         )
         await pr.clear_on_start(self.target, ns)   # what its reservation store keeps (PTPL, the group)
         sub.namespaces[nsid] = ns
@@ -924,6 +887,10 @@ class TargetService:
         store.watch_size(lambda new_size: self._storage_resized(subnqn, nsid, store, new_size))
         await self._settle()
         return ns
+
+    def _storage_key(self, entry: Mapping[str, Any]) -> Any:
+        """The storage a namespace's configuration entry names (None: its own, or unusable)."""
+        return storage_key(entry.get("backend", ""), spec_of(entry), self.backing)
 
     def _stored_identity(
         self, shown: str, stored: dict[str, str], given: tuple[Any, Any, Any], made: tuple[Any, Any, Any]
@@ -1586,7 +1553,7 @@ class TargetService:
                 errors.extend(problems)
                 continue
             args = {key: item.get(key) for key in ("nsid", "path", "size", "uuid", "nguid", "eui64")}
-            args["options"] = {key: item[key] for key in OPTION_KEYS if key in item}
+            args["options"] = spec_of(item).options
             try:
                 await self._add_namespace(
                     nqn,
@@ -1939,38 +1906,6 @@ def _given(item: dict[str, Any], key: str, default: Any) -> Any:
     return default if value is None else value
 
 
-def _backend_options(backend: str, options: dict[str, Any] | None) -> dict[str, str]:
-    """``options`` checked against what ``backend`` takes: strings only, none it does not know."""
-    options = dict(options or {})
-    allowed = BACKEND_OPTIONS.get(backend, ())
-    unknown = [key for key in options if key not in allowed]
-    if unknown:
-        takes = f"it takes {', '.join(allowed)}" if allowed else "it takes none"
-        raise _bad(f"a {backend} namespace has no setting {', '.join(sorted(unknown))}; {takes}")
-    for key, value in options.items():
-        if not isinstance(value, str) or not value or "\0" in value:
-            raise _bad(f"{key} must be a non-empty string, got {value!r}")
-    missing = [key for key in allowed[:2] if key not in options]
-    if missing:
-        raise _bad(f"a {backend} namespace needs {' and '.join(missing)}")
-    return options
-
-
-def _storage_key(backend: str, options: Any, default_conf: str) -> tuple[Any, ...] | None:
-    """What names one piece of storage for a kind with options (the same RBD image twice is a conflict)."""
-    if backend != "rbd" or not isinstance(options, dict):
-        return None
-    conf = options.get("ceph_conf") or default_conf
-    return (conf, options.get("pool"), options.get("rbd_namespace") or "", options.get("image"))
-
-
-def _storage_name(backend: str, options: dict[str, Any]) -> str:
-    if backend == "rbd":
-        where = "/".join(p for p in (options.get("pool"), options.get("rbd_namespace"), options.get("image")) if p)
-        return f"RBD image {where}"
-    return f"{backend} storage"
-
-
 def _open_store(backend: str, **kw: Any) -> tuple[Any, dict[str, str] | None]:
     """Open the backend and read the identity it keeps (both may block: run in a thread)."""
     store = open_backend(backend, **kw)
@@ -1979,13 +1914,6 @@ def _open_store(backend: str, **kw: Any) -> tuple[Any, dict[str, str] | None]:
     except BackendError:
         TargetService._discard_backend(store)
         raise
-
-
-def _resolved(path: Any) -> str | None:
-    """``path`` resolved, or None when it is no usable path (a NUL byte, not a string)."""
-    if not isinstance(path, str) or not path or "\0" in path:
-        return None
-    return os.path.realpath(path)
 
 
 def _show(value: Any) -> str:
@@ -2058,7 +1986,7 @@ def _namespace_entry(ns: Namespace) -> dict[str, Any]:
         entry["path"] = ns.spec["path"]
     if "size" in ns.spec:
         entry["size"] = ns.spec["size"]
-    entry.update({key: ns.spec[key] for key in OPTION_KEYS if key in ns.spec})
+    entry.update(spec_of(ns.spec).options)
     entry.update(
         {
             "block_size": ns.block_size,

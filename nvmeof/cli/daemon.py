@@ -320,7 +320,7 @@ class Daemon:
         if not opts.backing_dirs:
             from target.backends.file import make_backing_dir
 
-            make_backing_dir(self.service.backing.backing_dirs[0])  # <state dir>/disks, mode 0700
+            make_backing_dir(self.service.backing.part("file").backing_dirs[0])  # <state dir>/disks, mode 0700
         shared = None
         if self.gateway is not None:
             from target.gateway.store import StoreError

@@ -373,8 +373,7 @@ class BatchMixin:
                         ns.pr.registrants:
                     break
                 backend = ns.backend
-                memory_view = getattr(backend, "memory_view", None)
-                disk = memory_view() if memory_view is not None else None
+                disk = backend.memory_view()
                 read_nowait = backend.read_nowait
                 write_nowait = backend.write_nowait
                 shift = ns.lba_shift
