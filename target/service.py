@@ -123,10 +123,26 @@ class TargetHooks(Protocol):
     def disconnect_listener(self, listener: Listener) -> int: ...
     def controllers_info(self) -> list[dict[str, Any]]: ...
     def disconnect_controller(self, cntlid: int) -> bool: ...
+    # for a gateway group member (target/gateway/group.py), which drives the target through its service
+    def listening_port(self, listener: Listener) -> int: ...
+    def set_pr_store(self, store: PrStore | None) -> None: ...
+    def set_cntlid_range(self, lo: int, hi: int) -> None: ...
+    def set_ana_default(self, state: AnaState) -> None: ...
+    def set_peer_listeners(self, peers: list[Listener]) -> None: ...
     # ANA states (on listeners) or a group's namespaces (in subnqn) changed: bump the ANA change counts
     # and send the ANA change AEN to the controllers concerned (target.core.Target.ana_changed).
     def ana_changed(self, *, subnqn: str | None = None, listeners: Iterable[Listener] | None = None,
                     groups: Iterable[int] = ()) -> int: ...
+
+
+class GatewayMember(Protocol):
+    """What TargetService asks of the gateway group member it belongs to (target/gateway/group.py)."""
+
+    @property
+    def group_name(self) -> str: ...
+    # The group's store took a change that was then undone here: apply the store's version again.
+    def store_ahead(self) -> None: ...
+    async def report(self) -> dict[str, Any]: ...   # what GET /api/v1/gateway returns
 
 
 class ServiceError(Exception):
@@ -264,10 +280,25 @@ class TargetService:
         # ANA states per listener as configured (persisted); Listener.ana_states is what is served,
         # which a gateway group also sets at run time (set_ana_states(persist=False)), unsaved.
         self._ana_saved: dict[str, dict[int, AnaState]] = {}
-        # Set by a gateway group member (target/gateway/group.py): called by every persisted change
-        # before it is saved; the group itself is what GET /api/v1/gateway reports.
-        self.on_change: Callable[[], Awaitable[None]] | None = None
-        self.gateway: Any = None
+        # The gateway group this target is a member of (join_gateway), and its hook that every persisted
+        # change calls before it is saved (set_change_hook).
+        self._gateway: GatewayMember | None = None
+        self._on_change: Callable[[], Awaitable[None]] | None = None
+
+    # --- the gateway group ------------------------------------------------------------------------
+
+    @property
+    def gateway(self) -> GatewayMember | None:
+        """The gateway group member this target belongs to (it decides the ANA states), or None."""
+        return self._gateway
+
+    def join_gateway(self, member: GatewayMember) -> None:
+        self._gateway = member
+
+    def set_change_hook(self, hook: Callable[[], Awaitable[None]] | None) -> None:
+        """``hook`` is awaited by every persisted change before it is saved; a ServiceError from it undoes the
+        change (a gateway group writes the shared configuration to its store there). None: no hook."""
+        self._on_change = hook
 
     # --- reads ---------------------------------------------------------------------------------
 
@@ -311,12 +342,12 @@ class TargetService:
     # --- commit machinery ----------------------------------------------------------------------
 
     async def _commit(self, persist: bool, undo: Undo) -> None:
-        if persist and self.on_change is not None:
+        if persist and self._on_change is not None:
             # A gateway group writes the shared configuration to its store first (target/gateway/group.py):
             # refused there (another gateway changed it at the same moment, the store is out of reach),
             # the change is undone here too.
             try:
-                await self.on_change()
+                await self._on_change()
             except ServiceError:
                 await undo()
                 raise
@@ -332,8 +363,8 @@ class TargetService:
     def _store_ahead(self) -> None:
         """A gateway group's store took a change that was then undone here (the local save failed): the
         member applies the store's version again, so it does not stay behind the group for good."""
-        if self.on_change is not None and self.gateway is not None:
-            self.gateway.store_ahead()
+        if self._on_change is not None and self._gateway is not None:
+            self._gateway.store_ahead()
 
     async def _settle(self) -> None:
         """With worker processes (`serve --workers`), wait until they have applied a namespace change,
@@ -760,7 +791,7 @@ class TargetService:
         if backend not in kinds():
             raise _bad(f"backend {backend!r} is not one of {', '.join(kinds())}")
         if self.gateway is not None and not backend_class(backend).same_data_in_every_process:
-            raise _bad(f"backend {backend!r} cannot be exported by gateway group {self.gateway.store.group}: every "
+            raise _bad(f"backend {backend!r} cannot be exported by gateway group {self.gateway.group_name}: every "
                        "gateway would serve its own copy under one NGUID/UUID, and a host switching paths would "
                        "read another gateway's data; use --backend file on storage every gateway reaches, or rbd")
         if block_size not in BLOCK_SIZES:
@@ -1098,7 +1129,7 @@ class TargetService:
                             persist: bool = True) -> Listener:
         """One group's ANA state on one listener (nvmet ports/<portid>/ana_groups/<grpid>/ana_state)."""
         if self.gateway is not None:
-            raise ServiceError(409, f"this target is a member of gateway group {self.gateway.store.group}: the group "
+            raise ServiceError(409, f"this target is a member of gateway group {self.gateway.group_name}: the group "
                                "decides the ANA states by who holds each group's lock (see nvmeof gateway list); "
                                "move a namespace with set-anagrpid, or restart without --gateway-group to set "
                                "states by hand")
@@ -1187,7 +1218,7 @@ class TargetService:
         names are optimized again). None when a gateway group decides them."""
         if self.gateway is not None:
             log.warning("listener %s: its ana_states in the reloaded configuration are ignored: gateway group %s "
-                        "decides the ANA states", listener_id, self.gateway.store.group)
+                        "decides the ANA states", listener_id, self.gateway.group_name)
             return None
         listener = self.get_listener(listener_id)
         wanted = {int(g): parse_ana_state(st) for g, st in states.items()}
@@ -1201,7 +1232,7 @@ class TargetService:
             return
         if self.gateway is not None:  # the gateway group decides (a saved "optimized" would be split brain)
             log.warning("listener %s: its ana_states in the configuration are ignored: gateway group %s decides "
-                        "the ANA states", listener.id, self.gateway.store.group)
+                        "the ANA states", listener.id, self.gateway.group_name)
             return
         parsed = {int(g): parse_ana_state(st) for g, st in states.items()}
         listener.set_ana_states(parsed)
@@ -1627,9 +1658,9 @@ class TargetService:
     ) -> None:
         """Save after a multi-item change; if saving fails, take out everything added since
         ``before`` (and put the unrestored list back), so memory matches the file again."""
-        if self.on_change is not None:  # a gateway group's store first, as in _commit
+        if self._on_change is not None:  # a gateway group's store first, as in _commit
             try:
-                await self.on_change()
+                await self._on_change()
             except ServiceError:
                 await self._take_out(before, unrestored)
                 raise

@@ -791,7 +791,8 @@ async def test_config_backing_dirs_widen_at_start_up_but_not_through_an_import(t
     errors = await svc.restore(imported, persist=True)
     assert f"an import cannot widen where namespace files may live ({third} ignored)" in errors[0]
     assert "--backing-dir" in errors[0] and "outside the backing directories" in errors[1] and len(errors) == 2
-    assert svc.backing.part("file").backing_dirs == (str(flags), str(extra)) and load_config(cfg)["backing_dirs"] == [str(extra)]
+    assert svc.backing.part("file").backing_dirs == (str(flags), str(extra))
+    assert load_config(cfg)["backing_dirs"] == [str(extra)]
     assert await svc.restore({"version": 1, "backing_dirs": [str(flags / "sub")]}, persist=True) == []  # no wider
     # a backing directory under /dev in the file is refused, kept in the file, and the rest restored
     target2 = FakeTarget()

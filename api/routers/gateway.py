@@ -65,7 +65,7 @@ class GatewayOut(BaseModel):
 
 @router.get("", response_model=GatewayOut, summary="The gateway group this target belongs to")
 async def gateway(service: Service) -> Any:
-    group = getattr(service, "gateway", None)
+    group = service.gateway
     if group is None:
         raise ServiceError(404, "this target is not a member of a gateway group; start nvmeof serve with "
                                 "--gateway-group NAME --group-store dir:PATH|rados:POOL")

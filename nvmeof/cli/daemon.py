@@ -240,8 +240,8 @@ class Daemon:
             from target.pr import LocalPrStore
 
             # reservation states kept with PTPL (a gateway group replaces this with its own store at join)
-            self.target.pr_store = LocalPrStore(Path(options.state_dir or defaults.state_dir())
-                                                / defaults.RESERVATIONS_DIR)
+            self.target.set_pr_store(LocalPrStore(Path(options.state_dir or defaults.state_dir())
+                                                  / defaults.RESERVATIONS_DIR))
         self.target.auth_timeout = options.auth_timeout
         if options.cntlid_range is not None:
             try:

@@ -234,6 +234,18 @@ class Backend(ABC):
         """Keep ``ids`` with the storage (see ``stored_identity``); a no-op where it cannot; may block."""
         return None
 
+    # Storage that other clients may hold an exclusive lock on (an RBD image): a gateway taking over a dead
+    # member's ANA group breaks that member's lock (target/gateway/fencing.py). False: there is none.
+    has_exclusive_lock: bool = False
+
+    def exclusive_lock_owners(self) -> list[dict[str, Any]]:
+        """The holders of the storage's exclusive lock: [{"mode": int, "owner": client address}] (blocks)."""
+        return []
+
+    def break_exclusive_lock(self, mode: int, owner: str) -> None:
+        """Break the lock ``owner`` holds (blocks); the caller decides whose."""
+        raise BackendError(f"a {self.kind} backend holds no exclusive lock to break")
+
     def follow_resize(self, size: int) -> None:
         """Worker side: present ``size`` bytes after the main process resized the backend."""
         raise BackendError(f"a {self.kind} backend cannot follow a resize in a worker process")

@@ -348,6 +348,7 @@ class CephPolicy:
 class RbdBackend(Backend):
     kind = "rbd"
     policy_class = CephPolicy
+    has_exclusive_lock = True
     holds_user_data = True
     can_deallocate = True
 

@@ -30,21 +30,39 @@ import errno
 import logging
 import time
 import weakref
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from nvmeof import defaults
 from target.backends import rbd as rbd_backend
-from target.gateway.store import MemberRecord, StoreError
+from target.gateway.store import GroupStore, MemberRecord, StoreError
 
 if TYPE_CHECKING:
-    from target.gateway.group import GatewayGroup
+    import asyncio
+
+    from target.service import TargetService
 
 log = logging.getLogger("nvmeof.gateway")
 
 BLOCKLIST_NOTE = ("writes to its RBD images may stall until the OSD drops the dead client's watch "
                   "(osd_client_watch_timeout, ~30 s), and a gateway that is cut off rather than dead could still "
                   "write to them when it comes back")
+
+
+class FencedGroup(Protocol):
+    """What a fence asks of the gateway group member it serves (target/gateway/group.py GatewayGroup), so
+    this module does not import the one that imports it. The underscored members are the group's internals
+    shared inside this package: its event loop, its bounded store calls, its wake-up and its step-down."""
+
+    name: str
+    owned: set[int]
+    store: GroupStore
+    service: TargetService
+    _loop: asyncio.AbstractEventLoop | None
+
+    def _run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> Awaitable[Any]: ...
+    def _notified(self) -> None: ...
+    def _step_down(self, groups: list[int], why: str) -> Awaitable[None]: ...
 
 
 def split_addrs(text: str) -> list[str]:
@@ -71,7 +89,7 @@ def identity(cluster: Any) -> dict[str, Any] | None:
 def local_clusters(store: Any = None) -> list[Any]:
     """Every librados handle this process uses: the group store's (if it is a RADOS one) and the RBD backend's."""
     out = []
-    own = getattr(store, "cluster", None)
+    own = store.cluster if store is not None else None
     if own is not None:
         out.append(own)
     out.extend(c for c in rbd_backend.client_clusters() if c is not own)
@@ -156,10 +174,10 @@ def fence_member(dead: MemberRecord, live: Iterable[MemberRecord], backends: Ite
     return result
 
 
-def group_backends(group: GatewayGroup, anagrpid: int) -> list[Any]:
-    """The RBD backends of ANA group ``anagrpid``'s namespaces here."""
+def group_backends(group: FencedGroup, anagrpid: int) -> list[Any]:
+    """The backends of ANA group ``anagrpid``'s namespaces here that can hold an exclusive lock (RBD)."""
     return [ns.backend for sub in group.service.list_subsystems() for ns in sub.namespaces.values()
-            if ns.anagrpid == anagrpid and hasattr(ns.backend, "exclusive_lock_owners")]
+            if ns.anagrpid == anagrpid and ns.backend.has_exclusive_lock]
 
 
 _fences: weakref.WeakSet[TakeoverFence] = weakref.WeakSet()
@@ -187,7 +205,7 @@ def _each_blocklisted(what: str) -> None:
 class TakeoverFence:
     """A GatewayGroup's fencing: before_takeover() for each group it takes, and its reaction to being fenced."""
 
-    def __init__(self, group: GatewayGroup, *, expire: int = defaults.GATEWAY_BLOCKLIST_EXPIRE) -> None:
+    def __init__(self, group: FencedGroup, *, expire: int = defaults.GATEWAY_BLOCKLIST_EXPIRE) -> None:
         self.group = group
         self.expire = expire
         self.fenced: dict[int, bool | None] = {}   # per ANA group: the last takeover fenced (True/False), or None
@@ -266,5 +284,5 @@ class TakeoverFence:
             await self.fenced_here(f"the group store {group_where(self.group)}")
 
 
-def group_where(group: GatewayGroup) -> str:
-    return str(getattr(group.store, "where", "?"))
+def group_where(group: FencedGroup) -> str:
+    return group.store.where

@@ -102,6 +102,10 @@ class RadosStore(GroupStore):
     def where(self) -> str:
         return f"rados:{self.pool}"
 
+    @property
+    def config_location(self) -> str:
+        return f"the omap of {self.config_obj}"
+
     def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)

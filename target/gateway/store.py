@@ -63,6 +63,9 @@ class GroupStore(abc.ABC):
     act as the owner of group g without a successful renew (None: for as long as the process lives)."""
 
     kind = "?"
+    # the librados handle a RADOS store talks through (fencing sends its blocklist commands with it); None
+    # for a store that has none
+    cluster: Any = None
 
     def __init__(self, group: str, lease: float) -> None:
         self.group = check_name(group, "gateway group name", "--gateway-group")
@@ -77,6 +80,11 @@ class GroupStore(abc.ABC):
     def where(self) -> str:
         """The store as `--group-store` spells it."""
         return "?"
+
+    @property
+    def config_location(self) -> str:
+        """Where in the store the shared configuration is kept, as a message names it."""
+        return "the group's configuration"
 
     # membership ------------------------------------------------------------------------------------
     @abc.abstractmethod
