@@ -28,6 +28,7 @@ from initiator.connecting import connect
 from initiator.discovery import discover
 from nvmeof.spec.logs import AnaState
 from tests.ports import free_ports
+from tests.procs import stop_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -101,15 +102,7 @@ class Gateway:
         self.proc.wait(10)
 
     def stop(self) -> int | None:
-        if self.proc is None or self.proc.poll() is not None:
-            return None if self.proc is None else self.proc.returncode
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            return None
+        return None if self.proc is None else stop_process(self.proc)
 
 
 async def ana_states(gw: Gateway) -> tuple[dict[int, AnaState], int]:
@@ -233,15 +226,19 @@ RBD_LEASE = 3.0
 RBD_FAILOVER_BOUND = RBD_LEASE + 12.0
 
 
+def rbd_group_args(ceph_cluster: Any, rbd_image: str, group: str, lease: float, size: str = "32M") -> list[str]:
+    """Creates the image ``rbd_image`` of ``size``; the `nvmeof serve` arguments of a member of a new gateway
+    group (``group`` and a random suffix) in the cluster's pool, exporting that image as namespace 1."""
+    ceph_cluster.rbd("create", "--size", size, f"{ceph_cluster.pool}/{rbd_image}")
+    return ["--nqn", SUBNQN, "--ceph-conf", str(ceph_cluster.conf), "--rbd-image",
+            f"{ceph_cluster.pool}/{rbd_image}", "--group-store", f"rados:{ceph_cluster.pool}",
+            "--gateway-lease", str(lease), "--gateway-group", f"{group}{os.urandom(3).hex()}"]
+
+
 @pytest.mark.ceph
 @pytest.mark.timeout(300)
 def test_two_gateways_on_one_rbd_image_with_a_rados_store(tmp_path: Path, ceph_cluster: Any, rbd_image: str) -> None:
-    ceph_cluster.rbd("create", "--size", "32M", f"{ceph_cluster.pool}/{rbd_image}")
-    group = f"ha{os.urandom(3).hex()}"
-    common = ["--nqn", SUBNQN, "--ceph-conf", str(ceph_cluster.conf), "--rbd-image",
-              f"{ceph_cluster.pool}/{rbd_image}", "--group-store", f"rados:{ceph_cluster.pool}",
-              "--gateway-lease", str(RBD_LEASE)]
-    common += ["--gateway-group", group]
+    common = rbd_group_args(ceph_cluster, rbd_image, "ha", RBD_LEASE)
     a = Gateway(tmp_path, "rbd-a", common)
     b = Gateway(tmp_path, "rbd-b", common)
     try:
