@@ -807,11 +807,12 @@ class TargetService:
                     f"try {size // block_size * block_size or block_size}"
                 )
         try:
-            spec = validate_spec(backend, BackendSpec(path, size, read_only, create, dict(options or {})), self.backing)
+            checked = validate_spec(backend, BackendSpec(path, size, read_only, create, dict(options or {})),
+                                    self.backing)
         except BackendError as exc:
             raise _bad(str(exc)) from None
-        shown = backend_class(backend).storage_name(spec)
-        where = storage_key(backend, spec, self.backing)
+        shown = backend_class(backend).storage_name(checked)
+        where = storage_key(backend, checked, self.backing)
         if where is not None:
             for other_sub, other in self._all_namespaces():
                 if self._storage_key(other.spec) == where:
@@ -856,8 +857,8 @@ class TargetService:
         # Everything else is checked; opening the backend is the last step that can fail.
         try:
             store, stored_ids = await asyncio.to_thread(
-                _open_store, backend, path=spec.path, size=size, read_only=read_only, create=create,
-                policy=self.backing, options=dict(spec.options),
+                _open_store, backend, path=checked.path, size=size, read_only=read_only, create=create,
+                policy=self.backing, options=dict(checked.options),
             )
         except BackendError as exc:
             raise _bad(str(exc)) from None
@@ -885,12 +886,9 @@ class TargetService:
             except BackendError as exc:
                 self._discard_backend(store)
                 raise _bad(f"{shown}: cannot store the namespace identity with it: {exc}") from None
-        entry: dict[str, Any] = {"backend": backend}
-        if spec.path is not None:
-            entry["path"] = spec.path
-        if size is not None:
-            entry["size"] = size
-        entry.update(spec.options)
+        # the configuration entry's backend part: what was given (a path resolved, options checked)
+        given = {"backend": backend, "path": checked.path, "size": size, **checked.options}
+        spec = {key: value for key, value in given.items() if value is not None}
         ns = Namespace(
             nsid=nsid,
             backend=store,
@@ -901,7 +899,7 @@ class TargetService:
             read_only=read_only or store.read_only,
             enabled=enabled,
             anagrpid=anagrpid,
-            spec=entry,
+            spec=spec,
         )
         await pr.clear_on_start(self.target, ns)   # what its reservation store keeps (PTPL, the group)
         sub.namespaces[nsid] = ns
@@ -1550,13 +1548,17 @@ class TargetService:
             if keep and _keepable(kind, item):
                 self._unrestored.append(Unrestored(kind, where, message, copy.deepcopy(item), subnqn))
 
+        def sound(kind: str, where: str, item: Any) -> bool:
+            """Whether ``item`` is structurally sound; its problems, if any, go to ``errors``."""
+            problems = configmod.item_problems(kind, item, where)
+            errors.extend(problems)
+            return not problems
+
         todo = list(namespaces)
         for base, item in subsystems:
             await asyncio.sleep(0)  # a large import yields to NVMe I/O between items
             where = base + (f" ({item['nqn']})" if isinstance(item, dict) and "nqn" in item else "")
-            problems = configmod.item_problems("subsystem", item, where)
-            if problems:
-                errors.extend(problems)
+            if not sound("subsystem", where, item):
                 continue
             try:
                 hosts, host_auth = _split_hosts(_given(item, "hosts", ()))
@@ -1579,9 +1581,7 @@ class TargetService:
             todo += [(item["nqn"], f"{base}.namespaces[{j}]", ns) for j, ns in enumerate(item.get("namespaces") or [])]
         for nqn, where, item in todo:
             await asyncio.sleep(0)  # a large import yields to NVMe I/O between items
-            problems = configmod.item_problems("namespace", item, where)
-            if problems:
-                errors.extend(problems)
+            if not sound("namespace", where, item):
                 continue
             args = {key: item.get(key) for key in ("nsid", "path", "size", "uuid", "nguid", "eui64")}
             args["options"] = spec_of(item).options
@@ -1604,9 +1604,7 @@ class TargetService:
                     failed("namespace", where, item, exc.message, nqn)
         for where, item in listeners:
             await asyncio.sleep(0)  # a large import yields to NVMe I/O between items
-            problems = configmod.item_problems("listener", item, where)
-            if problems:
-                errors.extend(problems)
+            if not sound("listener", where, item):
                 continue
             try:
                 listener = await self._add_listener(
@@ -1624,9 +1622,7 @@ class TargetService:
                 failed("listener", where, item, exc.message)
         for where, item in referrals:
             await asyncio.sleep(0)  # a large import yields to NVMe I/O between items
-            problems = configmod.item_problems("referral", item, where)
-            if problems:
-                errors.extend(problems)
+            if not sound("referral", where, item):
                 continue
             try:
                 await self._add_referral(

@@ -25,7 +25,7 @@ import pytest
 from initiator.connecting import connect
 from target.gateway import fencing
 from target.gateway.store import MemberRecord
-from tests.test_gateway_e2e import OPT, SETTLE, SUBNQN, Gateway, rbd_group_args, wait_states
+from tests.test_gateway_e2e import OPT, SETTLE, SUBNQN, Gateway, rbd_group_args, rbd_pair, wait_states
 
 pytestmark = [pytest.mark.ceph, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -52,13 +52,8 @@ async def timed_write(gw: Gateway, data: bytes, deadline: float) -> tuple[float,
 
 
 def test_survivor_writes_at_once_after_kill9_of_the_owner(tmp_path: Path, ceph_cluster: Any, rbd_image: str) -> None:
-    common = rbd_group_args(ceph_cluster, rbd_image, "fence", LEASE)
-    a = Gateway(tmp_path, "fence-a", common)
-    b = Gateway(tmp_path, "fence-b", common)
+    a, b = rbd_pair(tmp_path, ceph_cluster, rbd_image, "fence", LEASE)
     try:
-        a.start()
-        b.start()
-        wait_states(a, {1: OPT}, SETTLE)
         data = os.urandom(32 * 1024)
         asyncio.run(timed_write(a, data, time.monotonic() + 30))  # a's librbd takes the exclusive lock
         deadline = time.monotonic() + SETTLE

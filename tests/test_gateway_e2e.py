@@ -235,16 +235,27 @@ def rbd_group_args(ceph_cluster: Any, rbd_image: str, group: str, lease: float, 
             "--gateway-lease", str(lease), "--gateway-group", f"{group}{os.urandom(3).hex()}"]
 
 
-@pytest.mark.ceph
-@pytest.mark.timeout(300)
-def test_two_gateways_on_one_rbd_image_with_a_rados_store(tmp_path: Path, ceph_cluster: Any, rbd_image: str) -> None:
-    common = rbd_group_args(ceph_cluster, rbd_image, "ha", RBD_LEASE)
-    a = Gateway(tmp_path, "rbd-a", common)
-    b = Gateway(tmp_path, "rbd-b", common)
+def rbd_pair(tmp_path: Path, ceph_cluster: Any, rbd_image: str, name: str, lease: float) -> tuple[Gateway, Gateway]:
+    """Gateways NAME-a and NAME-b of a new group exporting a new image (rbd_group_args), started, once NAME-a
+    serves ANA group 1 optimized; both stopped if that does not happen."""
+    common = rbd_group_args(ceph_cluster, rbd_image, name, lease)
+    a, b = Gateway(tmp_path, f"{name}-a", common), Gateway(tmp_path, f"{name}-b", common)
     try:
         a.start()
         b.start()
         wait_states(a, {1: OPT}, SETTLE)
+    except BaseException:
+        a.stop()
+        b.stop()
+        raise
+    return a, b
+
+
+@pytest.mark.ceph
+@pytest.mark.timeout(300)
+def test_two_gateways_on_one_rbd_image_with_a_rados_store(tmp_path: Path, ceph_cluster: Any, rbd_image: str) -> None:
+    a, b = rbd_pair(tmp_path, ceph_cluster, rbd_image, "rbd", RBD_LEASE)
+    try:
         _, cntlid_b = wait_states(b, {1: NONOPT}, SETTLE)
         assert 2041 <= cntlid_b <= 4080
         data = os.urandom(32 * 1024)
