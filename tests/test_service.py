@@ -81,6 +81,22 @@ class FakeTarget:
     def disconnect_controller(self, cntlid: int) -> bool:
         return self.ctrls.pop(cntlid, None) is not None
 
+    # what a gateway group member asks (tests/test_gateway_group.py runs those against the real Target)
+    def listening_port(self, listener: Listener) -> int:
+        return listener.trsvcid
+
+    def set_pr_store(self, store: Any) -> None:
+        self.pr_store = store
+
+    def set_cntlid_range(self, lo: int, hi: int) -> None:
+        self.events.append(("set_cntlid_range", lo, hi))
+
+    def set_ana_default(self, state: Any) -> None:
+        self.events.append(("set_ana_default", state))
+
+    def set_peer_listeners(self, peers: list[Listener]) -> None:
+        self.events.append(("set_peer_listeners", [p.id for p in peers]))
+
     async def close(self) -> None:
         for server in self.servers.values():
             server.close()
