@@ -812,6 +812,8 @@ class TargetService:
         except BackendError as exc:
             raise _bad(str(exc)) from None
         shown = backend_class(backend).storage_name(checked)
+        if create and size is None:   # the backend would make an existing one serve as it is
+            raise _bad(f"creating {shown} needs a size")
         where = storage_key(backend, checked, self.backing)
         if where is not None:
             for other_sub, other in self._all_namespaces():

@@ -180,11 +180,16 @@ def test_smaller_image_grown_only_with_create(ceph_cluster: CephCluster, rbd_ima
     ({"rbd_namespace": ""}, r"rbd_namespace must be a non-empty name.*leave it out"),
     ({"image": "x" * 300}, r"image is 300 bytes long; at most 255"),
     ({"ceph_id": "bad id"}, r"ceph_id must be a Ceph client name"),
-    ({"colour": "blue"}, r"rbd namespace has no setting colour; it takes pool, image"),
 ])
 def test_bad_settings_refused(ceph_cluster: CephCluster, options: dict[str, Any], message: str) -> None:
     opts = {"pool": ceph_cluster.pool, "image": "img", **options}
     with pytest.raises(BackendError, match=message):
+        backend_class("rbd").open(BackendSpec(options=opts), _policy(ceph_cluster))
+
+
+def test_a_setting_rbd_does_not_take_is_refused_by_the_registry(ceph_cluster: CephCluster) -> None:
+    opts = {"pool": ceph_cluster.pool, "image": "img", "colour": "blue"}
+    with pytest.raises(BackendError, match=r"rbd namespace has no setting colour; it takes pool, image"):
         open_backend("rbd", options=opts, policy=StoragePolicy({"rbd": _policy(ceph_cluster)}))
 
 

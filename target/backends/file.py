@@ -357,8 +357,6 @@ class FileBackend(Backend):
         # Stored resolved: the config file and the API show the file actually served, and a restart
         # from another working directory serves the same one.
         path = policy.check(spec.path) if policy is not None else os.fspath(spec.path)
-        if spec.create and spec.size is None:
-            raise BackendError(f"creating {path} needs a size")
         return dataclasses.replace(spec, path=path)
 
     @classmethod

@@ -408,11 +408,9 @@ class RbdBackend(Backend):
     def validate_spec(cls, spec: BackendSpec, policy: CephPolicy | None = None) -> BackendSpec:
         if spec.path is not None:
             raise BackendError(f"an rbd namespace takes no path (got {os.fspath(spec.path)!r}); give pool and image")
-        missing = [name for name in ("pool", "image") if not spec.options.get(name)]
+        missing = [name for name in ("pool", "image") if spec.options.get(name) is None]
         if missing:
             raise BackendError(f"an rbd namespace needs {' and '.join(missing)} (the RBD pool and image to serve)")
-        if spec.create and spec.size is None:
-            raise BackendError("creating an rbd namespace's image needs a size")
         # Stored resolved, like file paths; an unlisted one is refused before librados reads it.
         policy = policy if policy is not None else CephPolicy()
         options = dict(spec.options)
