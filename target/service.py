@@ -1706,7 +1706,7 @@ class TargetService:
         whatever stays keep running. All or nothing: returns the reasons when refused, and then
         nothing changed; [] when applied (the file is then saved back in canonical form, with the
         nsids and identifiers it left out). Every step runs under the lock into one undo log and the
-        result is saved once (a gateway group's store first, through on_change): a step, the store or
+        result is saved once (a gateway group's store first, through the change hook): a step, the store or
         the save refusing undoes them all, which is what a gateway group applying the store's version
         relies on. Items still waiting from a failed restore that the file keeps as they were stay
         waiting; those it dropped are forgotten."""

@@ -19,7 +19,7 @@ members agreeing among themselves. What the members agree on is only whom each s
   over the same way.
 
 The shared configuration (subsystems with namespaces and hosts; listeners stay per gateway) lives in
-the store: a persisted change on any member is written there first (TargetService.on_change, with
+the store: a persisted change on any member is written there first (TargetService.set_change_hook, with
 compare-and-swap on the version) and every member applies a new version with TargetService.reload
 (all or nothing). Discovery: each member publishes its I/O listeners; the others list them in their
 discovery log (Target.peer_listeners).
@@ -286,7 +286,7 @@ class GatewayGroup:
 
     # --- the shared configuration -----------------------------------------------------------------
     async def _on_change(self) -> None:
-        """TargetService.on_change: a persisted change, under the service lock, before it is saved."""
+        """The service's change hook: a persisted change, under the service lock, before it is saved."""
         self._wake.set()
         if _APPLYING.get():
             return
