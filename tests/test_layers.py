@@ -182,10 +182,10 @@ def undeclared_writes(source: str, path: str) -> list[str]:
             if ignored & set(range(node.lineno, (node.end_lineno or node.lineno) + 1))]
 
 
-def _foreign_targets(source: str) -> list[tuple[ast.stmt, ast.Attribute]]:
+def _foreign_targets(source: str, tree: ast.AST | None = None) -> list[tuple[ast.stmt, ast.Attribute]]:
     """(assignment, target) for each attribute assigned in ``source`` that is not ``self``'s or ``cls``'s own."""
     found = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(tree if tree is not None else ast.parse(source)):
         if isinstance(node, ast.Assign):
             targets = list(node.targets)
         elif isinstance(node, ast.AugAssign | ast.AnnAssign):
@@ -205,9 +205,23 @@ def core_imports(source: str, relpath: str) -> list[str]:
 
 
 def foreign_writes(source: str, path: str) -> list[str]:
-    """``path:line: target`` for each assignment to an attribute of an object other than ``self``/``cls``
-    themselves (``self.service.x = ...`` sets the service's state, ``self.x = ...`` the object's own)."""
-    return [f"{path}:{node.lineno}: {ast.unparse(t)}" for node, t in _foreign_targets(source)]
+    """``path:line: target`` for each assignment to another object's state: a private attribute of anything
+    but ``self``/``cls``, any attribute of an object reached through another (``self.service.gateway = ...``
+    sets the service's state, ``self.x = ...`` the object's own), or of an object the function was given
+    (a parameter). A local object the function made itself (``timer.daemon = True``) is its own business."""
+    tree = ast.parse(source)
+    params: dict[int, set[str]] = {}   # id of an assignment -> the parameters of the function it is in
+    for func in ast.walk(tree):
+        if isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            names = {a.arg for a in [*func.args.posonlyargs, *func.args.args, *func.args.kwonlyargs]}
+            for node in ast.walk(func):
+                params.setdefault(id(node), set()).update(names)
+    found = []
+    for node, t in _foreign_targets(source, tree):
+        given = isinstance(t.value, ast.Name) and t.value.id in params.get(id(node), set())
+        if t.attr.startswith("_") or isinstance(t.value, ast.Attribute | ast.Subscript | ast.Call) or given:
+            found.append(f"{path}:{node.lineno}: {ast.unparse(t)}")
+    return found
 
 
 def attribute_probes(source: str, path: str) -> list[str]:
@@ -382,6 +396,9 @@ def test_core_import_checker(source: str, path: str, found: list[str]) -> None:
     ("group._ready, self.x = True, 1\n", ["m.py:1: group._ready"]),
     ("fence.group.owned |= {1}\n", ["m.py:1: fence.group.owned"]),
     ("self.owned = set()\ncls.n: int = 0\nx = self.service.gateway\n", []),
+    ("def f(service, x):\n    service.gateway = x\n", ["m.py:2: service.gateway"]),
+    ("def f():\n    timer = Timer(1, g)\n    timer.daemon = True\n", []),       # its own object
+    ("def f(store):\n    store.handle()._open = 1\n", ["m.py:2: store.handle()._open"]),
 ])
 def test_foreign_write_checker(source: str, found: list[str]) -> None:
     assert foreign_writes(source, "m.py") == found
