@@ -25,6 +25,7 @@ from nvmeof.spec.nvme import (
     SGL_ID_INCAPSULE,
     SGL_ID_KEYED,
     SGL_ID_KEYED_INVALIDATE,
+    SQE_FLAGS_PSDT_MASK,
     SQE_FLAGS_PSDT_SGL,
     SQE_SIZE,
     Command,
@@ -36,7 +37,6 @@ from nvmeof.spec.rdma import RejectStatus
 from nvmeof.status import NvmeError, Status
 
 KEYED_SGL_MAX_LENGTH = (1 << 24) - 1  # the keyed descriptor's length field is 24 bits
-_PSDT_MASK = 0xC0
 
 
 class RdmaQueueError(Exception):
@@ -273,7 +273,7 @@ class RdmaControllerQueue:
         ic.direction = Direction(direction)
         ic.data_len = data_len
         cmd, sgl = ic.cmd, ic.sgl
-        if cmd.flags & _PSDT_MASK != SQE_FLAGS_PSDT_SGL:
+        if cmd.flags & SQE_FLAGS_PSDT_MASK != SQE_FLAGS_PSDT_SGL:
             raise NvmeError(Status.INVALID_FIELD, f"PSDT {cmd.flags >> 6}: NVMe/RDMA commands must use SGLs")
         if data_len > self.max_transfer:
             raise NvmeError(Status.INVALID_FIELD, f"command moves {data_len} bytes, MDTS allows {self.max_transfer}")
@@ -450,7 +450,7 @@ class RdmaHostQueue:
             raise RdmaQueueError(f"qid {self.qid}: all {self.queue_size} command ids are in use")
         cid = self._free.pop()
         cmd.cid = cid
-        cmd.flags = (cmd.flags & ~_PSDT_MASK) | SQE_FLAGS_PSDT_SGL
+        cmd.flags = (cmd.flags & ~SQE_FLAGS_PSDT_MASK) | SQE_FLAGS_PSDT_SGL
         cmd.dptr = dptr
         self.pending[cid] = HostPending(cid, buffer.rkey if buffer is not None else None,
                                         buffer is not None and buffer.invalidate)

@@ -32,8 +32,8 @@ from target.controller import host_label
 
 if TYPE_CHECKING:
     from target.controller import Controller
-    from target.core import Target
     from target.model import HostAuth, Subsystem
+    from target.ports import ControllerHost
     from target.request import Request, TargetQueue
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ def _transaction(sub: Subsystem, hostnqn: str, entry: HostAuth, qid: int) -> Con
                                  ctrl_secret=entry.dhchap_ctrl_key, hashes=hashes, dhgroups=dhgroups, seqnum=0)
 
 
-def start(target: Target, queue: TargetQueue, sub: Subsystem, hostnqn: str) -> int:
+def start(target: ControllerHost, queue: TargetQueue, sub: Subsystem, hostnqn: str) -> int:
     """After a successful Connect: the AUTHREQ bits for DW0 of its response (0 when the host has no key);
     with a key the queue is gated from now on and its transaction timer runs."""
     entry = sub.auth_for(hostnqn)
@@ -117,7 +117,7 @@ def _check_sqe(req: Request, length_name: str) -> int:
     return length
 
 
-def _state_for(target: Target, queue: TargetQueue) -> QueueAuth:
+def _state_for(target: ControllerHost, queue: TargetQueue) -> QueueAuth:
     """The queue's QueueAuth; a queue that connected without a key gets one now if its host has a key
     since (it is authenticated already: it was admitted without one)."""
     state = queue.auth
@@ -137,7 +137,7 @@ def _state_for(target: Target, queue: TargetQueue) -> QueueAuth:
     return state
 
 
-def parse_send(target: Target, req: Request) -> None:
+def parse_send(target: ControllerHost, req: Request) -> None:
     tl = _check_sqe(req, "TL")
     state = _state_for(target, req.queue)
 
@@ -158,7 +158,7 @@ def parse_send(target: Target, req: Request) -> None:
     req.expect(Direction.H2C, tl, execute)
 
 
-def parse_receive(target: Target, req: Request) -> None:
+def parse_receive(target: ControllerHost, req: Request) -> None:
     al = _check_sqe(req, "AL")
     state = _state_for(target, req.queue)
 
@@ -172,7 +172,7 @@ def parse_receive(target: Target, req: Request) -> None:
     req.expect(Direction.C2H, al, execute)
 
 
-def _after(target: Target, queue: TargetQueue, ctrl: Controller, state: QueueAuth) -> None:
+def _after(target: ControllerHost, queue: TargetQueue, ctrl: Controller, state: QueueAuth) -> None:
     """After a step: a finished transaction opens the queue; a failed one tears the controller down once
     this command's response has gone out; anything else re-arms the stall timer."""
     txn = state.txn
@@ -208,13 +208,13 @@ def _refuse(queue: TargetQueue, ctrl: Controller, reason: str) -> None:
                        "cntlid": ctrl.cntlid, "peer": queue.peer, "reason": reason})
 
 
-def _tear_down(target: Target, ctrl: Controller, queue: TargetQueue, reason: str) -> None:
+def _tear_down(target: ControllerHost, ctrl: Controller, queue: TargetQueue, reason: str) -> None:
     # nvmet_ctrl_fatal_error: the whole controller goes, every queue with it (the host reconnects)
     if not ctrl.closed:
         target.remove_controller(ctrl, f"authentication failed on qid {queue.qid}: {reason}")
 
 
-def _arm(target: Target, queue: TargetQueue, state: QueueAuth) -> None:
+def _arm(target: ControllerHost, queue: TargetQueue, state: QueueAuth) -> None:
     if state.timer is not None:
         state.timer.cancel()
     timeout = target.auth_timeout
@@ -228,7 +228,7 @@ def _arm(target: Target, queue: TargetQueue, state: QueueAuth) -> None:
     state.timer = loop.call_later(timeout, _expired, target, queue, state, timeout)
 
 
-def _expired(target: Target, queue: TargetQueue, state: QueueAuth, timeout: float) -> None:
+def _expired(target: ControllerHost, queue: TargetQueue, state: QueueAuth, timeout: float) -> None:
     """The host stopped half-way: nvmet_auth_expired_work resets the step; we end the controller, so a
     host that never finishes does not keep a queue (and a controller ID) forever."""
     state.timer = None

@@ -39,6 +39,7 @@ from typing import Any
 
 from nvmeof import defaults
 from nvmeof.spec.logs import ANA_STATE_NAMES, AnaState, parse_ana_state
+from target.backends import BACKEND_OPTIONS
 from target.qos import QosError
 from target.qos import parse_config as parse_qos
 
@@ -97,13 +98,7 @@ NAMESPACE_KEYS: dict[str, str] = {
     "auto_visible": _BOOL,  # false: only the "hosts" listed see it (masking; default true)
     "hosts": _LIST,
     "qos": _DICT,  # QoS limits (target/qos.py): {"rw_ios_per_second": N, ..., "hosts": {"<hostnqn>": {...}}}
-    # an RBD namespace's settings (target.backends.BACKEND_OPTIONS; the service checks which kind takes them)
-    "pool": _STR,
-    "image": _STR,
-    "rbd_namespace": _STR,
-    "ceph_conf": _STR,
-    "ceph_id": _STR,
-    "ceph_keyring": _STR,
+    # and the settings of each backend kind (target.backends.BACKEND_OPTIONS, strings): _allowed_keys
 }
 LISTENER_KEYS: dict[str, str] = {
     "trtype": _STR,
@@ -152,12 +147,20 @@ def _type_ok(value: Any, kind: str) -> bool:
     return isinstance(value, list)
 
 
+def _allowed_keys(kind: str) -> dict[str, str]:
+    """The keys of a ``kind`` item; a namespace's include every registered backend's settings (the
+    service checks which kind takes which), as registered when the item is read."""
+    if kind != "namespace":
+        return ITEM_KEYS[kind]
+    return {**NAMESPACE_KEYS, **{key: _STR for keys in BACKEND_OPTIONS.values() for key in keys}}
+
+
 def item_problems(kind: str, item: Any, where: str) -> list[str]:
     """Structural problems of one config item (``kind`` in ITEM_KEYS): unknown keys, wrong types,
     missing required keys. Nested namespaces are not checked here."""
     if not isinstance(item, dict):
         return [f"{where}: expected an object, got {type(item).__name__}"]
-    allowed = ITEM_KEYS[kind]
+    allowed = _allowed_keys(kind)
     problems = []
     for key, value in item.items():
         if key not in allowed:
@@ -766,7 +769,7 @@ def export_nvmetcli(config: dict[str, Any]) -> Converted:
         namespaces = []
         for ns in sub.get("namespaces") or []:
             label = f"namespace {ns.get('nsid')} of {nqn}"
-            if ns["backend"] != "file":
+            if not ns.get("path"):   # nvmet serves a file or block device by its path, nothing else
                 warnings.append(f"{label}: {ns['backend']} backend has no nvmetcli equivalent, left out")
                 continue
             if ns.get("auto_visible") is False:

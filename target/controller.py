@@ -45,8 +45,8 @@ from nvmeof.status import encode_status
 from target.model import NamespaceStats
 
 if TYPE_CHECKING:
-    from target.core import Target
     from target.model import Listener, Subsystem
+    from target.ports import ControllerHost
     from target.request import Request, TargetQueue
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ class AsyncEvent:
 class Controller:
     """Controller state. The transport owns queues' bytes; this owns what the commands change."""
 
-    def __init__(self, target: Target, subsystem: Subsystem, cntlid: int, hostnqn: str, hostid: bytes,
+    def __init__(self, target: ControllerHost, subsystem: Subsystem, cntlid: int, hostnqn: str, hostid: bytes,
                  kato_ms: int, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.target = target
         self.subsystem = subsystem

@@ -17,7 +17,7 @@ from typing import Any
 from nvmeof import defaults
 from nvmeof.spec.fabrics import FABRICS_OPCODE
 from nvmeof.spec.logs import AnaState
-from nvmeof.spec.nvme import SGL_ID_INCAPSULE, SQE_FLAGS_PSDT_SGL, Direction, FabricsType
+from nvmeof.spec.nvme import SGL_ID_INCAPSULE, SQE_FLAGS_PSDT_MASK, SQE_FLAGS_PSDT_SGL, Direction, FabricsType
 from nvmeof.status import NvmeError, Status, describe
 from target import admin, auth, discovery, fabrics, io
 from target.controller import Controller, host_label
@@ -30,7 +30,6 @@ log = logging.getLogger(__name__)
 
 CNTLID_MIN = defaults.CNTLID_MIN
 CNTLID_MAX = defaults.CNTLID_MAX   # NVME_CNTLID_MAX: FFF0h..FFFFh are reserved
-PSDT_MASK = 0xC0
 
 # Failures hosts provoke while probing (optional CNS, features, log pages): not worth a warning.
 _PROBE_STATUSES = frozenset({Status.INVALID_FIELD, Status.INVALID_LOG_PAGE, Status.INVALID_OPCODE})
@@ -77,6 +76,10 @@ class Target:
         # daemon sets a LocalPrStore, a gateway group its group store), and whether this target serves them
         self.pr_store: PrStore | None = None
         self.reservations_supported = True
+
+    def set_pr_store(self, store: PrStore | None) -> None:
+        """Keep reservation states in ``store`` from now on (a gateway group's store once it joined)."""
+        self.pr_store = store
 
     # --- lookups --------------------------------------------------------------------------------
 
@@ -254,6 +257,12 @@ class Target:
             if ctrl.is_discovery:
                 ctrl.discovery_changed()
 
+    def ceph_clients(self) -> list[dict[str, Any]]:
+        """The librados clients of other processes serving this target's queues ({"entity", "addrs", ...}), which
+        a gateway group publishes and fences with its own (target/gateway/fencing.py); PooledTarget's workers
+        have some, this Target none."""
+        return []
+
     def set_peer_listeners(self, peers: list[Listener]) -> None:
         """The gateway group's other members' I/O listeners as they are now; a change is a discovery log change."""
         if [p.id for p in peers] != [p.id for p in self.peer_listeners]:
@@ -284,8 +293,10 @@ class Target:
         if server is not None:
             await server.stop()
 
-    def server(self, listener_id: str) -> Any:
-        return self._servers.get(listener_id)
+    def listening_port(self, listener: Listener) -> int:
+        """The port ``listener`` serves on: its trsvcid, or for 0 the one the kernel chose when it bound."""
+        server = self._servers.get(listener.id)
+        return server.port if listener.trsvcid == 0 and server is not None else listener.trsvcid
 
     async def connect_loop(self, protocol_factory: Callable[[], asyncio.BaseProtocol]) -> tuple[Any, Any]:
         """An in-memory connection to this target, the twin of ``loop.create_connection``.
@@ -368,7 +379,7 @@ class Target:
 def check_sgl(req: Request) -> None:
     """The data pointer must be an SGL describing exactly what the command moves (nvmet_check_transfer_len)."""
     cmd = req.cmd
-    if cmd.flags & PSDT_MASK != SQE_FLAGS_PSDT_SGL:
+    if cmd.flags & SQE_FLAGS_PSDT_MASK != SQE_FLAGS_PSDT_SGL:
         raise NvmeError(Status.INVALID_FIELD,
                         f"SQE flags {cmd.flags:#04x}: PSDT must select SGLs (fabrics has no PRPs)")
     sgl_id, addr, length, _ = cmd.sgl()

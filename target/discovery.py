@@ -116,12 +116,7 @@ def discovery_log_page(ctrl: Controller, via: Listener | None, local_addr: str =
     def addr(listener: Listener) -> str:
         return local_addr if local_addr and _wildcard(listener.traddr) else listener.traddr
 
-    def port(listener: Listener) -> int:
-        # a listener configured with port 0 reports the port it was actually bound to
-        server = target.server(listener.id)
-        bound = getattr(server, "port", None)
-        return int(bound) if listener.trsvcid == 0 and bound else listener.trsvcid
-
+    port = target.listening_port   # a listener configured with port 0 reports the port it was bound to
     io_listeners = [lst for lst in target.listeners.values() if not lst.discovery]
     # A gateway group member lists every live member's I/O listeners too (target/gateway/group.py sets
     # them), so a host discovering one gateway finds every path of the subsystem.

@@ -36,8 +36,8 @@ from target.controller import host_label
 
 if TYPE_CHECKING:
     from target.controller import Controller
-    from target.core import Target
     from target.model import Subsystem
+    from target.ports import ControllerRegistry
     from target.request import Execute, Request, TargetQueue
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ def _connect_names(req: Request) -> dict[str, str]:
 
 # --- Connect -------------------------------------------------------------------------------------
 
-def parse_connect(target: Target, req: Request) -> None:
+def parse_connect(target: ControllerRegistry, req: Request) -> None:
     async def execute(r: Request) -> None:
         try:
             _execute_connect(target, r)
@@ -88,7 +88,7 @@ def _nqn(raw: str) -> str:
     return raw.split("\x00", 1)[0]
 
 
-def _execute_connect(target: Target, req: Request) -> None:
+def _execute_connect(target: ControllerRegistry, req: Request) -> None:
     cmd = req.cmd
     recfmt = cmd.cdw10 & 0xFFFF
     qid = cmd.cdw10 >> 16
@@ -179,7 +179,7 @@ def _not_allowed(hostnqn: str, subnqn: str) -> str:
     return f"host {hostnqn} is not allowed to use subsystem {subnqn}; add it to the subsystem's hosts or allow any host"
 
 
-def _io_queue_controller(target: Target, subsystem: Subsystem, cntlid: int, hostnqn: str, hostid: bytes,
+def _io_queue_controller(target: ControllerRegistry, subsystem: Subsystem, cntlid: int, hostnqn: str, hostid: bytes,
                          qid: int) -> Controller:
     """The controller an I/O queue Connect joins: it must be live, on this subsystem, and created by
     the same host, which the spec identifies by both HOSTNQN and HOSTID. Linux nvmet_ctrl_find_get
@@ -205,7 +205,7 @@ def _io_queue_controller(target: Target, subsystem: Subsystem, cntlid: int, host
 
 # --- Property Get / Set, Disconnect --------------------------------------------------------------
 
-def parse(target: Target, req: Request) -> None:
+def parse(target: ControllerRegistry, req: Request) -> None:
     cmd = req.cmd
     fctype = cmd.fctype
     qid = req.queue.qid
@@ -258,7 +258,7 @@ async def _property_set(req: Request) -> None:
     ctrl.set_cc(value)
 
 
-def _make_disconnect(target: Target) -> Execute:
+def _make_disconnect(target: ControllerRegistry) -> Execute:
     async def execute(req: Request) -> None:
         queue = req.queue
         ctrl = queue.ctrl
@@ -276,6 +276,6 @@ def _make_disconnect(target: Target) -> Execute:
     return execute
 
 
-def _close_queue(target: Target, queue: TargetQueue) -> None:
+def _close_queue(target: ControllerRegistry, queue: TargetQueue) -> None:
     target.queue_closed(queue)
     queue.close()

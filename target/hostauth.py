@@ -9,7 +9,7 @@ A secret never appears in a message, a log line or an API answer: only whether i
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from nvmeof.auth import DHGROUP_IDS, HASH_IDS, DhchapSecret, parse_dhgroup, parse_hash
@@ -63,36 +63,29 @@ def _names(value: Any, field: str) -> list[str]:
 
 def parse_hashes(value: Any, field: str = "dhchap_hash") -> tuple[int, ...] | None:
     """Hash names (``sha256``, ``hmac(sha384)``, ...) to ids, in the order given; None stays None."""
-    if value is None:
-        return None
-    ids: list[int] = []
-    for name in _names(value, field):
-        try:
-            hid = parse_hash(name)
-        except ValueError:
-            raise AuthSettingError(f"{field}: unknown hash {name!r}; use {', '.join(HASH_IDS)}") from None
-        if hid not in ids:
-            ids.append(hid)
-    if not ids:
-        raise AuthSettingError(f"{field} is empty; name at least one of {', '.join(HASH_IDS)} or leave it out for all")
-    return tuple(ids)
+    return _parse_ids(value, field, parse_hash, "hash", HASH_IDS)
 
 
 def parse_dhgroups(value: Any, field: str = "dhchap_dhgroup") -> tuple[int, ...] | None:
     """DH group names (``null``, ``ffdhe2048`` ... ``ffdhe8192``) to ids, in the order given."""
+    return _parse_ids(value, field, parse_dhgroup, "DH group", DHGROUP_IDS)
+
+
+def _parse_ids(value: Any, field: str, parse: Callable[[str], int], what: str,
+               known: Iterable[str]) -> tuple[int, ...] | None:
+    """Names to ids with ``parse``, in the order given, each once; None stays None."""
     if value is None:
         return None
     ids: list[int] = []
     for name in _names(value, field):
         try:
-            gid = parse_dhgroup(name)
+            ident = parse(name)
         except ValueError:
-            raise AuthSettingError(f"{field}: unknown DH group {name!r}; use {', '.join(DHGROUP_IDS)}") from None
-        if gid not in ids:
-            ids.append(gid)
+            raise AuthSettingError(f"{field}: unknown {what} {name!r}; use {', '.join(known)}") from None
+        if ident not in ids:
+            ids.append(ident)
     if not ids:
-        raise AuthSettingError(
-            f"{field} is empty; name at least one of {', '.join(DHGROUP_IDS)} or leave it out for all")
+        raise AuthSettingError(f"{field} is empty; name at least one of {', '.join(known)} or leave it out for all")
     return tuple(ids)
 
 

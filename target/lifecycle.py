@@ -22,14 +22,14 @@ from nvmeof.spec.nvme import Direction
 from nvmeof.status import NvmeError, Status
 
 if TYPE_CHECKING:
-    from target.core import Target
+    from target.ports import CommandRouter
     from target.request import Request
     from target.transport_ops import TransportQueue
 
 log = logging.getLogger(__name__)
 
 
-async def run_command(target: Target, xq: TransportQueue, req: Request) -> None:
+async def run_command(target: CommandRouter, xq: TransportQueue, req: Request) -> None:
     """One command from its capsule to its response."""
     fetched = False
     try:
@@ -68,7 +68,7 @@ async def run_command(target: Target, xq: TransportQueue, req: Request) -> None:
             xq.release(req)
 
 
-def start_command(target: Target, xq: TransportQueue, req: Request) -> asyncio.Task[None] | None:
+def start_command(target: CommandRouter, xq: TransportQueue, req: Request) -> asyncio.Task[None] | None:
     """Run ``req``; returns the Task that finishes it, or None when it completed at once."""
     coro = run_command(target, xq, req)
     if xq.eager:

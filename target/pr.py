@@ -44,8 +44,8 @@ from target import reservations as rules
 from target.reservations import EMPTY, Outcome, ReservationState
 
 if TYPE_CHECKING:
-    from target.core import Target
     from target.model import Namespace, Subsystem
+    from target.ports import ReservationHost
     from target.request import Request
 
 log = logging.getLogger(__name__)
@@ -146,7 +146,7 @@ def key_of(ns: Namespace) -> str:
 
 # --- parse ---------------------------------------------------------------------------------------
 
-def parse(req: Request, ns: Namespace, target: Target) -> None:
+def parse(req: Request, ns: Namespace, target: ReservationHost) -> None:
     """The four reservation commands (nvmet_parse_pr_cmd)."""
     if not target.reservations_supported:
         raise NvmeError(Status.INVALID_OPCODE, "reservations are not served by this target "
@@ -213,7 +213,7 @@ def _u64(data: memoryview | bytes, offset: int) -> int:
     return int.from_bytes(data[offset:offset + 8], "little")
 
 
-def _ctx(req: Request) -> tuple[Namespace, bytes, Target, Subsystem]:
+def _ctx(req: Request) -> tuple[Namespace, bytes, ReservationHost, Subsystem]:
     ns = req.ns
     ctrl = req.queue.ctrl
     assert ns is not None and ctrl is not None
@@ -273,7 +273,7 @@ def registrants(state: ReservationState) -> list[Registrant]:
 
 # --- change: compute, commit, publish, notify ---------------------------------------------------
 
-async def change(target: Target, sub: Subsystem, ns: Namespace, op: Callable[[ReservationState], Outcome], *,
+async def change(target: ReservationHost, sub: Subsystem, ns: Namespace, op: Callable[[ReservationState], Outcome], *,
                  req: Request | None = None) -> Outcome:
     """Run one reservation operation on ``ns`` atomically: under the namespace's lock, against the state
     its store holds (re-read after a lost compare-and-swap), then publish it, notify, and drain."""
@@ -322,7 +322,7 @@ def _lock(ns: Namespace) -> asyncio.Lock:
     return ns.pr_lock
 
 
-async def refresh(target: Target, ns: Namespace, version: int | None = None,
+async def refresh(target: ReservationHost, ns: Namespace, version: int | None = None,
                   state: dict[str, Any] | None = None) -> None:
     """Take the stored state (after a lost CAS, or at start); nothing is notified."""
     store = target.pr_store
@@ -334,8 +334,8 @@ async def refresh(target: Target, ns: Namespace, version: int | None = None,
     ns.pr_version = version
 
 
-async def apply_remote(target: Target, sub: Subsystem, ns: Namespace, version: int, state: dict[str, Any] | None,
-                       change_record: dict[str, Any] | None) -> None:
+async def apply_remote(target: ReservationHost, sub: Subsystem, ns: Namespace, version: int,
+                       state: dict[str, Any] | None, change_record: dict[str, Any] | None) -> None:
     """Another gateway committed ``version``: enforce it here, notify this gateway's controllers of the hosts
     concerned, and let the preempted hosts' commands here finish before that gateway's command completes."""
     async with _lock(ns):
@@ -352,7 +352,8 @@ async def apply_remote(target: Target, sub: Subsystem, ns: Namespace, version: i
             await drain(ns, aborted)
 
 
-def deliver(target: Target, sub: Subsystem, ns: Namespace, events: Iterable[tuple[bytes, NotificationType]]) -> None:
+def deliver(target: ReservationHost, sub: Subsystem, ns: Namespace,
+            events: Iterable[tuple[bytes, NotificationType]]) -> None:
     """Post each notification to every controller of that host on this subsystem (nvmet_pr_send_event_to_host)."""
     by_host: dict[bytes, list[NotificationType]] = {}
     for hostid, kind in events:
@@ -375,7 +376,7 @@ async def drain(ns: Namespace, hosts: set[bytes], timeout: float = ABORT_DRAIN_T
         await asyncio.sleep(0.002)
 
 
-async def clear_on_start(target: Target, ns: Namespace) -> None:
+async def clear_on_start(target: ReservationHost, ns: Namespace) -> None:
     """A namespace appears (start, restore, add): its state as its store keeps it (PTPL), else none."""
     try:
         await refresh(target, ns)
@@ -383,7 +384,7 @@ async def clear_on_start(target: Target, ns: Namespace) -> None:
         log.error("namespace %d: reservation state not restored: %s", ns.nsid, exc)
 
 
-async def forget(target: Target, ns: Namespace) -> None:
+async def forget(target: ReservationHost, ns: Namespace) -> None:
     """The namespace was removed: its registrations go with it."""
     store = target.pr_store
     if store is None:

@@ -36,13 +36,15 @@ from target import config as configmod
 from target import hostauth, masking, pr
 from target import qos as qosmod
 from target.backends import (
-    BACKEND_OPTIONS,
-    OPTION_KEYS,
     BackendError,
-    BackingPolicy,
+    BackendSpec,
+    StoragePolicy,
     backend_class,
     kinds,
     open_backend,
+    spec_of,
+    storage_key,
+    validate_spec,
 )
 from target.backends.base import close_backends
 from target.model import (
@@ -122,10 +124,28 @@ class TargetHooks(Protocol):
     def disconnect_listener(self, listener: Listener) -> int: ...
     def controllers_info(self) -> list[dict[str, Any]]: ...
     def disconnect_controller(self, cntlid: int) -> bool: ...
+    # for a gateway group member (target/gateway/group.py), which drives the target through its service
+    def listening_port(self, listener: Listener) -> int: ...
+    def set_pr_store(self, store: PrStore | None) -> None: ...
+    def set_cntlid_range(self, lo: int, hi: int) -> None: ...
+    def set_ana_default(self, state: AnaState) -> None: ...
+    def set_peer_listeners(self, peers: list[Listener]) -> None: ...
     # ANA states (on listeners) or a group's namespaces (in subnqn) changed: bump the ANA change counts
     # and send the ANA change AEN to the controllers concerned (target.core.Target.ana_changed).
     def ana_changed(self, *, subnqn: str | None = None, listeners: Iterable[Listener] | None = None,
                     groups: Iterable[int] = (), concerns: Callable[[str], bool] | None = None) -> int: ...
+
+
+class GatewayMember(Protocol):
+    """What TargetService asks of the gateway group member it belongs to (target/gateway/group.py)."""
+
+    @property
+    def group_name(self) -> str: ...
+    # The group's store took a change that was then undone here: apply the store's version again.
+    def store_ahead(self) -> None: ...
+    async def report(self) -> dict[str, Any]: ...   # what GET /api/v1/gateway returns
+    # A member gone for good leaves the group (refused while it is alive): DELETE /api/v1/gateway/members/NAME
+    async def remove_member(self, name: str) -> None: ...
 
 
 class ServiceError(Exception):
@@ -260,20 +280,17 @@ class TargetService:
         target: TargetHooks,
         *,
         config_path: str | os.PathLike[str] | None = None,
-        backing_dirs: Iterable[str | os.PathLike[str]] | None = None,
-        block_devices: Iterable[str | os.PathLike[str]] = (),
-        ceph_confs: Iterable[str | os.PathLike[str]] = (),
-        ceph_keyrings: Iterable[str | os.PathLike[str]] = (),
-        rbd_op_timeout: float = defaults.RBD_OP_TIMEOUT,
+        **policy_settings: Any,
     ) -> None:
-        """``backing_dirs`` (default: the state directory's disks/) and ``block_devices`` are the
-        operator's (`nvmeof serve --backing-dir/--allow-block-device`): where file namespaces may
-        live, for every caller alike. A configuration file replayed at start-up may add its own
-        ``backing_dirs``/``allow_block_devices`` (it is the operator's file too); nothing that comes
-        through the API can widen them. BackingError (a BackendError) if one of them is unusable."""
+        """``policy_settings`` are the operator's fences for the backends that have one (StoragePolicy:
+        ``backing_dirs``, default the state directory's disks/, and ``block_devices`` where file
+        namespaces may live; ``ceph_confs``... for RBD; `nvmeof serve --backing-dir`, ...), for every
+        caller alike. A configuration file replayed at start-up may add its own (it is the operator's
+        file too); nothing that comes through the API can widen them. BackingError (a BackendError)
+        if one of them is unusable, TypeError for a setting no backend takes."""
         self.target = target
         self.config_path = os.fspath(config_path) if config_path is not None else None
-        self.backing = BackingPolicy(backing_dirs, block_devices, ceph_confs, ceph_keyrings, rbd_op_timeout)
+        self.backing = StoragePolicy.from_settings(**policy_settings)
         self._flag_backing = self.backing
         # the configuration file's own policy keys, written back by snapshot() as they were read
         self._config_backing: dict[str, list[str]] = {}
@@ -283,10 +300,25 @@ class TargetService:
         # ANA states per listener as configured (persisted); Listener.ana_states is what is served,
         # which a gateway group also sets at run time (set_ana_states(persist=False)), unsaved.
         self._ana_saved: dict[str, dict[int, AnaState]] = {}
-        # Set by a gateway group member (target/gateway/group.py): called by every persisted change
-        # before it is saved; the group itself is what GET /api/v1/gateway reports.
-        self.on_change: Callable[[], Awaitable[None]] | None = None
-        self.gateway: Any = None
+        # The gateway group this target is a member of (join_gateway), and its hook that every persisted
+        # change calls before it is saved (set_change_hook).
+        self._gateway: GatewayMember | None = None
+        self._on_change: Callable[[], Awaitable[None]] | None = None
+
+    # --- the gateway group ------------------------------------------------------------------------
+
+    @property
+    def gateway(self) -> GatewayMember | None:
+        """The gateway group member this target belongs to (it decides the ANA states), or None."""
+        return self._gateway
+
+    def join_gateway(self, member: GatewayMember) -> None:
+        self._gateway = member
+
+    def set_change_hook(self, hook: Callable[[], Awaitable[None]] | None) -> None:
+        """``hook`` is awaited by every persisted change before it is saved; a ServiceError from it undoes the
+        change (a gateway group writes the shared configuration to its store there). None: no hook."""
+        self._on_change = hook
 
     # --- reads ---------------------------------------------------------------------------------
 
@@ -330,12 +362,12 @@ class TargetService:
     # --- commit machinery ----------------------------------------------------------------------
 
     async def _commit(self, persist: bool, undo: Undo) -> None:
-        if persist and self.on_change is not None:
+        if persist and self._on_change is not None:
             # A gateway group writes the shared configuration to its store first (target/gateway/group.py):
             # refused there (another gateway changed it at the same moment, the store is out of reach),
             # the change is undone here too.
             try:
-                await self.on_change()
+                await self._on_change()
             except ServiceError:
                 await undo()
                 raise
@@ -351,8 +383,8 @@ class TargetService:
     def _store_ahead(self) -> None:
         """A gateway group's store took a change that was then undone here (the local save failed): the
         member applies the store's version again, so it does not stay behind the group for good."""
-        if self.on_change is not None and self.gateway is not None:
-            self.gateway.store_ahead()
+        if self._on_change is not None and self._gateway is not None:
+            self._gateway.store_ahead()
 
     async def _settle(self) -> None:
         """With worker processes (`serve --workers`), wait until they have applied a namespace change,
@@ -790,10 +822,9 @@ class TargetService:
         if backend not in kinds():
             raise _bad(f"backend {backend!r} is not one of {', '.join(kinds())}")
         if self.gateway is not None and not backend_class(backend).same_data_in_every_process:
-            raise _bad(f"backend {backend!r} cannot be exported by gateway group {self.gateway.store.group}: every "
+            raise _bad(f"backend {backend!r} cannot be exported by gateway group {self.gateway.group_name}: every "
                        "gateway would serve its own copy under one NGUID/UUID, and a host switching paths would "
                        "read another gateway's data; use --backend file on storage every gateway reaches, or rbd")
-        options = _backend_options(backend, options)
         if block_size not in BLOCK_SIZES:
             raise _bad(f"block size {block_size!r} is not supported; use 512 or 4096")
         read_only = _bool(read_only, "read_only")
@@ -806,58 +837,26 @@ class TargetService:
                     f"size {size} is not a multiple of the block size {block_size}; "
                     f"try {size // block_size * block_size or block_size}"
                 )
-        if backend == "file":
-            if path is None or path == "":
-                raise _bad("a file namespace needs a path (a regular file or a block device)")
-            try:
-                # Stored resolved: the config file and the API show the file actually served, and a
-                # restart from another working directory serves the same one.
-                path = self.backing.check(path)
-            except BackendError as exc:
-                raise _bad(str(exc)) from None
-            if create and size is None:
-                raise _bad(f"creating {path} needs a size")
+        try:
+            checked = validate_spec(backend, BackendSpec(path, size, read_only, create, dict(options or {})),
+                                    self.backing)
+        except BackendError as exc:
+            raise _bad(str(exc)) from None
+        shown = backend_class(backend).storage_name(checked)
+        if create and size is None:   # the backend would make an existing one serve as it is
+            raise _bad(f"creating {shown} needs a size")
+        where = storage_key(backend, checked, self.backing)
+        if where is not None:
             for other_sub, other in self._all_namespaces():
-                if _resolved(other.spec.get("path")) == path:
+                if self._storage_key(other.spec) == where:
                     raise ServiceError(
                         409,
-                        f"{path} already backs namespace {other.nsid} of {other_sub.nqn}; "
-                        "two namespaces on one file would corrupt each other",
+                        f"{shown} already backs namespace {other.nsid} of {other_sub.nqn}; "
+                        "two namespaces on the same storage would corrupt each other",
                     )
             for u in self._pending("namespace"):
-                if _resolved(u.item.get("path")) == path:
-                    raise self._pending_conflict(f"a namespace on {path}", u)
-        elif backend in BACKEND_OPTIONS:
-            if path is not None:
-                raise _bad(f"a {backend} namespace takes no path; give {' and '.join(BACKEND_OPTIONS[backend][:2])}")
-            if create and size is None:
-                raise _bad(f"creating a {backend} namespace's storage needs a size")
-            try:
-                # Stored resolved, like file paths; an unlisted one is refused before librados reads it.
-                for key, check in (("ceph_conf", self.backing.ceph_conf), ("ceph_keyring", self.backing.ceph_keyring)):
-                    if key in options:
-                        options[key] = check(options[key])
-            except BackendError as exc:
-                raise _bad(str(exc)) from None
-            default_conf = self.backing.ceph_conf(None)
-            where = _storage_key(backend, options, default_conf)
-            for other_sub, other in self._all_namespaces():
-                if _storage_key(other.spec.get("backend", ""), other.spec, default_conf) == where:
-                    raise ServiceError(
-                        409,
-                        f"{_storage_name(backend, options)} already backs namespace {other.nsid} of {other_sub.nqn}; "
-                        "two namespaces on one image would corrupt each other",
-                    )
-            for u in self._pending("namespace"):
-                if _storage_key(u.item.get("backend", ""), u.item, default_conf) == where:
-                    raise self._pending_conflict(f"a namespace on {_storage_name(backend, options)}", u)
-        else:
-            if path is not None:
-                raise _bad(f"a {backend} namespace takes a size, not a path")
-            if create:
-                raise _bad("create applies to file and rbd namespaces only")
-            if size is None:
-                raise _bad(f"a {backend} namespace needs a size in bytes (a multiple of {block_size})")
+                if self._storage_key(u.item) == where:
+                    raise self._pending_conflict(f"a namespace on {shown}", u)
         taken = sub.namespaces.keys() | self._pending_nsids(subnqn)
         if nsid is None:
             nsid = next((n for n in range(1, sub.max_namespaces + 1) if n not in taken), None)
@@ -892,12 +891,11 @@ class TargetService:
         # Everything else is checked; opening the backend is the last step that can fail.
         try:
             store, stored_ids = await asyncio.to_thread(
-                _open_store, backend, path=path, size=size, read_only=read_only, create=create,
-                policy=self.backing, options=options,
+                _open_store, backend, path=checked.path, size=size, read_only=read_only, create=create,
+                policy=self.backing, options=dict(checked.options),
             )
         except BackendError as exc:
             raise _bad(str(exc)) from None
-        shown = path or _storage_name(backend, options)
         if store.size % block_size:
             self._discard_backend(store)
             raise _bad(
@@ -912,21 +910,19 @@ class TargetService:
             except ServiceError:
                 self._discard_backend(store)
                 raise
-        elif store.holds_user_data and backend in BACKEND_OPTIONS:
+        elif store.holds_user_data:
             # The first gateway to serve this storage gives it its identity; every later one (and
-            # every restart) reads it back, so hosts see one namespace behind all of them.
+            # every restart) reads it back, so hosts see one namespace behind all of them (a backend
+            # that cannot keep it, a file, ignores this).
             ids = {"uuid": str(ns_uuid), "nguid": ns_nguid.hex(), "eui64": ns_eui64.hex()}
             try:
                 await asyncio.to_thread(store.store_identity, ids)
             except BackendError as exc:
                 self._discard_backend(store)
                 raise _bad(f"{shown}: cannot store the namespace identity with it: {exc}") from None
-        spec: dict[str, Any] = {"backend": backend}
-        if path is not None:
-            spec["path"] = path
-        if size is not None:
-            spec["size"] = size
-        spec.update(options)
+        # the configuration entry's backend part: what was given (a path resolved, options checked)
+        given = {"backend": backend, "path": checked.path, "size": size, **checked.options}
+        spec = {key: value for key, value in given.items() if value is not None}
         ns = Namespace(
             nsid=nsid,
             backend=store,
@@ -956,6 +952,10 @@ class TargetService:
         store.watch_size(lambda new_size: self._storage_resized(subnqn, nsid, store, new_size))
         await self._settle()
         return ns
+
+    def _storage_key(self, entry: Mapping[str, Any]) -> Any:
+        """The storage a namespace's configuration entry names (None: its own, or unusable)."""
+        return storage_key(entry.get("backend", ""), spec_of(entry), self.backing)
 
     def _stored_identity(
         self, shown: str, stored: dict[str, str], given: tuple[Any, Any, Any], made: tuple[Any, Any, Any]
@@ -1280,7 +1280,7 @@ class TargetService:
                             persist: bool = True) -> Listener:
         """One group's ANA state on one listener (nvmet ports/<portid>/ana_groups/<grpid>/ana_state)."""
         if self.gateway is not None:
-            raise ServiceError(409, f"this target is a member of gateway group {self.gateway.store.group}: the group "
+            raise ServiceError(409, f"this target is a member of gateway group {self.gateway.group_name}: the group "
                                "decides the ANA states by who holds each group's lock (see nvmeof gateway list); "
                                "move a namespace with set-anagrpid, or restart without --gateway-group to set "
                                "states by hand")
@@ -1369,7 +1369,7 @@ class TargetService:
         names are optimized again). None when a gateway group decides them."""
         if self.gateway is not None:
             log.warning("listener %s: its ana_states in the reloaded configuration are ignored: gateway group %s "
-                        "decides the ANA states", listener_id, self.gateway.store.group)
+                        "decides the ANA states", listener_id, self.gateway.group_name)
             return None
         listener = self.get_listener(listener_id)
         wanted = {int(g): parse_ana_state(st) for g, st in states.items()}
@@ -1383,7 +1383,7 @@ class TargetService:
             return
         if self.gateway is not None:  # the gateway group decides (a saved "optimized" would be split brain)
             log.warning("listener %s: its ana_states in the configuration are ignored: gateway group %s decides "
-                        "the ANA states", listener.id, self.gateway.store.group)
+                        "the ANA states", listener.id, self.gateway.group_name)
             return
         parsed = {int(g): parse_ana_state(st) for g, st in states.items()}
         listener.set_ana_states(parsed)
@@ -1701,13 +1701,17 @@ class TargetService:
             if keep and _keepable(kind, item):
                 self._unrestored.append(Unrestored(kind, where, message, copy.deepcopy(item), subnqn))
 
+        def sound(kind: str, where: str, item: Any) -> bool:
+            """Whether ``item`` is structurally sound; its problems, if any, go to ``errors``."""
+            problems = configmod.item_problems(kind, item, where)
+            errors.extend(problems)
+            return not problems
+
         todo = list(namespaces)
         for base, item in subsystems:
             await asyncio.sleep(0)  # a large import yields to NVMe I/O between items
             where = base + (f" ({item['nqn']})" if isinstance(item, dict) and "nqn" in item else "")
-            problems = configmod.item_problems("subsystem", item, where)
-            if problems:
-                errors.extend(problems)
+            if not sound("subsystem", where, item):
                 continue
             try:
                 hosts, host_auth = _split_hosts(_given(item, "hosts", ()))
@@ -1730,12 +1734,10 @@ class TargetService:
             todo += [(item["nqn"], f"{base}.namespaces[{j}]", ns) for j, ns in enumerate(item.get("namespaces") or [])]
         for nqn, where, item in todo:
             await asyncio.sleep(0)  # a large import yields to NVMe I/O between items
-            problems = configmod.item_problems("namespace", item, where)
-            if problems:
-                errors.extend(problems)
+            if not sound("namespace", where, item):
                 continue
             args = {key: item.get(key) for key in ("nsid", "path", "size", "uuid", "nguid", "eui64")}
-            args["options"] = {key: item[key] for key in OPTION_KEYS if key in item}
+            args["options"] = spec_of(item).options
             try:
                 ns = await self._add_namespace(
                     nqn,
@@ -1760,9 +1762,7 @@ class TargetService:
                     failed("namespace", where, item, exc.message, nqn)
         for where, item in listeners:
             await asyncio.sleep(0)  # a large import yields to NVMe I/O between items
-            problems = configmod.item_problems("listener", item, where)
-            if problems:
-                errors.extend(problems)
+            if not sound("listener", where, item):
                 continue
             try:
                 listener = await self._add_listener(
@@ -1780,9 +1780,7 @@ class TargetService:
                 failed("listener", where, item, exc.message)
         for where, item in referrals:
             await asyncio.sleep(0)  # a large import yields to NVMe I/O between items
-            problems = configmod.item_problems("referral", item, where)
-            if problems:
-                errors.extend(problems)
+            if not sound("referral", where, item):
                 continue
             try:
                 await self._add_referral(
@@ -1814,9 +1812,9 @@ class TargetService:
     ) -> None:
         """Save after a multi-item change; if saving fails, take out everything added since
         ``before`` (and put the unrestored list back), so memory matches the file again."""
-        if self.on_change is not None:  # a gateway group's store first, as in _commit
+        if self._on_change is not None:  # a gateway group's store first, as in _commit
             try:
-                await self.on_change()
+                await self._on_change()
             except ServiceError:
                 await self._take_out(before, unrestored)
                 raise
@@ -1864,7 +1862,7 @@ class TargetService:
         whatever stays keep running. All or nothing: returns the reasons when refused, and then
         nothing changed; [] when applied (the file is then saved back in canonical form, with the
         nsids and identifiers it left out). Every step runs under the lock into one undo log and the
-        result is saved once (a gateway group's store first, through on_change): a step, the store or
+        result is saved once (a gateway group's store first, through the change hook): a step, the store or
         the save refusing undoes them all, which is what a gateway group applying the store's version
         relies on. Items still waiting from a failed restore that the file keeps as they were stay
         waiting; those it dropped are forgotten."""
@@ -2112,38 +2110,6 @@ def _given(item: dict[str, Any], key: str, default: Any) -> Any:
     return default if value is None else value
 
 
-def _backend_options(backend: str, options: dict[str, Any] | None) -> dict[str, str]:
-    """``options`` checked against what ``backend`` takes: strings only, none it does not know."""
-    options = dict(options or {})
-    allowed = BACKEND_OPTIONS.get(backend, ())
-    unknown = [key for key in options if key not in allowed]
-    if unknown:
-        takes = f"it takes {', '.join(allowed)}" if allowed else "it takes none"
-        raise _bad(f"a {backend} namespace has no setting {', '.join(sorted(unknown))}; {takes}")
-    for key, value in options.items():
-        if not isinstance(value, str) or not value or "\0" in value:
-            raise _bad(f"{key} must be a non-empty string, got {value!r}")
-    missing = [key for key in allowed[:2] if key not in options]
-    if missing:
-        raise _bad(f"a {backend} namespace needs {' and '.join(missing)}")
-    return options
-
-
-def _storage_key(backend: str, options: Any, default_conf: str) -> tuple[Any, ...] | None:
-    """What names one piece of storage for a kind with options (the same RBD image twice is a conflict)."""
-    if backend != "rbd" or not isinstance(options, dict):
-        return None
-    conf = options.get("ceph_conf") or default_conf
-    return (conf, options.get("pool"), options.get("rbd_namespace") or "", options.get("image"))
-
-
-def _storage_name(backend: str, options: dict[str, Any]) -> str:
-    if backend == "rbd":
-        where = "/".join(p for p in (options.get("pool"), options.get("rbd_namespace"), options.get("image")) if p)
-        return f"RBD image {where}"
-    return f"{backend} storage"
-
-
 def _open_store(backend: str, **kw: Any) -> tuple[Any, dict[str, str] | None]:
     """Open the backend and read the identity it keeps (both may block: run in a thread)."""
     store = open_backend(backend, **kw)
@@ -2152,13 +2118,6 @@ def _open_store(backend: str, **kw: Any) -> tuple[Any, dict[str, str] | None]:
     except BackendError:
         TargetService._discard_backend(store)
         raise
-
-
-def _resolved(path: Any) -> str | None:
-    """``path`` resolved, or None when it is no usable path (a NUL byte, not a string)."""
-    if not isinstance(path, str) or not path or "\0" in path:
-        return None
-    return os.path.realpath(path)
 
 
 def _show(value: Any) -> str:
@@ -2231,7 +2190,7 @@ def _namespace_entry(ns: Namespace) -> dict[str, Any]:
         entry["path"] = ns.spec["path"]
     if "size" in ns.spec:
         entry["size"] = ns.spec["size"]
-    entry.update({key: ns.spec[key] for key in OPTION_KEYS if key in ns.spec})
+    entry.update(spec_of(ns.spec).options)
     entry.update(
         {
             "block_size": ns.block_size,

@@ -50,3 +50,18 @@ def rbd_image(ceph_cluster: CephCluster) -> Iterator[str]:
     except CephClusterError as exc:
         if "No such file" not in str(exc) and "(2)" not in str(exc):
             raise
+
+
+@pytest.fixture
+def config_path(tmp_path):  # type: ignore[no-untyped-def]
+    """Where a test's TargetService saves its configuration."""
+    return tmp_path / "config.json"
+
+
+@pytest.fixture
+def service(config_path):  # type: ignore[no-untyped-def]
+    """A TargetService over a fresh Target, saving to ``config_path``, file namespaces beside it."""
+    from target.core import Target
+    from target.service import TargetService
+
+    return TargetService(Target(), config_path=config_path, backing_dirs=[config_path.parent])

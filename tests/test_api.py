@@ -37,16 +37,6 @@ def ns_url(nqn: str = NQN, nsid: int | None = None, action: str = "") -> str:
     return url + (f"/{action}" if action else "")
 
 
-@pytest.fixture
-def config_path(tmp_path):
-    return tmp_path / "config.json"
-
-
-@pytest.fixture
-def service(config_path):
-    return TargetService(Target(), config_path=config_path, backing_dirs=[config_path.parent])
-
-
 TOKEN = "t0ken-for-the-tests"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 

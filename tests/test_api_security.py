@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import stat
 import subprocess
@@ -29,6 +28,7 @@ import pytest
 from nvmeof import defaults
 from nvmeof.cli.daemon import DaemonError, state_directory, write_private_file
 from tests.ports import free_ports
+from tests.procs import stop_process
 
 REPO = Path(__file__).resolve().parents[1]
 NQN = defaults.DEFAULT_SUBSYSTEM_NQN
@@ -88,15 +88,8 @@ class Serve:
             time.sleep(0.05)
         raise AssertionError(f"nvmeof serve did not start:\n{self.stderr.read_text()}")
 
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise
+    def stop(self) -> int | None:
+        return stop_process(self.proc)
 
 
 @pytest.fixture

@@ -38,16 +38,6 @@ def assert_no_secret(text: str) -> None:
         assert part not in text, "a DH-HMAC-CHAP secret leaked"
 
 
-@pytest.fixture
-def config_path(tmp_path):
-    return tmp_path / "config.json"
-
-
-@pytest.fixture
-def service(config_path):
-    return TargetService(Target(), config_path=config_path, backing_dirs=[config_path.parent])
-
-
 # ------------------------------------------------------------------------- service and config file
 
 

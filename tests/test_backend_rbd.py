@@ -18,9 +18,10 @@ import pytest
 
 from nvmeof import defaults
 from nvmeof.status import Status
-from target.backends import BACKENDS, backend_class
+from target.backends import BACKENDS, StoragePolicy, backend_class, open_backend
 from target.backends.base import BackendError, BackendSpec, BackendUnavailable
-from target.backends.file import BackingError, BackingPolicy
+from target.backends.file import BackingError
+from target.backends.rbd import CephPolicy
 from tests.ceph_cluster import CephCluster, unusable_reason
 
 pytestmark = pytest.mark.ceph
@@ -35,8 +36,8 @@ def rbd_mod(ceph_cluster: CephCluster) -> types.ModuleType:
     return rbd
 
 
-def _policy(cluster: CephCluster, **kw: Any) -> BackingPolicy:
-    return BackingPolicy([], ceph_confs=[cluster.conf], **kw)
+def _policy(cluster: CephCluster, **kw: Any) -> CephPolicy:
+    return CephPolicy(ceph_confs=[cluster.conf], **kw)
 
 
 def _open(cluster: CephCluster, image: str, *, size: int | None = None, create: bool = False,
@@ -179,12 +180,17 @@ def test_smaller_image_grown_only_with_create(ceph_cluster: CephCluster, rbd_ima
     ({"rbd_namespace": ""}, r"rbd_namespace must be a non-empty name.*leave it out"),
     ({"image": "x" * 300}, r"image is 300 bytes long; at most 255"),
     ({"ceph_id": "bad id"}, r"ceph_id must be a Ceph client name"),
-    ({"colour": "blue"}, r"unknown setting\(s\) colour"),
 ])
 def test_bad_settings_refused(ceph_cluster: CephCluster, options: dict[str, Any], message: str) -> None:
     opts = {"pool": ceph_cluster.pool, "image": "img", **options}
     with pytest.raises(BackendError, match=message):
         backend_class("rbd").open(BackendSpec(options=opts), _policy(ceph_cluster))
+
+
+def test_a_setting_rbd_does_not_take_is_refused_by_the_registry(ceph_cluster: CephCluster) -> None:
+    opts = {"pool": ceph_cluster.pool, "image": "img", "colour": "blue"}
+    with pytest.raises(BackendError, match=r"rbd namespace has no setting colour; it takes pool, image"):
+        open_backend("rbd", options=opts, policy=StoragePolicy({"rbd": _policy(ceph_cluster)}))
 
 
 def test_missing_pool_image_namespace_and_conf(ceph_cluster: CephCluster, tmp_path: Any) -> None:
@@ -201,7 +207,7 @@ def test_missing_pool_image_namespace_and_conf(ceph_cluster: CephCluster, tmp_pa
         _open(ceph_cluster, "x", ceph_conf=str(other))
     gone = tmp_path / "gone.conf"
     with pytest.raises(BackendError, match=r"gone.conf does not exist"):
-        cls.open(BackendSpec(options={"pool": "rbd", "image": "x"}), BackingPolicy([], ceph_confs=[gone]))
+        cls.open(BackendSpec(options={"pool": "rbd", "image": "x"}), CephPolicy(ceph_confs=[gone]))
 
 
 def test_namespace_image(ceph_cluster: CephCluster, rbd_image: str, opened: Any) -> None:
@@ -376,7 +382,7 @@ def test_describe_names_but_no_secrets(ceph_cluster: CephCluster, rbd_image: str
     keyring = tmp_path / "client.keyring"
     keyring.write_text("[client.admin]\n\tkey = AQBSECRETSECRETSECRETSECRETSECRETSEC==\n")
     opts = {"pool": ceph_cluster.pool, "image": rbd_image, "ceph_keyring": str(keyring)}
-    policy = BackingPolicy([], ceph_confs=[ceph_cluster.conf], ceph_keyrings=[keyring])
+    policy = CephPolicy(ceph_confs=[ceph_cluster.conf], ceph_keyrings=[keyring])
     backend = backend_class("rbd").open(BackendSpec(size=4 * MiB, create=True, options=opts), policy)
     try:
         described = backend.describe()
@@ -446,10 +452,9 @@ libc.__cxa_atexit(ctypes.cast(libc.usleep, ctypes.c_void_p), ctypes.c_void_p(4_0
 sys.path.insert(0, {str(ROOT)!r})
 from target.backends import backend_class
 from target.backends.base import BackendSpec
-from target.backends.file import BackingPolicy
-from target.backends.rbd import clients_up, exit_process
+from target.backends.rbd import CephPolicy, clients_up, exit_process
 spec = BackendSpec(options={{"pool": {ceph_cluster.pool!r}, "image": {image!r}}})
-backend = backend_class("rbd").open(spec, BackingPolicy([], ceph_confs=[{str(ceph_cluster.conf)!r}]))
+backend = backend_class("rbd").open(spec, CephPolicy(ceph_confs=[{str(ceph_cluster.conf)!r}]))
 assert clients_up() == 1
 exit_process(7)
 """)

@@ -19,9 +19,21 @@ from initiator import commands as c
 from nvmeof import defaults
 from nvmeof.cli.daemon import Daemon, DaemonOptions
 from nvmeof.uri import TransportAddress
-from target.backends import BACKENDS, KINDS, attach_backend, backend_class, open_backend, register_backend
-from target.backends.base import BackendError, close_fds
+from target.backends import (
+    BACKEND_OPTIONS,
+    BACKENDS,
+    KINDS,
+    attach_backend,
+    backend_class,
+    open_backend,
+    register_backend,
+)
+from target.backends.base import BackendError, BackendSpec, close_fds
 from target.backends.null import NullBackend
+from target.backends.ram import RamBackend
+from target.config import load_config
+from target.core import Target
+from target.service import ServiceError, TargetService
 from target.workers import PooledTarget
 from tests.ports import free_ports
 
@@ -141,3 +153,88 @@ async def test_a_registered_backend_is_served_by_a_worker_process(registered, tm
             assert bytes(buf) == bytes([5 + 0x40] * 512 + [6 + 0x40] * 512)
     finally:
         await daemon.stop()
+
+
+# --- a kind the service learns from its class alone -------------------------------------------------
+
+
+class TapePolicy:
+    """The toy kind's part of the operator's policy: which tape libraries its namespaces may name."""
+
+    settings = ("tape_libraries",)
+
+    def __init__(self, tape_libraries: tuple[str, ...] = ()) -> None:
+        self.tape_libraries = tuple(tape_libraries)
+
+    def widened(self, tape_libraries: tuple[str, ...] = ()) -> TapePolicy:
+        return TapePolicy((*self.tape_libraries, *tape_libraries))
+
+    def widens(self, tape_libraries: tuple[str, ...] = ()) -> list[str]:
+        return [lib for lib in tape_libraries if lib not in self.tape_libraries]
+
+
+class TapeBackend(RamBackend):
+    """A RAM disk standing for a slot of a tape library: two namespaces on one slot share storage."""
+
+    kind = "tape"
+    policy_class = TapePolicy
+
+    @classmethod
+    def validate_spec(cls, spec: BackendSpec, policy: Any = None) -> BackendSpec:
+        spec = super().validate_spec(spec, policy)
+        if "library" not in spec.options:
+            raise BackendError("a tape namespace needs a library")
+        allowed = policy.tape_libraries if policy is not None else ()
+        if spec.options["library"] not in allowed:
+            raise BackendError(f"tape library {spec.options['library']} is not allowed (allowed: {allowed})")
+        return spec
+
+    @classmethod
+    def storage_key(cls, spec: BackendSpec, policy: Any = None) -> Any:
+        return ("tape", spec.options["library"], spec.options.get("slot", "0"))
+
+    @classmethod
+    def storage_name(cls, spec: BackendSpec) -> str:
+        return f"slot {spec.options.get('slot', '0')} of tape library {spec.options['library']}"
+
+
+@pytest.fixture
+def tape():
+    register_backend("tape", TapeBackend, options=("library", "slot"))   # the one line
+    try:
+        yield
+    finally:
+        BACKENDS.pop("tape", None)
+        BACKEND_OPTIONS.pop("tape", None)
+
+
+async def test_a_registered_kind_is_validated_fenced_and_kept_by_the_service(tape, tmp_path) -> None:
+    # Nothing in target/ names this kind: the service takes its policy setting, checks its settings,
+    # refuses a second namespace on its storage and writes its settings to the configuration file.
+    cfg = tmp_path / "config.json"
+    svc = TargetService(Target(), config_path=cfg, backing_dirs=[tmp_path], tape_libraries=["lib0"])
+    sub = (await svc.add_subsystem(NQN)).nqn
+    ns = await svc.add_namespace(sub, backend="tape", size=MiB, options={"library": "lib0", "slot": "3"})
+    assert isinstance(ns.backend, TapeBackend) and ns.backend.size == MiB
+    with pytest.raises(ServiceError, match="slot 3 of tape library lib0 already backs namespace 1") as err:
+        await svc.add_namespace(sub, backend="tape", size=MiB, options={"library": "lib0", "slot": "3"})
+    assert err.value.status == 409
+    await svc.add_namespace(sub, backend="tape", size=MiB, options={"library": "lib0", "slot": "4"})
+    for options, message in (({"library": "lib9"}, "tape library lib9 is not allowed"),
+                             ({"library": "lib0", "colour": "red"}, "tape namespace has no setting colour"),
+                             ({"library": "lib0", "pool": "rbd"}, "tape namespace has no setting pool")):
+        with pytest.raises(ServiceError, match=message) as err:
+            await svc.add_namespace(sub, backend="tape", size=MiB, options=options)
+        assert err.value.status == 400
+    with pytest.raises(ServiceError, match="a file namespace has no setting library"):
+        await svc.add_namespace(sub, backend="file", path=str(tmp_path / "f"), size=MiB, create=True,
+                                options={"library": "lib0"})
+    saved = load_config(cfg)["subsystems"][0]["namespaces"]
+    assert [(n["backend"], n["library"], n["slot"]) for n in saved] == [("tape", "lib0", "3"), ("tape", "lib0", "4")]
+
+    # a restart replays the file through the same checks
+    again = TargetService(Target(), config_path=cfg, backing_dirs=[tmp_path], tape_libraries=["lib0"])
+    assert await again.restore(load_config(cfg)) == []
+    assert [n.spec["slot"] for n in again.list_namespaces(sub)] == ["3", "4"]
+    with pytest.raises(TypeError, match="no backend takes the policy setting"):
+        TargetService(Target(), tape_drives=["x"])

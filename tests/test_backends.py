@@ -458,7 +458,7 @@ async def test_open_backend_kinds_and_errors(tmp_path):
         ({"kind": "file"}, "needs a path"),
         ({"kind": "ram"}, "needs a size"),
         ({"kind": "null", "path": "/tmp/x"}, "takes no path"),
-        ({"kind": "ram", "size": 4096, "create": True}, "file backends only"),
+        ({"kind": "ram", "size": 4096, "create": True}, "has no storage to create"),
     ):
         with pytest.raises(BackendError, match=message):
             open_backend(**kwargs)

@@ -137,7 +137,7 @@ async def test_daemon_start_creates_the_default_backing_dir_0700(tmp_path):
                                   listen=[TransportAddress("tcp", "127.0.0.1", io)],
                                   discovery=[TransportAddress("tcp", "127.0.0.1", disc)]))
     try:
-        assert daemon.service.backing.backing_dirs == (str(state / "disks"),)
+        assert daemon.service.backing.part("file").backing_dirs == (str(state / "disks"),)
         await daemon.start()
         assert (state / "disks").is_dir() and (state / "disks").stat().st_mode & 0o777 == 0o700
     finally:

@@ -25,7 +25,7 @@ import pytest
 from initiator.connecting import connect
 from target.gateway import fencing
 from target.gateway.store import MemberRecord
-from tests.test_gateway_e2e import OPT, SETTLE, SUBNQN, Gateway, wait_states
+from tests.test_gateway_e2e import OPT, SETTLE, SUBNQN, Gateway, rbd_group_args, wait_states
 
 pytestmark = [pytest.mark.ceph, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -56,11 +56,7 @@ def test_survivor_writes_at_once_after_kill9_of_the_owner(tmp_path: Path, ceph_c
                                                           workers: int) -> None:
     """With --workers the owner's I/O runs in a worker process with librados clients of its own: those are
     published (with the worker's index) and fenced like the main process's."""
-    ceph_cluster.rbd("create", "--size", "32M", f"{ceph_cluster.pool}/{rbd_image}")
-    group = f"fence{os.urandom(3).hex()}"
-    common = ["--nqn", SUBNQN, "--ceph-conf", str(ceph_cluster.conf), "--rbd-image",
-              f"{ceph_cluster.pool}/{rbd_image}", "--group-store", f"rados:{ceph_cluster.pool}",
-              "--gateway-lease", str(LEASE), "--gateway-group", group]
+    common = rbd_group_args(ceph_cluster, rbd_image, "fence", LEASE)
     a = Gateway(tmp_path, "fence-a", [*common, *(["--workers", str(workers)] if workers else [])])
     b = Gateway(tmp_path, "fence-b", common)
     try:
@@ -113,11 +109,7 @@ def test_a_fenced_gateway_steps_down_and_rejoins_once_unblocklisted(tmp_path: Pa
     store with a new client and owns the group again; with the image's client fenced it says to restart."""
     from nvmeof.spec.logs import AnaState
 
-    ceph_cluster.rbd("create", "--size", "8M", f"{ceph_cluster.pool}/{rbd_image}")
-    common = ["--nqn", SUBNQN, "--ceph-conf", str(ceph_cluster.conf), "--rbd-image",
-              f"{ceph_cluster.pool}/{rbd_image}", "--group-store", f"rados:{ceph_cluster.pool}",
-              "--gateway-lease", str(LEASE), "--gateway-group", f"fenced{os.urandom(3).hex()}"]
-    a = Gateway(tmp_path, "fenced-a", common)
+    a = Gateway(tmp_path, "fenced-a", rbd_group_args(ceph_cluster, rbd_image, "fenced", LEASE, size="8M"))
 
     def report_says(what: str) -> dict[str, Any]:
         deadline = time.monotonic() + SETTLE

@@ -28,6 +28,7 @@ from initiator.connecting import connect
 from initiator.discovery import discover
 from nvmeof.spec.logs import AnaState
 from tests.ports import free_ports
+from tests.procs import stop_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -104,15 +105,7 @@ class Gateway:
         self.proc.wait(10)
 
     def stop(self) -> int | None:
-        if self.proc is None or self.proc.poll() is not None:
-            return None if self.proc is None else self.proc.returncode
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            return None
+        return None if self.proc is None else stop_process(self.proc)
 
 
 async def ana_states(gw: Gateway) -> tuple[dict[int, AnaState], int]:
@@ -248,21 +241,36 @@ RBD_LEASE = 3.0
 RBD_FAILOVER_BOUND = RBD_LEASE + 12.0
 
 
-@pytest.mark.ceph
-@pytest.mark.timeout(300)
-def test_two_gateways_on_one_rbd_image_with_a_rados_store(tmp_path: Path, ceph_cluster: Any, rbd_image: str) -> None:
-    ceph_cluster.rbd("create", "--size", "32M", f"{ceph_cluster.pool}/{rbd_image}")
-    group = f"ha{os.urandom(3).hex()}"
-    common = ["--nqn", SUBNQN, "--ceph-conf", str(ceph_cluster.conf), "--rbd-image",
-              f"{ceph_cluster.pool}/{rbd_image}", "--group-store", f"rados:{ceph_cluster.pool}",
-              "--gateway-lease", str(RBD_LEASE)]
-    common += ["--gateway-group", group]
-    a = Gateway(tmp_path, "rbd-a", common)
-    b = Gateway(tmp_path, "rbd-b", common)
+def rbd_group_args(ceph_cluster: Any, rbd_image: str, group: str, lease: float, size: str = "32M") -> list[str]:
+    """Creates the image ``rbd_image`` of ``size``; the `nvmeof serve` arguments of a member of a new gateway
+    group (``group`` and a random suffix) in the cluster's pool, exporting that image as namespace 1."""
+    ceph_cluster.rbd("create", "--size", size, f"{ceph_cluster.pool}/{rbd_image}")
+    return ["--nqn", SUBNQN, "--ceph-conf", str(ceph_cluster.conf), "--rbd-image",
+            f"{ceph_cluster.pool}/{rbd_image}", "--group-store", f"rados:{ceph_cluster.pool}",
+            "--gateway-lease", str(lease), "--gateway-group", f"{group}{os.urandom(3).hex()}"]
+
+
+def rbd_pair(tmp_path: Path, ceph_cluster: Any, rbd_image: str, name: str, lease: float) -> tuple[Gateway, Gateway]:
+    """Gateways NAME-a and NAME-b of a new group exporting a new image (rbd_group_args), started, once NAME-a
+    serves ANA group 1 optimized; both stopped if that does not happen."""
+    common = rbd_group_args(ceph_cluster, rbd_image, name, lease)
+    a, b = Gateway(tmp_path, f"{name}-a", common), Gateway(tmp_path, f"{name}-b", common)
     try:
         a.start()
         b.start()
         wait_states(a, {1: OPT}, SETTLE)
+    except BaseException:
+        a.stop()
+        b.stop()
+        raise
+    return a, b
+
+
+@pytest.mark.ceph
+@pytest.mark.timeout(300)
+def test_two_gateways_on_one_rbd_image_with_a_rados_store(tmp_path: Path, ceph_cluster: Any, rbd_image: str) -> None:
+    a, b = rbd_pair(tmp_path, ceph_cluster, rbd_image, "rbd", RBD_LEASE)
+    try:
         _, cntlid_b = wait_states(b, {1: NONOPT}, SETTLE)
         assert 2041 <= cntlid_b <= 4080
         data = os.urandom(32 * 1024)

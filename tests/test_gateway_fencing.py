@@ -201,7 +201,7 @@ def test_a_change_committed_while_the_store_config_is_applied_is_not_lost(tmp_pa
         try:
             await until(lambda: a.group.owned == {1} and b.group.owned == {2}, "initial split")
             gate = asyncio.Event()
-            orig = b.service.on_change
+            orig = b.group._on_change
             calls = []
 
             async def paused() -> None:
@@ -210,7 +210,7 @@ def test_a_change_committed_while_the_store_config_is_applied_is_not_lost(tmp_pa
                     await gate.wait()
                 await orig()
 
-            b.service.on_change = paused
+            b.service.set_change_hook(paused)
             rest = asyncio.get_running_loop().create_task(
                 b.service.add_namespace(SUB, backend="null", size=1 << 20, nsid=5))
             await until(lambda: len(calls) == 1, "the REST change is committing")
@@ -231,7 +231,7 @@ def test_a_change_committed_while_the_store_config_is_applied_is_not_lost(tmp_pa
             else:
                 assert 5 not in b.service.get_subsystem(SUB).namespaces
         finally:
-            b.service.on_change = b.group._on_change
+            b.service.set_change_hook(b.group._on_change)
             await b.stop()
             await a.stop()
 

@@ -12,6 +12,12 @@ no two modules may import each other, directly or around a longer loop.
 Nor does a module set an attribute on another object's instance (``obj.x = ...``, not ``self``/``cls``)
 with ``# type: ignore``: an attribute the owner does not declare is an interface nobody can see; the
 owner declares it (or offers a method), as Target does for peer_listeners and transport_state.
+
+Inside the target: no module imports target.core but the ones that build a Target on it (the worker
+processes' targets); the others name the Protocols of target/ports.py, so neither target.core nor the
+gateway group is part of an import cycle, TYPE_CHECKING imports included. The gateway group drives the
+service and the target through declared methods only: it sets no attribute of another object and probes
+none with hasattr/getattr (an exception's optional fields aside).
 """
 
 from __future__ import annotations
@@ -172,8 +178,14 @@ def undeclared_writes(source: str, path: str) -> list[str]:
     ignored = {tok.start[0] for tok in tokenize.generate_tokens(io.StringIO(source).readline)
                if tok.type == tokenize.COMMENT and re.search(r"type:\s*ignore(?!\[)|type:\s*ignore\[[^]]*attr-defined",
                                                              tok.string)}
+    return [f"{path}:{node.lineno}: {ast.unparse(t)}" for node, t in _foreign_targets(source)
+            if ignored & set(range(node.lineno, (node.end_lineno or node.lineno) + 1))]
+
+
+def _foreign_targets(source: str, tree: ast.AST | None = None) -> list[tuple[ast.stmt, ast.Attribute]]:
+    """(assignment, target) for each attribute assigned in ``source`` that is not ``self``'s or ``cls``'s own."""
     found = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(tree if tree is not None else ast.parse(source)):
         if isinstance(node, ast.Assign):
             targets = list(node.targets)
         elif isinstance(node, ast.AugAssign | ast.AnnAssign):
@@ -181,11 +193,50 @@ def undeclared_writes(source: str, path: str) -> list[str]:
         else:
             continue
         flat = [t for target in targets for t in (target.elts if isinstance(target, ast.Tuple) else [target])]
-        lines = set(range(node.lineno, (node.end_lineno or node.lineno) + 1))
-        for t in flat:
-            if isinstance(t, ast.Attribute) and not (isinstance(t.value, ast.Name) and t.value.id in ("self", "cls")) \
-                    and lines & ignored:
-                found.append(f"{path}:{node.lineno}: {ast.unparse(t)}")
+        found += [(node, t) for t in flat if isinstance(t, ast.Attribute)
+                  and not (isinstance(t.value, ast.Name) and t.value.id in ("self", "cls"))]
+    return found
+
+
+def core_imports(source: str, relpath: str) -> list[str]:
+    """``path:line`` of each import of target.core (or a name from it) in ``source``, at any depth."""
+    return [f"{relpath}:{line}" for line, module in imports_of(source, relpath)
+            if module == "target.core" or module.startswith("target.core.")]
+
+
+def foreign_writes(source: str, path: str) -> list[str]:
+    """``path:line: target`` for each assignment to another object's state: a private attribute of anything
+    but ``self``/``cls``, any attribute of an object reached through another (``self.service.gateway = ...``
+    sets the service's state, ``self.x = ...`` the object's own), or of an object the function was given
+    (a parameter). A local object the function made itself (``timer.daemon = True``) is its own business."""
+    tree = ast.parse(source)
+    params: dict[int, set[str]] = {}   # id of an assignment -> the parameters of the function it is in
+    for func in ast.walk(tree):
+        if isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            names = {a.arg for a in [*func.args.posonlyargs, *func.args.args, *func.args.kwonlyargs]}
+            for node in ast.walk(func):
+                params.setdefault(id(node), set()).update(names)
+    found = []
+    for node, t in _foreign_targets(source, tree):
+        given = isinstance(t.value, ast.Name) and t.value.id in params.get(id(node), set())
+        if t.attr.startswith("_") or isinstance(t.value, ast.Attribute | ast.Subscript | ast.Call) or given:
+            found.append(f"{path}:{node.lineno}: {ast.unparse(t)}")
+    return found
+
+
+def attribute_probes(source: str, path: str) -> list[str]:
+    """``path:line: call`` for each hasattr(), and each getattr() with a default, except on a caught exception
+    (a third-party error's optional errno): a member that may be missing is an undeclared interface."""
+    tree = ast.parse(source)
+    caught = {node.name for node in ast.walk(tree) if isinstance(node, ast.ExceptHandler) and node.name}
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+            continue
+        probe = node.func.id == "hasattr" or (node.func.id == "getattr" and len(node.args) == 3)
+        on_exception = bool(node.args) and isinstance(node.args[0], ast.Name) and node.args[0].id in caught
+        if probe and not (node.func.id == "getattr" and on_exception):
+            found.append(f"{path}:{node.lineno}: {ast.unparse(node)}")
     return found
 
 
@@ -236,6 +287,31 @@ def test_the_core_imports_pyverbs_only_when_rdma_is_used() -> None:
              if any(m.split(".")[0] == "pyverbs" for m in _module_level_imports(text))]
     assert not eager, f"module-level pyverbs imports in {eager}"
     assert _module_level_imports("import pyverbs.cq\ndef f():\n    import pyverbs.mr\n") == ["pyverbs.cq"]
+
+
+# the modules that build a Target on target.core.Target (serve --workers): composition inside the target
+TARGET_BUILDERS = ("target/core.py", "target/workers.py", "target/worker.py")
+
+
+def test_the_target_core_names_ports_not_target_core() -> None:
+    bad = [hit for path, text in _sources("target").items() if path not in TARGET_BUILDERS
+           for hit in core_imports(text, path)]
+    assert not bad, "imports of target.core (name a Protocol of target/ports.py instead):\n" + "\n".join(bad)
+
+
+def test_neither_target_core_nor_the_gateway_group_is_in_an_import_cycle() -> None:
+    cycles = [c for c in import_cycles(_sources("target"))
+              if any(m == "target.core" or m.startswith("target.gateway.") for m in c)]
+    assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_gateway_group_uses_declared_interfaces_only() -> None:
+    sources = {path: text for path, text in _sources("target").items() if path.startswith("target/gateway/")}
+    assert len(sources) >= 5, sorted(sources)
+    writes = [w for path, text in sources.items() for w in foreign_writes(text, path)]
+    assert not writes, "attributes of other objects set from the gateway group:\n" + "\n".join(writes)
+    probes = [p for path, text in sources.items() for p in attribute_probes(text, path)]
+    assert not probes, "attribute probes in the gateway group (declare the member):\n" + "\n".join(probes)
 
 
 def test_no_import_cycles_in_initiator() -> None:
@@ -302,3 +378,37 @@ def test_cycle_checker_catches_a_planted_cycle() -> None:
 ])
 def test_undeclared_write_checker(source: str, found: list[str]) -> None:
     assert undeclared_writes(source, "m.py") == found
+
+
+@pytest.mark.parametrize(("source", "path", "found"), [
+    ("if TYPE_CHECKING:\n    from target.core import Target\n", "target/pr.py", ["target/pr.py:2"]),
+    ("def f():\n    from target import core\n", "target/auth.py", ["target/auth.py:2"]),
+    ("from ..core import PSDT_MASK\n", "target/transports/tcp.py", ["target/transports/tcp.py:1"]),
+    ("from target.ports import ControllerHost\nfrom target.controller import Controller\n", "target/fabrics.py", []),
+])
+def test_core_import_checker(source: str, path: str, found: list[str]) -> None:
+    assert core_imports(source, path) == found
+
+
+@pytest.mark.parametrize(("source", "found"), [
+    ("self.service.gateway = self\n", ["m.py:1: self.service.gateway"]),
+    ("self.service.target.pr_store = store\n", ["m.py:1: self.service.target.pr_store"]),
+    ("group._ready, self.x = True, 1\n", ["m.py:1: group._ready"]),
+    ("fence.group.owned |= {1}\n", ["m.py:1: fence.group.owned"]),
+    ("self.owned = set()\ncls.n: int = 0\nx = self.service.gateway\n", []),
+    ("def f(service, x):\n    service.gateway = x\n", ["m.py:2: service.gateway"]),
+    ("def f():\n    timer = Timer(1, g)\n    timer.daemon = True\n", []),       # its own object
+    ("def f(store):\n    store.handle()._open = 1\n", ["m.py:2: store.handle()._open"]),
+])
+def test_foreign_write_checker(source: str, found: list[str]) -> None:
+    assert foreign_writes(source, "m.py") == found
+
+
+@pytest.mark.parametrize(("source", "found"), [
+    ("x = f(t) if hasattr(t, 'server') else None\n", ["m.py:1: hasattr(t, 'server')"]),
+    ("port = getattr(server, 'port', None)\n", ["m.py:1: getattr(server, 'port', None)"]),
+    ("try:\n    f()\nexcept OSError as exc:\n    n = getattr(exc, 'errno', None)\n", []),
+    ("v = getattr(obj, name)\n", []),
+])
+def test_attribute_probe_checker(source: str, found: list[str]) -> None:
+    assert attribute_probes(source, "m.py") == found

@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from target.config import ConfigError, import_nvmetcli, load_config, save_config
 from target.core import Target
 from target.service import ServiceError, TargetService
 from tests.ports import free_ports
+from tests.procs import stop_process
 
 MiB = 1 << 20
 REPO = Path(__file__).resolve().parents[1]
@@ -240,15 +240,9 @@ class Served:
         token = (Path(defaults.state_dir()) / defaults.API_TOKEN_FILE).read_text().strip()
         return {"Authorization": f"Bearer {token}"}
 
-    def stop(self) -> int:
+    def stop(self) -> int | None:
         assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(20)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
+        return stop_process(self.proc)
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

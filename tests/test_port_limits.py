@@ -304,17 +304,18 @@ async def test_large_h2c_data_is_received_straight_into_the_write_buffer(served)
 # --- the global H2C budget -------------------------------------------------------------------------------
 
 
-def _r2t_order(peers: dict[str, RawPeer]) -> list[str]:
-    return [name for name, p in peers.items() for _ in p.out.of_kind("r2t")]
+async def _two_queues_sharing_two_writes(s):  # type: ignore[no-untyped-def]
+    """The port's global budget set to two writes of SIZE; an admin queue and I/O queues 1 and 2 of one
+    controller: (port, admin, (peer, connection) of queue 1, of queue 2)."""
+    port = TcpPort.of(s.target)
+    port.configure(_limits(h2c_global_budget=2 * SIZE))
+    admin, cntlid = await admin_host(s.port)
+    return port, admin, await _io_queue(s, cntlid, 1), await _io_queue(s, cntlid, 2)
 
 
 async def test_the_global_budget_is_shared_in_turn(served):
     """Two queues, a global budget of two writes: one queue's 8 writes cannot keep the other's waiting."""
-    port = TcpPort.of(served.target)
-    port.configure(_limits(h2c_global_budget=2 * SIZE))
-    admin, cntlid = await admin_host(served.port)
-    a, _conn_a = await _io_queue(served, cntlid, 1)
-    b, conn_b = await _io_queue(served, cntlid, 2)
+    port, admin, (a, _conn_a), (b, conn_b) = await _two_queues_sharing_two_writes(served)
     peers = {"a": a, "b": b}
     data = {"a": {10 + i: os.urandom(SIZE) for i in range(8)}, "b": {30 + i: os.urandom(SIZE) for i in range(2)}}
     await a.send(b"".join(_write(cid, (cid - 10) * BLOCKS) for cid in data["a"]))
@@ -357,11 +358,7 @@ async def test_the_global_budget_is_shared_in_turn(served):
 
 
 async def test_a_waiting_connection_that_dies_gives_its_budget_back(served):
-    port = TcpPort.of(served.target)
-    port.configure(_limits(h2c_global_budget=2 * SIZE))
-    admin, cntlid = await admin_host(served.port)
-    a, conn_a = await _io_queue(served, cntlid, 1)
-    b, conn_b = await _io_queue(served, cntlid, 2)
+    port, admin, (a, conn_a), (b, conn_b) = await _two_queues_sharing_two_writes(served)
     await a.send(b"".join(_write(10 + i, i * BLOCKS) for i in range(4)))   # 2 granted (unanswered), 2 waiting
     assert await a.wait_for(lambda o: len(o.of_kind("r2t")) >= 2, 5)
     await b.send(_write(30, 40 * BLOCKS))

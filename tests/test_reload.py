@@ -249,7 +249,7 @@ async def test_a_refusing_group_store_undoes_every_step(svc: TargetService) -> N
         asked.append(svc.live_config())
         raise ServiceError(409, "another gateway changed the shared configuration (injected)")
 
-    svc.on_change = conflict
+    svc.set_change_hook(conflict)
     snapshot, objects = svc.snapshot(), live_objects(svc)
     saved = Path(svc.config_path).read_text()
     config = every_step(svc)
@@ -276,7 +276,7 @@ async def test_an_applied_reload_saves_once_with_every_step(svc: TargetService,
         nonlocal changes
         changes += 1
 
-    svc.on_change = on_change
+    svc.set_change_hook(on_change)
     assert await svc.reload(every_step(svc)) == []
     assert len(saves) == 1 and changes == 1, (len(saves), changes)
     assert saves[0] == svc.snapshot() == configmod.load_config(svc.config_path)

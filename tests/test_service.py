@@ -81,6 +81,22 @@ class FakeTarget:
     def disconnect_controller(self, cntlid: int) -> bool:
         return self.ctrls.pop(cntlid, None) is not None
 
+    # what a gateway group member asks (tests/test_gateway_group.py runs those against the real Target)
+    def listening_port(self, listener: Listener) -> int:
+        return listener.trsvcid
+
+    def set_pr_store(self, store: Any) -> None:
+        self.pr_store = store
+
+    def set_cntlid_range(self, lo: int, hi: int) -> None:
+        self.events.append(("set_cntlid_range", lo, hi))
+
+    def set_ana_default(self, state: Any) -> None:
+        self.events.append(("set_ana_default", state))
+
+    def set_peer_listeners(self, peers: list[Listener]) -> None:
+        self.events.append(("set_peer_listeners", [p.id for p in peers]))
+
     async def close(self) -> None:
         for server in self.servers.values():
             server.close()
@@ -266,8 +282,8 @@ def test_every_target_implements_the_whole_target_hooks_protocol():
         ({"backend": "ram", "size": 0}, 400, "size 0 is out of range"),
         ({"backend": "ram", "size": "big"}, 400, "size must be an integer"),
         ({"backend": "ram"}, 400, "needs a size"),
-        ({"backend": "ram", "size": MiB, "path": "/tmp/x"}, 400, "takes a size, not a path"),
-        ({"backend": "ram", "size": MiB, "create": True}, 400, "file and rbd namespaces only"),
+        ({"backend": "ram", "size": MiB, "path": "/tmp/x"}, 400, "takes no path, only a size"),
+        ({"backend": "ram", "size": MiB, "create": True}, 400, "has no storage to create"),
         ({"backend": "file"}, 400, "needs a path"),
         ({"backend": "file", "path": "/nonexistent/d.img"}, 400, "/nonexistent/d.img is outside the backing dir"),
         ({"backend": "file", "path": "/tmp", "size": MiB}, 400, "/tmp is outside the backing directories"),
@@ -648,7 +664,7 @@ async def test_default_backing_dir_is_the_state_dirs_disks(target, tmp_path, mon
     monkeypatch.setenv("NVMEOF_STATE_DIR", str(tmp_path / "state"))
     svc = TargetService(target)
     disks = tmp_path / "state" / "disks"
-    assert svc.backing.backing_dirs == (str(disks),)
+    assert svc.backing.part("file").backing_dirs == (str(disks),)
     await svc.add_subsystem(SUB)
     await expect(400, f"outside the backing directories ({disks})",
                  svc.add_namespace(SUB, backend="file", path=str(tmp_path / "d.img"), size=MiB, create=True))
@@ -664,7 +680,7 @@ async def test_file_paths_are_stored_resolved(target, tmp_path, monkeypatch):
     (tmp_path / "via").symlink_to(real)
     (real / "a.img").write_bytes(b"A" * 4096)
     svc = TargetService(target, backing_dirs=[tmp_path / "via"])
-    assert svc.backing.backing_dirs == (str(real),)
+    assert svc.backing.part("file").backing_dirs == (str(real),)
     await svc.add_subsystem(SUB)
     ns = await svc.add_namespace(SUB, backend="file", path=f"{tmp_path}/via/sub/../a.img")
     assert ns.spec["path"] == str(real / "a.img")
@@ -777,7 +793,7 @@ async def test_config_backing_dirs_widen_at_start_up_but_not_through_an_import(t
     cfg = tmp_path / "config.json"
     svc = TargetService(target, config_path=cfg, backing_dirs=[flags])
     assert await svc.restore(config) == []  # start-up: the operator's file adds to the flags
-    assert svc.backing.backing_dirs == (str(flags), str(extra))
+    assert svc.backing.part("file").backing_dirs == (str(flags), str(extra))
     await svc.add_namespace(SUB, backend="file", path=str(flags / "d.img"))
     saved = load_config(cfg)
     assert saved["backing_dirs"] == [str(extra)]  # written back as read, the flags are not
@@ -791,7 +807,8 @@ async def test_config_backing_dirs_widen_at_start_up_but_not_through_an_import(t
     errors = await svc.restore(imported, persist=True)
     assert f"an import cannot widen where namespace files may live ({third} ignored)" in errors[0]
     assert "--backing-dir" in errors[0] and "outside the backing directories" in errors[1] and len(errors) == 2
-    assert svc.backing.backing_dirs == (str(flags), str(extra)) and load_config(cfg)["backing_dirs"] == [str(extra)]
+    assert svc.backing.part("file").backing_dirs == (str(flags), str(extra))
+    assert load_config(cfg)["backing_dirs"] == [str(extra)]
     assert await svc.restore({"version": 1, "backing_dirs": [str(flags / "sub")]}, persist=True) == []  # no wider
     # a backing directory under /dev in the file is refused, kept in the file, and the rest restored
     target2 = FakeTarget()
@@ -799,5 +816,5 @@ async def test_config_backing_dirs_widen_at_start_up_but_not_through_an_import(t
     errors = await svc2.restore({"version": 1, "backing_dirs": ["/dev/shm", str(extra)]})
     assert errors == ["backing_dirs: backing directory /dev/shm is under /dev, where no namespace file may live; "
                       "give a directory elsewhere (a block device there needs --allow-block-device PATH); ignored"]
-    assert svc2.backing.backing_dirs == (str(flags), str(extra))
+    assert svc2.backing.part("file").backing_dirs == (str(flags), str(extra))
     assert svc2.snapshot()["backing_dirs"] == ["/dev/shm", str(extra)]

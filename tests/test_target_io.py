@@ -118,6 +118,19 @@ async def test_c2h_success_flag_only_without_sqflow(target):
     assert res.data == data and io_flow.success_flags == []
 
 
+async def _in_capsule_write(io, cid: int, *, nlb: int, sgl_length: int) -> int:
+    """A Write of ``nlb`` blocks whose in-capsule SGL says ``sgl_length`` bytes, sent with 512 bytes of
+    capsule data whatever they say: the completion's status."""
+    cmd = rw(IoOpcode.WRITE, 0, nlb)
+    cmd.cid = cid
+    cmd.dptr = Command.make_sgl(SGL_ID_INCAPSULE, 0, sgl_length)
+    fut = asyncio.get_running_loop().create_future()
+    io.pending[cid] = fut
+    io.conn.send_command(cmd.to_bytes(), bytes(512))
+    io.flush()
+    return (await asyncio.wait_for(fut, 2)).status
+
+
 async def test_read_write_errors(target):
     _, io = await session(target)
     assert (await read(io, BLOCKS - 1, 2)).status == Status.LBA_RANGE
@@ -138,24 +151,9 @@ async def test_read_write_errors(target):
     res = await io.cmd(rw(IoOpcode.READ, 0, too_big, nsid=3), read_len=too_big * 512)
     assert res.status == Status.INVALID_FIELD
     # an in-capsule SGL announcing more than the queue accepts
-    cmd = rw(IoOpcode.WRITE, 0, 32)
-    cmd.cid = 900
-    cmd.dptr = Command.make_sgl(SGL_ID_INCAPSULE, 0, 16384)
-    fut = asyncio.get_running_loop().create_future()
-    io.pending[900] = fut
-    io.conn.send_command(cmd.to_bytes(), bytes(512))
-    io.flush()
-    res = await asyncio.wait_for(fut, 2)
-    assert res.status == Status.SGL_INVALID_OFFSET
+    assert await _in_capsule_write(io, 900, nlb=32, sgl_length=16384) == Status.SGL_INVALID_OFFSET
     # in-capsule SGL length and capsule data disagree
-    cmd = rw(IoOpcode.WRITE, 0, 2)
-    cmd.cid = 901
-    cmd.dptr = Command.make_sgl(SGL_ID_INCAPSULE, 0, 1024)
-    fut = asyncio.get_running_loop().create_future()
-    io.pending[901] = fut
-    io.conn.send_command(cmd.to_bytes(), bytes(512))
-    io.flush()
-    assert (await asyncio.wait_for(fut, 2)).status == Status.SGL_INVALID_DATA
+    assert await _in_capsule_write(io, 901, nlb=2, sgl_length=1024) == Status.SGL_INVALID_DATA
     # a keyed SGL makes no sense on TCP
     cmd = rw(IoOpcode.READ, 0, 1)
     cmd.dptr = Command.make_sgl(0x40, 0x1000, 512, key=7)

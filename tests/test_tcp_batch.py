@@ -325,21 +325,28 @@ def test_poll_us_needs_the_batch_engine(tmp_path: Any) -> None:
         Daemon(options)
 
 
+async def _paused_host(server: BatchTcpListener, seed: int) -> tuple[TinyHost, TinyHost, Any, bytes]:
+    """A host whose I/O queue wrote 1 MiB of random data at LBA 0, then stopped reading: (admin, io, the
+    target's end of the I/O queue, the data). Small socket buffers on both ends (no autotuning), so that
+    megabytes of replies cannot all fit."""
+    admin, io = await _tinyhost_io(server.port, SUBNQN)
+    data = random.Random(seed).randbytes(1 << 20)
+    assert (await io.cmd(Command(IoOpcode.WRITE, nsid=1, cdw10=0, cdw12=2047), data)).status == 0
+    assert io.transport is not None
+    conn = next(c for c in server.connections if c.queue.qid == 1)
+    conn.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 32 * 1024)
+    io.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 * 1024)
+    io.transport.pause_reading()
+    return admin, io, conn, data
+
+
 async def test_socket_backlog_when_the_host_does_not_read() -> None:
     """Replies the socket cannot take wait as views in the backlog (the target stops reading commands
     past its high-water mark) and arrive whole and in order once the host reads again."""
     tgt = make_target()
     server = await _listen(tgt, 0)
     try:
-        admin, io = await _tinyhost_io(server.port, SUBNQN)
-        data = random.Random(9).randbytes(1 << 20)
-        assert (await io.cmd(Command(IoOpcode.WRITE, nsid=1, cdw10=0, cdw12=2047), data)).status == 0
-        assert io.transport is not None
-        conn = next(c for c in server.connections if c.queue.qid == 1)
-        # Small socket buffers on both ends (no autotuning) so that 3 MiB of replies cannot all fit.
-        conn.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 32 * 1024)
-        io.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 * 1024)
-        io.transport.pause_reading()
+        admin, io, conn, data = await _paused_host(server, seed=9)
         futs = [io.send(Command(IoOpcode.READ, nsid=1, cdw10=256 * (i % 8), cdw12=255), read_len=128 * 1024)
                 for i in range(24)]
         deadline = asyncio.get_running_loop().time() + 10
@@ -442,14 +449,7 @@ async def test_one_wake_up_queues_a_bounded_backlog() -> None:
     tgt = make_target()
     server = await _listen(tgt, 0)
     try:
-        _admin, io = await _tinyhost_io(server.port, SUBNQN)
-        data = random.Random(10).randbytes(1 << 20)
-        assert (await io.cmd(Command(IoOpcode.WRITE, nsid=1, cdw10=0, cdw12=2047), data)).status == 0
-        assert io.transport is not None
-        conn = next(c for c in server.connections if c.queue.qid == 1)
-        conn.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 32 * 1024)
-        io.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 * 1024)
-        io.transport.pause_reading()
+        _admin, io, conn, data = await _paused_host(server, seed=10)
         count = 150   # 10.8 KB of commands (one receive), 18.75 MiB of replies
         done = conn.fast_commands
         flush = io.flush

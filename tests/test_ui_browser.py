@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ import pytest
 import initiator.sync
 from nvmeof import defaults
 from tests.ports import free_ports
+from tests.procs import stop_process
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -82,13 +82,7 @@ class Serve:
         return match.group(1)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
 
 @pytest.fixture

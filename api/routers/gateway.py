@@ -69,7 +69,7 @@ class GatewayOut(BaseModel):
 
 
 def _group(service: Any) -> Any:
-    group = getattr(service, "gateway", None)
+    group = service.gateway
     if group is None:
         raise ServiceError(404, "this target is not a member of a gateway group; start nvmeof serve with "
                                 "--gateway-group NAME --group-store dir:PATH|rados:POOL")

@@ -19,7 +19,7 @@ Secrets, challenges and responses never appear in ``failure.message``.
 from __future__ import annotations
 
 import hmac as _hmac
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from nvmeof.auth import messages as msg
 from nvmeof.auth.dhchap import (
@@ -95,6 +95,16 @@ class ControllerTransaction:
                     else "nothing (the transaction failed; a new AUTH_Negotiate restarts it)")
         return _EXPECTED[self.state]
 
+    def _first_offered(self, allowed: Sequence[int], offered: Sequence[int], what: str, name: Callable[[int], str],
+                       reason: int) -> int | None:
+        """The first of ``allowed`` (the controller's preference order) that the host offers; None, having
+        failed with ``reason``, when it offers none of them."""
+        chosen = next((x for x in allowed if x in offered), None)
+        if chosen is None:
+            self._fail(reason, f"the host offers {what} {[name(x) for x in offered]}, none of the allowed "
+                               f"{[name(x) for x in allowed]}")
+        return chosen
+
     def _fail(self, reason: int, message: str, *, teardown: bool = False) -> None:
         self.failure = AuthFailure(reason, message)
         self.state = "failed"
@@ -158,18 +168,12 @@ class ControllerTransaction:
             self._fail(FailureReason.INCORRECT_PAYLOAD,
                        f"AUTH_Negotiate protocol descriptor AUTHID {neg.authid} is not DH-HMAC-CHAP (1)")
             return
-        # The controller's lists are its preference order: the first entry the host offers wins.
-        hash_id = next((h for h in self._hashes if h in neg.hash_ids), None)
+        hash_id = self._first_offered(self._hashes, neg.hash_ids, "hashes", hash_name, FailureReason.HASH_UNUSABLE)
         if hash_id is None:
-            self._fail(FailureReason.HASH_UNUSABLE,
-                       f"the host offers hashes {[hash_name(h) for h in neg.hash_ids]}, none of the allowed "
-                       f"{[hash_name(h) for h in self._hashes]}")
             return
-        dhgroup_id = next((g for g in self._dhgroups if g in neg.dhgroup_ids), None)
+        dhgroup_id = self._first_offered(self._dhgroups, neg.dhgroup_ids, "DH groups", dhgroup_name,
+                                         FailureReason.DHGROUP_UNUSABLE)
         if dhgroup_id is None:
-            self._fail(FailureReason.DHGROUP_UNUSABLE,
-                       f"the host offers DH groups {[dhgroup_name(g) for g in neg.dhgroup_ids]}, none of the "
-                       f"allowed {[dhgroup_name(g) for g in self._dhgroups]}")
             return
         self.hash_id, self.dhgroup_id = hash_id, dhgroup_id
         self.state = "challenge"

@@ -240,8 +240,8 @@ class Daemon:
             from target.pr import LocalPrStore
 
             # reservation states kept with PTPL (a gateway group replaces this with its own store at join)
-            self.target.pr_store = LocalPrStore(Path(options.state_dir or defaults.state_dir())
-                                                / defaults.RESERVATIONS_DIR)
+            self.target.set_pr_store(LocalPrStore(Path(options.state_dir or defaults.state_dir())
+                                                  / defaults.RESERVATIONS_DIR))
         self.target.auth_timeout = options.auth_timeout
         if options.cntlid_range is not None:
             try:
@@ -320,7 +320,7 @@ class Daemon:
         if not opts.backing_dirs:
             from target.backends.file import make_backing_dir
 
-            make_backing_dir(self.service.backing.backing_dirs[0])  # <state dir>/disks, mode 0700
+            make_backing_dir(self.service.backing.part("file").backing_dirs[0])  # <state dir>/disks, mode 0700
         shared = None
         if self.gateway is not None:
             from target.gateway.store import StoreError

@@ -178,6 +178,7 @@ SGL_ID_KEYED_INVALIDATE = (SGL_TYPE_KEYED_DATA_BLOCK << 4) | SGL_SUBTYPE_INVALID
 
 # SQE flags byte: FUSE bits 1:0, PSDT bits 7:6 (01b = SGL for data, MPTR an address)
 SQE_FLAGS_PSDT_SGL = 0x40
+SQE_FLAGS_PSDT_MASK = 0xC0
 
 # CDW12 bits of Read/Write/Write Zeroes/Compare
 RW_FUA = 1 << 30

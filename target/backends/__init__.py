@@ -2,16 +2,21 @@
 
 ``BACKENDS`` maps a namespace's ``backend`` setting to its class. The class opens itself from the
 namespace's settings (``Backend.open``) and, for ``serve --workers``, describes itself to a worker
-process and attaches there from that description (``describe_for_worker`` / ``attach``), so
-``open_backend`` and the worker hand-off (target/workers.py, target/worker.py) name no kind. A new
-backend is one module plus one line here; one that needs an optional package is registered as
-``"module:Class"`` and imported the first time a namespace uses it.
+process and attaches there from that description (``describe_for_worker`` / ``attach``). The class
+also owns its kind's rules: which settings are valid (``validate_spec``), which namespaces would share
+storage (``storage_key``) and its part of the operator's policy (``policy_class``, composed here into
+StoragePolicy), so ``open_backend``, the management service and the worker hand-off (target/workers.py,
+target/worker.py) name no kind. A new backend is one module plus one line here (``register_backend``,
+with the settings it takes); one that needs an optional package is registered as ``"module:Class"``
+and imported the first time it is used.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
+from collections.abc import Hashable, Iterable, Mapping
 from typing import Any
 
 from target.backends.base import Backend, BackendError, BackendSpec, close_fds
@@ -19,32 +24,35 @@ from target.backends.file import BackingError, BackingPolicy, FileBackend
 from target.backends.null import NullBackend
 from target.backends.ram import RamBackend
 
-BACKENDS: dict[str, type[Backend] | str] = {
-    "file": FileBackend,
-    "ram": RamBackend,
-    "null": NullBackend,
-    "rbd": "target.backends.rbd:RbdBackend",   # needs Debian's python3-rbd/python3-rados
-}
-KINDS = tuple(BACKENDS)   # the kinds shipped here, for option lists; ``kinds()`` includes later registrations
+BACKENDS: dict[str, type[Backend] | str] = {}
 # Settings only one kind takes (BackendSpec.options), named as the configuration file, REST and the CLI
-# name them; known without importing the kind, so a config file is checked where Ceph is not installed.
-BACKEND_OPTIONS: dict[str, tuple[str, ...]] = {
-    "rbd": ("pool", "image", "rbd_namespace", "ceph_conf", "ceph_id", "ceph_keyring"),
-}
+# name them; declared with the kind, so they are known before a lazily registered class is imported.
+BACKEND_OPTIONS: dict[str, tuple[str, ...]] = {}
+
+
+def register_backend(kind: str, cls: type[Backend] | str, options: Iterable[str] = ()) -> None:
+    """Add a backend kind: its class, or ``"module:Class"`` to import when first used, and the
+    settings (BackendSpec.options) only it takes."""
+    if kind in BACKENDS:
+        raise ValueError(f"backend kind {kind!r} is already registered")
+    BACKENDS[kind] = cls
+    if options:
+        BACKEND_OPTIONS[kind] = tuple(options)
+
+
+register_backend("file", FileBackend)
+register_backend("ram", RamBackend)
+register_backend("null", NullBackend)
+register_backend("rbd", "target.backends.rbd:RbdBackend",   # librbd from Debian's python3-rbd, loaded when used
+                 options=("pool", "image", "rbd_namespace", "ceph_conf", "ceph_id", "ceph_keyring"))
+KINDS = tuple(BACKENDS)   # the kinds shipped here, for option lists; ``kinds()`` includes later registrations
 OPTION_KEYS = tuple(dict.fromkeys(key for keys in BACKEND_OPTIONS.values() for key in keys))
 
 __all__ = [
     "BACKENDS", "BACKEND_OPTIONS", "KINDS", "OPTION_KEYS", "Backend", "BackendError", "BackendSpec", "BackingError",
-    "BackingPolicy", "FileBackend", "NullBackend", "RamBackend", "attach_backend", "backend_class", "kinds",
-    "open_backend", "register_backend",
+    "BackingPolicy", "FileBackend", "NullBackend", "RamBackend", "StoragePolicy", "attach_backend", "backend_class",
+    "kinds", "open_backend", "register_backend", "spec_of", "storage_key", "validate_spec",
 ]
-
-
-def register_backend(kind: str, cls: type[Backend] | str) -> None:
-    """Add a backend kind: its class, or ``"module:Class"`` to import when first used."""
-    if kind in BACKENDS:
-        raise ValueError(f"backend kind {kind!r} is already registered")
-    BACKENDS[kind] = cls
 
 
 def kinds() -> tuple[str, ...]:
@@ -64,6 +72,84 @@ def backend_class(kind: str) -> type[Backend]:
     return entry
 
 
+class StoragePolicy:
+    """The operator's fences for every kind that has one (where file namespaces may live, which Ceph
+    files an RBD namespace may name), composed from the backend classes' ``policy_class``: each kind's
+    ``validate_spec`` and ``open`` get their own ``part``. A setting (``backing_dirs``, ``ceph_confs``,
+    ...: a policy class's ``settings``) goes to the policy that takes it."""
+
+    def __init__(self, parts: Mapping[str, Any]) -> None:
+        self._parts = dict(parts)
+
+    @classmethod
+    def from_settings(cls, **settings: Any) -> StoragePolicy:
+        """Each registered kind's policy from the settings it takes (the ones not given: its defaults);
+        BackingError (a BackendError) if one is unusable, TypeError for a setting no kind takes."""
+        classes = {}
+        for kind in BACKENDS:
+            try:
+                policy_class = backend_class(kind).policy_class
+            except BackendError:   # a kind whose package is missing fences nothing
+                continue
+            if policy_class is not None:
+                classes[kind] = policy_class
+        unknown = set(settings) - {name for policy_class in classes.values() for name in policy_class.settings}
+        if unknown:
+            raise TypeError(f"no backend takes the policy setting(s) {', '.join(sorted(unknown))}")
+        return cls({kind: policy_class(**_mine(policy_class, settings)) for kind, policy_class in classes.items()})
+
+    def part(self, kind: str) -> Any:
+        """The policy of backend ``kind`` (None: it has none)."""
+        return self._parts.get(kind)
+
+    def widened(self, **entries: Iterable[str]) -> StoragePolicy:
+        """A policy allowing these entries too (configuration keys added to the flags)."""
+        return StoragePolicy({kind: part.widened(**mine) if (mine := _mine(part, entries)) else part
+                              for kind, part in self._parts.items()})
+
+    def widens(self, **entries: Iterable[str]) -> list[str]:
+        """The entries that would allow more than this policy does."""
+        return list(dict.fromkeys(entry for part in self._parts.values() if (mine := _mine(part, entries))
+                                  for entry in part.widens(**mine)))
+
+
+def _mine(policy: Any, settings: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in settings.items() if key in policy.settings}
+
+
+def spec_of(entry: Mapping[str, Any]) -> BackendSpec:
+    """The BackendSpec of a namespace's configuration entry (``path``, ``size``, the settings of any registered
+    kind: ``validate_spec`` refuses those its own kind does not take)."""
+    keys = dict.fromkeys(key for keys in BACKEND_OPTIONS.values() for key in keys)
+    return BackendSpec(entry.get("path"), entry.get("size"), bool(entry.get("read_only", False)),
+                       bool(entry.get("create", False)), {key: entry[key] for key in keys if key in entry})
+
+
+def validate_spec(kind: str, spec: BackendSpec, policy: StoragePolicy | None = None) -> BackendSpec:
+    """``spec`` checked for ``kind`` before anything is opened: only the settings the kind takes, each a
+    non-empty string, then the kind's own rules (``Backend.validate_spec``). BackendError names what is wrong."""
+    cls = backend_class(kind)
+    allowed = BACKEND_OPTIONS.get(kind, ())
+    unknown = sorted(key for key in spec.options if key not in allowed)
+    if unknown:
+        takes = f"it takes {', '.join(allowed)}" if allowed else "it takes none"
+        raise BackendError(f"a {kind} namespace has no setting {', '.join(unknown)}; {takes}")
+    for key, value in spec.options.items():
+        if not isinstance(value, str) or not value or "\0" in value:
+            raise BackendError(f"{key} must be a non-empty string, got {value!r}")
+    return cls.validate_spec(dataclasses.replace(spec, options=dict(spec.options)),
+                             policy.part(kind) if policy is not None else None)
+
+
+def storage_key(kind: str, spec: BackendSpec, policy: StoragePolicy | None = None) -> Hashable | None:
+    """What names the storage of a namespace entry of ``kind`` (``Backend.storage_key``); None for one that
+    shares nothing, or whose kind or settings are unusable (an unrestored entry may be either)."""
+    try:
+        return backend_class(kind).storage_key(spec, policy.part(kind) if policy is not None else None)
+    except (BackendError, TypeError, ValueError):
+        return None
+
+
 def open_backend(
     kind: str,
     *,
@@ -71,12 +157,13 @@ def open_backend(
     size: int | None = None,
     read_only: bool = False,
     create: bool = False,
-    policy: BackingPolicy | None = None,
+    policy: StoragePolicy | None = None,
     options: dict[str, Any] | None = None,
 ) -> Backend:
-    """Open a backend; BackendError says which argument was wrong or missing. A file backend's
-    path is checked against ``policy`` when one is given (TargetService always gives its own)."""
-    return backend_class(kind).open(BackendSpec(path, size, read_only, create, dict(options or {})), policy)
+    """Open a backend; BackendError says which argument was wrong or missing. Its settings are checked
+    against its part of ``policy`` when one is given (TargetService always gives its own)."""
+    spec = validate_spec(kind, BackendSpec(path, size, read_only, create, dict(options or {})), policy)
+    return backend_class(kind).open(spec, policy.part(kind) if policy is not None else None)
 
 
 def attach_backend(description: dict[str, Any], fds: list[int]) -> Backend:

@@ -11,12 +11,9 @@ import asyncio
 import os
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from target.backends.file import BackingPolicy
+from typing import Any, ClassVar
 
 
 class BackendError(Exception):
@@ -77,6 +74,10 @@ class Backend(ABC):
     """
 
     kind: str = "abstract"
+    # The class of this kind's part of the operator's policy (StoragePolicy in target/backends/__init__.py),
+    # or None: a kind with nothing to fence. It declares ``settings`` (its constructor's keyword names),
+    # ``widened(**entries)`` and ``widens(**entries)``.
+    policy_class: ClassVar[type | None] = None
     # Deallocate frees storage, so the namespace is thin provisioned (Identify Namespace NSFEAT
     # THIN, DLFEAT reads-as-zeros); a backend with nothing to free says False.
     can_deallocate: bool = True
@@ -150,17 +151,46 @@ class Backend(ABC):
     # opening, and serving from worker processes (`serve --workers`) --------------------------------
     # A subclass registered in target/backends/__init__.py (BACKENDS) overrides what does not fit it.
 
+    # A kind's own rules (what its settings must be, which storage it names) live here, so that the
+    # service, the registry and the configuration code name no kind. ``policy`` is always this kind's
+    # own part of the operator's policy (StoragePolicy.part, target/backends/__init__.py), or None.
+
     @classmethod
-    def open(cls, spec: BackendSpec, policy: BackingPolicy | None = None) -> Backend:
-        """Open one from a namespace's settings (``open_backend``). This default is for a backend
-        made from a size alone (ram, null): it takes no path and no ``create``."""
+    def validate_spec(cls, spec: BackendSpec, policy: Any = None) -> BackendSpec:
+        """``spec`` as this kind takes it, checked before anything is opened: BackendError naming what is
+        wrong, else the spec to open and store (a file path resolved, ...). This default is for a backend
+        made from a size alone (ram, null): no path, nothing to create."""
         if spec.path is not None:
-            raise BackendError(f"a {cls.kind} backend takes no path (got {os.fspath(spec.path)!r}); give a size")
+            raise BackendError(f"a {cls.kind} namespace takes no path, only a size (got {os.fspath(spec.path)!r})")
         if spec.create:
-            raise BackendError(f"'create' applies to file backends only, not {cls.kind}")
+            raise BackendError(f"a {cls.kind} namespace has no storage to create; 'create' is for a backend that "
+                               "holds user data")
         if spec.size is None:
-            raise BackendError(f"a {cls.kind} backend needs a size in bytes")
+            raise BackendError(f"a {cls.kind} namespace needs a size in bytes")
+        return spec
+
+    @classmethod
+    def storage_key(cls, spec: BackendSpec, policy: Any = None) -> Hashable | None:
+        """What names the storage ``spec`` (a validated one) serves: two namespaces with equal keys would
+        write over each other, so the service refuses the second. None: every namespace has its own."""
+        return None
+
+    @classmethod
+    def storage_name(cls, spec: BackendSpec) -> str:
+        """The storage ``spec`` serves, as messages name it."""
+        return f"{cls.kind} storage"
+
+    @classmethod
+    def open(cls, spec: BackendSpec, policy: Any = None) -> Backend:
+        """Open one from a namespace's settings (``open_backend``). This default is for a backend
+        made from a size alone (ram, null)."""
+        spec = cls.validate_spec(spec, policy)
         return cls(spec.size, read_only=spec.read_only)  # type: ignore[call-arg]
+
+    def memory_view(self) -> memoryview | None:
+        """The backend's whole storage as one writable view of this process's memory (a RAM disk), which a
+        transport may send from without a copy; None where the data is not in memory (the default)."""
+        return None
 
     def for_workers(self) -> Backend:
         """The backend to serve once worker processes serve it too: itself, or a copy they can
@@ -203,6 +233,23 @@ class Backend(ABC):
     def store_identity(self, ids: dict[str, str]) -> None:
         """Keep ``ids`` with the storage (see ``stored_identity``); a no-op where it cannot; may block."""
         return None
+
+    # Storage that other clients may hold an exclusive lock on (an RBD image): a gateway taking over a dead
+    # member's ANA group breaks that member's lock (target/gateway/fencing.py). False: there is none.
+    has_exclusive_lock: bool = False
+
+    @property
+    def client_blocklisted(self) -> bool:
+        """The storage's client was blocklisted (fenced by another gateway) and the backend still sits on it."""
+        return False
+
+    def exclusive_lock_owners(self) -> list[dict[str, Any]]:
+        """The holders of the storage's exclusive lock: [{"mode": int, "owner": client address}] (blocks)."""
+        return []
+
+    def break_exclusive_lock(self, mode: int, owner: str) -> None:
+        """Break the lock ``owner`` holds (blocks); the caller decides whose."""
+        raise BackendError(f"a {self.kind} backend holds no exclusive lock to break")
 
     def follow_resize(self, size: int) -> None:
         """Worker side: present ``size`` bytes after the main process resized the backend."""

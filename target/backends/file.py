@@ -21,13 +21,14 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
+import dataclasses
 import errno
 import fcntl
 import logging
 import os
 import stat
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -156,7 +157,7 @@ def _under(path: str, folder: str) -> bool:
     return os.path.commonpath([path, folder]) == folder
 
 
-def _setting_path(value: str | os.PathLike[str], what: str) -> str:
+def setting_path(value: str | os.PathLike[str], what: str) -> str:
     """An operator's --backing-dir/--allow-block-device value, resolved (relative to the directory
     `nvmeof serve` was started in, which is the operator's)."""
     text = os.fspath(value)
@@ -188,25 +189,20 @@ class BackingPolicy:
     leave this to root; the daemon may serve a REST API to less trusted admins, hence the fence.
     """
 
+    # its constructor's settings (the `nvmeof serve` options and configuration keys that fill them);
+    # StoragePolicy (target/backends/__init__.py) hands each to the kind whose policy takes it
+    settings = ("backing_dirs", "block_devices")
+
     def __init__(
         self,
         backing_dirs: Iterable[str | os.PathLike[str]] | None = None,
         block_devices: Iterable[str | os.PathLike[str]] = (),
-        ceph_confs: Iterable[str | os.PathLike[str]] = (),
-        ceph_keyrings: Iterable[str | os.PathLike[str]] = (),
-        rbd_op_timeout: float = defaults.RBD_OP_TIMEOUT,
     ) -> None:
         dirs = [self.default_dir()] if backing_dirs is None else list(backing_dirs)
         self.backing_dirs = tuple(dict.fromkeys(self._backing_dir(d) for d in dirs))
         self.block_devices = tuple(
-            dict.fromkeys(_setting_path(d, "--allow-block-device") for d in block_devices)
+            dict.fromkeys(setting_path(d, "--allow-block-device") for d in block_devices)
         )
-        # Ceph client files an RBD namespace may name (librados reads them as the daemon's user, so
-        # a REST caller must not point it at any file it likes); the first conf is the default.
-        self.ceph_confs = tuple(dict.fromkeys(_setting_path(d, "--ceph-conf") for d in ceph_confs))
-        self.ceph_keyrings = tuple(dict.fromkeys(_setting_path(d, "--ceph-keyring") for d in ceph_keyrings))
-        # seconds an RBD namespace's OSD/monitor call may take (nvmeof serve --rbd-op-timeout)
-        self.rbd_op_timeout = rbd_op_timeout
 
     @staticmethod
     def default_dir() -> str:
@@ -214,7 +210,7 @@ class BackingPolicy:
 
     @staticmethod
     def _backing_dir(value: str | os.PathLike[str]) -> str:
-        real = _setting_path(value, "backing directory")
+        real = setting_path(value, "backing directory")
         tree = next((t for t in KERNEL_TREES if _under(real, t)), None)
         if tree is not None:
             raise BackingError(
@@ -227,66 +223,18 @@ class BackingPolicy:
         self,
         backing_dirs: Iterable[str | os.PathLike[str]] = (),
         block_devices: Iterable[str | os.PathLike[str]] = (),
-        ceph_confs: Iterable[str | os.PathLike[str]] = (),
-        ceph_keyrings: Iterable[str | os.PathLike[str]] = (),
     ) -> BackingPolicy:
         """A policy allowing these too (the configuration file's own keys, added to the flags)."""
-        return BackingPolicy(
-            [*self.backing_dirs, *backing_dirs],
-            [*self.block_devices, *block_devices],
-            [*self.ceph_confs, *ceph_confs],
-            [*self.ceph_keyrings, *ceph_keyrings],
-            self.rbd_op_timeout,
-        )
-
-    def ceph_conf(self, value: str | None) -> str:
-        """The Ceph configuration file an RBD namespace uses: ``value`` if it is one the operator
-        allowed (--ceph-conf, config key ``ceph_confs``), the first allowed one when ``value`` is
-        None, and Ceph's own default /etc/ceph/ceph.conf when none is configured."""
-        if value is None:
-            return self.ceph_confs[0] if self.ceph_confs else defaults.CEPH_CONF
-        return self._ceph_file(value, self.ceph_confs or (defaults.CEPH_CONF,), "Ceph configuration file",
-                               "--ceph-conf PATH (config key ceph_confs)")
-
-    def ceph_keyring(self, value: str | None) -> str | None:
-        """The keyring an RBD namespace names, if the operator allowed it (--ceph-keyring, config key
-        ``ceph_keyrings``); None leaves it to the Ceph configuration file."""
-        if value is None:
-            return None
-        return self._ceph_file(
-            value, self.ceph_keyrings, "Ceph keyring", "--ceph-keyring PATH (config key ceph_keyrings)"
-        )
-
-    @staticmethod
-    def _ceph_file(value: Any, allowed: tuple[str, ...], what: str, option: str) -> str:
-        if not isinstance(value, str) or not value or "\0" in value or not os.path.isabs(value):
-            raise BackingError(f"{what} {value!r} must be an absolute path")
-        real = os.path.realpath(value)
-        if real not in allowed:
-            listed = ", ".join(allowed) or "none"
-            raise BackingError(f"{what} {value} is not one the daemon was started with (allowed: {listed}); "
-                               f"allow it with {option}")
-        return real
+        return BackingPolicy([*self.backing_dirs, *backing_dirs], [*self.block_devices, *block_devices])
 
     def describe(self) -> str:
         return ", ".join(self.backing_dirs) or "none"
 
-    def widens(
-        self,
-        backing_dirs: Iterable[str] = (),
-        block_devices: Iterable[str] = (),
-        ceph_confs: Iterable[str] = (),
-        ceph_keyrings: Iterable[str] = (),
-    ) -> list[str]:
+    def widens(self, backing_dirs: Iterable[str] = (), block_devices: Iterable[str] = ()) -> list[str]:
         """The entries that would allow more than this policy does (a folder inside a backing
         directory does not)."""
         dirs = [d for d in backing_dirs if not any(_under(os.path.realpath(d), b) for b in self.backing_dirs)]
-        return (
-            dirs
-            + [d for d in block_devices if os.path.realpath(d) not in self.block_devices]
-            + [c for c in ceph_confs if os.path.realpath(c) not in self.ceph_confs]
-            + [k for k in ceph_keyrings if os.path.realpath(k) not in self.ceph_keyrings]
-        )
+        return dirs + [d for d in block_devices if os.path.realpath(d) not in self.block_devices]
 
     def allows(self, real: str) -> bool:
         """Whether a resolved path may back a namespace."""
@@ -349,6 +297,7 @@ class BackingPolicy:
 
 class FileBackend(Backend):
     kind = "file"
+    policy_class = BackingPolicy
     holds_user_data = True
 
     def __init__(
@@ -402,10 +351,27 @@ class FileBackend(Backend):
             raise
 
     @classmethod
-    def open(cls, spec: BackendSpec, policy: BackingPolicy | None = None) -> FileBackend:
+    def validate_spec(cls, spec: BackendSpec, policy: BackingPolicy | None = None) -> BackendSpec:
         if spec.path is None or os.fspath(spec.path) == "":
-            raise BackendError("a file backend needs a path (a regular file or a block device)")
-        return cls(spec.path, size=spec.size, create=spec.create, read_only=spec.read_only, policy=policy)
+            raise BackendError("a file namespace needs a path (a regular file or a block device)")
+        # Stored resolved: the config file and the API show the file actually served, and a restart
+        # from another working directory serves the same one.
+        path = policy.check(spec.path) if policy is not None else os.fspath(spec.path)
+        return dataclasses.replace(spec, path=path)
+
+    @classmethod
+    def storage_key(cls, spec: BackendSpec, policy: BackingPolicy | None = None) -> Hashable | None:
+        # the file itself, wherever a path names it from (a symbolic link, a second spelling)
+        return ("path", os.path.realpath(spec.path)) if spec.path else None
+
+    @classmethod
+    def storage_name(cls, spec: BackendSpec) -> str:
+        return os.fspath(spec.path or "")
+
+    @classmethod
+    def open(cls, spec: BackendSpec, policy: BackingPolicy | None = None) -> FileBackend:
+        spec = cls.validate_spec(spec, policy)
+        return cls(spec.path or "", size=spec.size, create=spec.create, read_only=spec.read_only, policy=policy)
 
     def describe_for_worker(self) -> tuple[dict[str, Any], list[int]]:
         # The checked descriptor, not the path: a file swapped since must not be reopened.

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import importlib.machinery
 import importlib.util
@@ -46,12 +47,12 @@ import sys
 import threading
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any, NoReturn
 
 from nvmeof import defaults
 from target.backends.base import Backend, BackendError, BackendSpec, BackendUnavailable, close_fds
-from target.backends.file import BackingPolicy
+from target.backends.file import BackingError, setting_path
 
 log = logging.getLogger(__name__)
 
@@ -291,11 +292,74 @@ def report_blocklisted(what: str) -> None:
             log.exception("blocklisted callback failed")
 
 
+# --- the operator's policy -----------------------------------------------------------------------
+
+
+class CephPolicy:
+    """Which Ceph client files an RBD namespace may name: librados reads them as the daemon's user, so a
+    REST caller must not point it at any file it likes (``ceph_confs``, ``ceph_keyrings``, stored
+    resolved; the first conf is the default), and how long an OSD/monitor call may take."""
+
+    settings = ("ceph_confs", "ceph_keyrings", "rbd_op_timeout")   # as BackingPolicy.settings
+
+    def __init__(
+        self,
+        ceph_confs: Iterable[str | os.PathLike[str]] = (),
+        ceph_keyrings: Iterable[str | os.PathLike[str]] = (),
+        rbd_op_timeout: float = defaults.RBD_OP_TIMEOUT,
+    ) -> None:
+        self.ceph_confs = tuple(dict.fromkeys(setting_path(d, "--ceph-conf") for d in ceph_confs))
+        self.ceph_keyrings = tuple(dict.fromkeys(setting_path(d, "--ceph-keyring") for d in ceph_keyrings))
+        self.rbd_op_timeout = rbd_op_timeout   # nvmeof serve --rbd-op-timeout
+
+    def widened(
+        self, ceph_confs: Iterable[str | os.PathLike[str]] = (), ceph_keyrings: Iterable[str | os.PathLike[str]] = ()
+    ) -> CephPolicy:
+        """A policy allowing these too (the configuration file's own keys, added to the flags)."""
+        return CephPolicy([*self.ceph_confs, *ceph_confs], [*self.ceph_keyrings, *ceph_keyrings], self.rbd_op_timeout)
+
+    def widens(self, ceph_confs: Iterable[str] = (), ceph_keyrings: Iterable[str] = ()) -> list[str]:
+        """The entries that would allow more than this policy does."""
+        return ([c for c in ceph_confs if os.path.realpath(c) not in self.ceph_confs]
+                + [k for k in ceph_keyrings if os.path.realpath(k) not in self.ceph_keyrings])
+
+    def ceph_conf(self, value: str | None) -> str:
+        """The Ceph configuration file an RBD namespace uses: ``value`` if it is one the operator
+        allowed (--ceph-conf, config key ``ceph_confs``), the first allowed one when ``value`` is
+        None, and Ceph's own default /etc/ceph/ceph.conf when none is configured."""
+        if value is None:
+            return self.ceph_confs[0] if self.ceph_confs else defaults.CEPH_CONF
+        return self._ceph_file(value, self.ceph_confs or (defaults.CEPH_CONF,), "Ceph configuration file",
+                               "--ceph-conf PATH (config key ceph_confs)")
+
+    def ceph_keyring(self, value: str | None) -> str | None:
+        """The keyring an RBD namespace names, if the operator allowed it (--ceph-keyring, config key
+        ``ceph_keyrings``); None leaves it to the Ceph configuration file."""
+        if value is None:
+            return None
+        return self._ceph_file(
+            value, self.ceph_keyrings, "Ceph keyring", "--ceph-keyring PATH (config key ceph_keyrings)"
+        )
+
+    @staticmethod
+    def _ceph_file(value: Any, allowed: tuple[str, ...], what: str, option: str) -> str:
+        if not isinstance(value, str) or not value or "\0" in value or not os.path.isabs(value):
+            raise BackingError(f"{what} {value!r} must be an absolute path")
+        real = os.path.realpath(value)
+        if real not in allowed:
+            listed = ", ".join(allowed) or "none"
+            raise BackingError(f"{what} {value} is not one the daemon was started with (allowed: {listed}); "
+                               f"allow it with {option}")
+        return real
+
+
 # --- the backend --------------------------------------------------------------------------------
 
 
 class RbdBackend(Backend):
     kind = "rbd"
+    policy_class = CephPolicy
+    has_exclusive_lock = True
     holds_user_data = True
     can_deallocate = True
 
@@ -352,26 +416,41 @@ class RbdBackend(Backend):
             raise
 
     @classmethod
-    def open(cls, spec: BackendSpec, policy: BackingPolicy | None = None) -> RbdBackend:
-        opts = dict(spec.options)
+    def validate_spec(cls, spec: BackendSpec, policy: CephPolicy | None = None) -> BackendSpec:
         if spec.path is not None:
-            raise BackendError(f"an rbd backend takes no path (got {os.fspath(spec.path)!r}); give pool and image")
-        # The registry's list of this kind's settings, which the service checks too (one source).
-        from target.backends import BACKEND_OPTIONS
+            raise BackendError(f"an rbd namespace takes no path (got {os.fspath(spec.path)!r}); give pool and image")
+        missing = [name for name in ("pool", "image") if spec.options.get(name) is None]
+        if missing:
+            raise BackendError(f"an rbd namespace needs {' and '.join(missing)} (the RBD pool and image to serve)")
+        # Stored resolved, like file paths; an unlisted one is refused before librados reads it.
+        policy = policy if policy is not None else CephPolicy()
+        options = dict(spec.options)
+        for key, check in (("ceph_conf", policy.ceph_conf), ("ceph_keyring", policy.ceph_keyring)):
+            if key in options:
+                options[key] = check(options[key])
+        return dataclasses.replace(spec, options=options)
 
-        takes = BACKEND_OPTIONS[cls.kind]
-        unknown = sorted(set(opts) - set(takes))
-        if unknown:
-            raise BackendError(f"rbd backend: unknown setting(s) {', '.join(unknown)}; it takes {', '.join(takes)}")
-        for field in ("pool", "image"):
-            if opts.get(field) is None:
-                raise BackendError(f"an rbd backend needs {field} (the RBD {field} to serve)")
-        policy = policy if policy is not None else BackingPolicy()
-        conf = policy.ceph_conf(opts.get("ceph_conf"))
-        keyring = policy.ceph_keyring(opts.get("ceph_keyring"))
+    @classmethod
+    def storage_key(cls, spec: BackendSpec, policy: CephPolicy | None = None) -> Hashable | None:
+        # one image of one cluster, whichever client or keyring reaches it
+        opts = spec.options
+        conf = opts.get("ceph_conf") or (policy if policy is not None else CephPolicy()).ceph_conf(None)
+        return ("rbd", conf, opts.get("pool"), opts.get("rbd_namespace") or "", opts.get("image"))
+
+    @classmethod
+    def storage_name(cls, spec: BackendSpec) -> str:
+        opts = spec.options
+        return "RBD image " + "/".join(p for p in (opts.get("pool"), opts.get("rbd_namespace"), opts.get("image")) if p)
+
+    @classmethod
+    def open(cls, spec: BackendSpec, policy: CephPolicy | None = None) -> RbdBackend:
+        spec = cls.validate_spec(spec, policy)
+        policy = policy if policy is not None else CephPolicy()
+        opts = spec.options
         return cls(opts["pool"], opts["image"], rbd_namespace=opts.get("rbd_namespace"), size=spec.size,
-                   create=spec.create, read_only=spec.read_only, ceph_conf=conf,
-                   ceph_id=opts.get("ceph_id") or defaults.CEPH_CLIENT_ID, ceph_keyring=keyring,
+                   create=spec.create, read_only=spec.read_only,
+                   ceph_conf=opts.get("ceph_conf") or policy.ceph_conf(None),
+                   ceph_id=opts.get("ceph_id") or defaults.CEPH_CLIENT_ID, ceph_keyring=opts.get("ceph_keyring"),
                    op_timeout=policy.rbd_op_timeout)
 
     # opening ------------------------------------------------------------------------------------

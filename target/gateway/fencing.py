@@ -36,21 +36,41 @@ import json
 import logging
 import time
 import weakref
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from nvmeof import defaults
 from target.backends import rbd as rbd_backend
-from target.gateway.store import MemberRecord, StoreError
+from target.gateway.store import GroupStore, MemberRecord, StoreError
 
 if TYPE_CHECKING:
-    from target.gateway.group import GatewayGroup
+    import asyncio
+
+    from target.service import TargetService
 
 log = logging.getLogger("nvmeof.gateway")
 
 BLOCKLIST_NOTE = ("writes to its RBD images may stall until the OSD drops the dead client's watch "
                   "(osd_client_watch_timeout, ~30 s), and a gateway that is cut off rather than dead could still "
                   "write to them when it comes back")
+
+
+class FencedGroup(Protocol):
+    """What a fence asks of the gateway group member it serves (target/gateway/group.py GatewayGroup), so
+    this module does not import the one that imports it. The underscored members are the group's internals
+    shared inside this package: its event loop, its bounded store calls, its wake-up and its step-down."""
+
+    name: str
+    owned: set[int]
+    store: GroupStore
+    service: TargetService
+    _loop: asyncio.AbstractEventLoop | None
+    _published: dict[str, Any] | None   # what this member last published of itself (its clients among it)
+    _wake: asyncio.Event                 # wakes the member's step loop
+
+    def _run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> Awaitable[Any]: ...
+    def _notified(self) -> None: ...
+    def _step_down(self, groups: list[int], why: str) -> Awaitable[None]: ...
 
 
 def split_addrs(text: str) -> list[str]:
@@ -77,7 +97,7 @@ def identity(cluster: Any) -> dict[str, Any] | None:
 def local_clusters(store: Any = None) -> list[Any]:
     """Every librados handle this process uses: the group store's (if it is a RADOS one) and the RBD backend's."""
     out = []
-    own = getattr(store, "cluster", None)
+    own = store.cluster if store is not None else None
     if own is not None:
         out.append(own)
     out.extend(c for c in rbd_backend.client_clusters() if c is not own)
@@ -97,8 +117,8 @@ def local_identities(store: Any = None, target: Any = None) -> list[dict[str, An
 
 
 def worker_identities(target: Any) -> list[dict[str, Any]]:
-    clients = getattr(target, "ceph_clients", None)
-    return list(clients()) if clients is not None else []
+    """The librados clients of the other processes serving ``target``'s queues (Target.ceph_clients)."""
+    return list(target.ceph_clients()) if target is not None else []
 
 
 def any_cluster(store: Any = None) -> Any:
@@ -200,10 +220,10 @@ def fence_member(dead: MemberRecord, live: Iterable[MemberRecord], backends: Ite
     return result
 
 
-def group_backends(group: GatewayGroup, anagrpid: int) -> list[Any]:
-    """The RBD backends of ANA group ``anagrpid``'s namespaces here."""
+def group_backends(group: FencedGroup, anagrpid: int) -> list[Any]:
+    """The backends of ANA group ``anagrpid``'s namespaces here that can hold an exclusive lock (RBD)."""
     return [ns.backend for sub in group.service.list_subsystems() for ns in sub.namespaces.values()
-            if ns.anagrpid == anagrpid and hasattr(ns.backend, "exclusive_lock_owners")]
+            if ns.anagrpid == anagrpid and ns.backend.has_exclusive_lock]
 
 
 _fences: weakref.WeakSet[TakeoverFence] = weakref.WeakSet()
@@ -231,7 +251,7 @@ def _each_blocklisted(what: str) -> None:
 class TakeoverFence:
     """A GatewayGroup's fencing: before_takeover() for each group it takes, and its reaction to being fenced."""
 
-    def __init__(self, group: GatewayGroup, *, expire: int = defaults.GATEWAY_BLOCKLIST_EXPIRE) -> None:
+    def __init__(self, group: FencedGroup, *, expire: int = defaults.GATEWAY_BLOCKLIST_EXPIRE) -> None:
         self.group = group
         self.expire = expire
         self.fenced: dict[int, bool | None] = {}   # per ANA group: the last takeover fenced (True/False), or None
@@ -351,7 +371,7 @@ class TakeoverFence:
                       "this gateway to serve them through a new client")
             return
         own = {a for c in local_identities(store) for a in c["addrs"]}
-        if hasattr(store, "reconnect") and (self._store_fenced or own & self._listed_seen):
+        if store.has_client and (self._store_fenced or own & self._listed_seen):
             try:
                 await group._run(store.reconnect, timeout=store.lease + defaults.GATEWAY_STORE_TIMEOUT + 10)
             except StoreError as exc:
@@ -370,7 +390,7 @@ class TakeoverFence:
         self.reason = reason
 
 
-def stale_namespaces(group: GatewayGroup, listed: set[str]) -> list[str]:
+def stale_namespaces(group: FencedGroup, listed: set[str]) -> list[str]:
     """RBD namespaces served through a client that was blocklisted: in this process (its connection left the RBD
     registry), or every RBD namespace when a worker's client was listed (workers open every namespace)."""
     workers = any(a in listed for c in worker_identities(group.service.target) for a in c.get("addrs") or [])
@@ -378,11 +398,11 @@ def stale_namespaces(group: GatewayGroup, listed: set[str]) -> list[str]:
     for sub in group.service.list_subsystems():
         for ns in sub.namespaces.values():
             backend = ns.backend
-            if getattr(backend, "client_blocklisted", False) or (workers and hasattr(backend, "exclusive_lock_owners")):
+            if backend.client_blocklisted or (workers and backend.has_exclusive_lock):
                 info = backend.describe()
                 out.append(f"{sub.nqn} nsid {ns.nsid} ({info.get('pool')}/{info.get('image')})")
     return out
 
 
-def group_where(group: GatewayGroup) -> str:
-    return str(getattr(group.store, "where", "?"))
+def group_where(group: FencedGroup) -> str:
+    return group.store.where

@@ -19,7 +19,7 @@ members agreeing among themselves. What the members agree on is only whom each s
   over the same way.
 
 The shared configuration (subsystems with namespaces and hosts; listeners stay per gateway) lives in
-the store: a persisted change on any member is written there first (TargetService.on_change, with
+the store: a persisted change on any member is written there first (TargetService.set_change_hook, with
 compare-and-swap on the version) and every member applies a new version with TargetService.reload
 (all or nothing). Discovery: each member publishes its I/O listeners; the others list them in their
 discovery log (Target.peer_listeners).
@@ -34,6 +34,7 @@ import contextvars
 import ipaddress
 import logging
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from nvmeof import defaults
@@ -134,6 +135,10 @@ class GatewayGroup:
         self._step_lock = asyncio.Lock()
         self.fence = TakeoverFence(self)  # fencing a dead member's Ceph clients on takeover (fencing.py)
 
+    @property
+    def group_name(self) -> str:
+        return self.store.group
+
     # --- store calls off the event loop, bounded ---------------------------------------------------
     async def _run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> Any:
         loop = asyncio.get_running_loop()
@@ -153,10 +158,10 @@ class GatewayGroup:
         # Before any listener exists: a group this member holds no lock for is never optimized here, whatever
         # adds it later (a namespace in a new group, a listener from the file, REST or SIGHUP).
         self.service.target.set_ana_default(self.unowned_state)
-        self.service.gateway = self
+        self.service.join_gateway(self)
         # reservations live in the group's store from now on, before any namespace is restored here
         self.prstore = GroupPrStore(self.store, self.service.target)
-        self.service.target.pr_store = self.prstore
+        self.service.target.set_pr_store(self.prstore)
         members = await self._run(self.store.members)
         if not any(m.alive and m.name != self.name for m in members):
             cleared = await self._run(self.prstore.forget_volatile)
@@ -196,16 +201,16 @@ class GatewayGroup:
                         for host in sub.get("hosts") or [] if isinstance(host, dict)
                         and (host.get("dhchap_key") or host.get("dhchap_ctrl_key"))})
         if keyed:
-            log.warning("gateway %s: the DH-HMAC-CHAP keys of %s are stored in plain text in the omap of %s in %s; "
+            log.warning("gateway %s: the DH-HMAC-CHAP keys of %s are stored in plain text in %s in %s; "
                         "restrict read access to that pool to the gateways' cephx key", self.name, ", ".join(keyed),
-                        getattr(self.store, "config_obj", "the group's config object"), self.store.where)
+                        self.store.config_location, self.store.where)
 
     async def start(self) -> None:
         """Apply the first states (nothing owned yet) and run the ownership loop."""
         self._warn_shared_keys()
         self._ready = True
-        self.service.on_change = self._on_change
-        self.service.gateway = self
+        self.service.join_gateway(self)
+        self.service.set_change_hook(self._on_change)
         await self._apply_states()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._run_loop(), name="gateway-group"),
@@ -221,7 +226,7 @@ class GatewayGroup:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        self.service.on_change = None
+        self.service.set_change_hook(None)
         given = sorted(self.owned)
         self.owned.clear()
         if given:
@@ -262,13 +267,8 @@ class GatewayGroup:
     def _listener_entries(self) -> list[dict[str, Any]]:
         out = []
         for lst in self._io_listeners():
-            port = lst.trsvcid
-            server = self.service.target.server(lst.id) if hasattr(self.service.target, "server") else None
-            bound = getattr(server, "port", None)
-            if lst.trsvcid == 0 and bound:
-                port = int(bound)
-            out.append({"trtype": lst.trtype, "adrfam": lst.adrfam, "traddr": lst.traddr, "trsvcid": port,
-                        "portid": lst.portid})
+            out.append({"trtype": lst.trtype, "adrfam": lst.adrfam, "traddr": lst.traddr,
+                        "trsvcid": self.service.target.listening_port(lst), "portid": lst.portid})
         return out
 
     def _eligible_me(self) -> bool:
@@ -297,7 +297,7 @@ class GatewayGroup:
 
     # --- the shared configuration -----------------------------------------------------------------
     async def _on_change(self) -> None:
-        """TargetService.on_change: a persisted change, under the service lock, before it is saved."""
+        """The service's change hook: a persisted change, under the service lock, before it is saved."""
         self._wake.set()
         if _APPLYING.get():
             return
@@ -558,7 +558,7 @@ class GatewayGroup:
             await self._publish()
 
     # --- ANA states ------------------------------------------------------------------------------
-    def desired_states(self, handing: set[int] = frozenset()) -> dict[int, AnaState]:  # type: ignore[assignment]
+    def desired_states(self, handing: AbstractSet[int] = frozenset()) -> dict[int, AnaState]:
         out = {}
         for g in sorted(self._groups() | set(self._applied)):
             if g in self.owned:
@@ -569,7 +569,7 @@ class GatewayGroup:
                 out[g] = self.standby
         return out
 
-    async def _apply_states(self, handing: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+    async def _apply_states(self, handing: AbstractSet[int] = frozenset()) -> None:
         """Make every I/O listener serve desired_states(), compared with what each really serves (a listener
         added since starts in the target's default, the standby state). Computed and applied with no await
         in between and without the service lock (TargetService.ana_states_now), so the fence and a step

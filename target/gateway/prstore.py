@@ -24,8 +24,8 @@ from target.gateway.store import ConfigConflict, StoreError
 from target.pr import PrStale, PrStore, PrStoreError
 
 if TYPE_CHECKING:
-    from target.core import Target
     from target.gateway.store import GroupStore
+    from target.ports import SubsystemTable
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ ACK_POLL = 0.01
 
 
 class GroupPrStore(PrStore):
-    def __init__(self, store: GroupStore, target: Target) -> None:
+    def __init__(self, store: GroupStore, target: SubsystemTable) -> None:
         self.store = store
         self.target = target
         self.applied: dict[str, int] = {}   # what this member enforces, by key: its acknowledgement

@@ -115,6 +115,8 @@ class RadosStore(GroupStore):
             raise StoreError(f"--group-store rados:{self.pool}: cannot reach the cluster of {self.ceph_conf}: "
                              f"{exc}") from exc
 
+    has_client = True
+
     def reconnect(self) -> None:
         """Go on through a new client: this one was blocklisted (fenced by another member), and a client that
         was blocklisted lost its watch and its locks; the new one takes this member's membership lock again
@@ -159,6 +161,10 @@ class RadosStore(GroupStore):
     @property
     def where(self) -> str:
         return f"rados:{self.pool}"
+
+    @property
+    def config_location(self) -> str:
+        return f"the omap of {self.config_obj}"
 
     def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         try:

@@ -75,6 +75,9 @@ class GroupStore(abc.ABC):
     act as the owner of group g without a successful renew (None: for as long as the process lives)."""
 
     kind = "?"
+    # the librados handle a RADOS store talks through (fencing sends its blocklist commands with it); None
+    # for a store that has none
+    cluster: Any = None
 
     def __init__(self, group: str, lease: float) -> None:
         self.group = check_name(group, "gateway group name", "--gateway-group")
@@ -89,6 +92,11 @@ class GroupStore(abc.ABC):
     def where(self) -> str:
         """The store as `--group-store` spells it."""
         return "?"
+
+    @property
+    def config_location(self) -> str:
+        """Where in the store the shared configuration is kept, as a message names it."""
+        return "the group's configuration"
 
     # membership ------------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -199,6 +207,14 @@ class GroupStore(abc.ABC):
     def _forget(self, anagrpid: int) -> None:
         with self._mutex:
             self._deadlines.pop(anagrpid, None)
+
+    # A store that reaches its data through a client (RADOS) that another member can fence: reconnect() then
+    # goes on through a new one (target/gateway/fencing.py). A directory has none.
+    has_client: bool = False
+
+    def reconnect(self) -> None:
+        """Go on through a new client (only where ``has_client``)."""
+        raise StoreError(f"{type(self).__name__} has no client to replace")
 
     def forget(self, anagrpid: int) -> None:
         """Stop counting ``anagrpid`` as held without asking the store (it could not be reached)."""

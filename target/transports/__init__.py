@@ -1,4 +1,4 @@
-"""Target transports by listener trtype (Linux nvmet_register_transport, SPDK spdk_nvmf_transport_register).
+"""TransportHost transports by listener trtype (Linux nvmet_register_transport, SPDK spdk_nvmf_transport_register).
 
 Each entry is a `ListenerFactory`: ``(target, listener)`` -> a server with ``async start()`` and
 ``async stop()``, or the ``"module:attr"`` path of one, imported the first time a listener of that trtype
@@ -15,12 +15,15 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from target.core import Target
     from target.model import Listener
+    from target.ports import TransportHost
 
 
 class ListenerServer(Protocol):
     """One running listener."""
+
+    @property
+    def port(self) -> int: ...   # the port it listens on (the one the kernel chose for trsvcid 0)
 
     async def start(self) -> None: ...
 
@@ -30,7 +33,7 @@ class ListenerServer(Protocol):
 class ListenerFactory(Protocol):
     """What a registry entry builds a listener's server with (a listener class such as TcpListener)."""
 
-    def __call__(self, target: Target, listener: Listener, /) -> ListenerServer: ...
+    def __call__(self, target: TransportHost, listener: Listener, /) -> ListenerServer: ...
 
 
 TransportEntry = ListenerFactory | str   # a factory, or "module:attr" naming one
@@ -71,7 +74,7 @@ _STANDARD = TransportRegistry()
 
 
 def register_transport(trtype: str, factory: TransportEntry) -> None:
-    """Add a transport to the standard registry (every Target built without ``transports=`` uses it)."""
+    """Add a transport to the standard registry (every TransportHost built without ``transports=`` uses it)."""
     _STANDARD.register(trtype, factory)
 
 

@@ -38,8 +38,8 @@ from target.transport_ops import TransportOps
 if TYPE_CHECKING:
     import types
 
-    from target.core import Target
     from target.model import Listener
+    from target.ports import TransportHost
 
 log = logging.getLogger(__name__)
 
@@ -334,7 +334,7 @@ class RdmaTargetConnection:
 class RdmaListener:
     """Accepts NVMe/RDMA connections on one address through the RDMA connection manager."""
 
-    def __init__(self, target: Target, listener: Listener) -> None:
+    def __init__(self, target: TransportHost, listener: Listener) -> None:
         self.target = target
         self.listener = listener
         self.connections: dict[int, RdmaTargetConnection] = {}

@@ -54,8 +54,8 @@ from target.request import Request, TargetQueue
 from target.transport_ops import TransportOps
 
 if TYPE_CHECKING:
-    from target.core import Target
     from target.model import Listener
+    from target.ports import TransportHost
 
 log = logging.getLogger(__name__)
 
@@ -319,7 +319,7 @@ class TcpPort:
         _malloc_trim(0)
 
     @classmethod
-    def of(cls, target: Target) -> TcpPort:
+    def of(cls, target: TransportHost) -> TcpPort:
         """The one TcpPort of ``target``, kept in its declared ``transport_state``."""
         port = target.transport_state.get("tcp")
         if port is None:
@@ -365,7 +365,7 @@ class TargetConnection(asyncio.BufferedProtocol):
     # one transfer slows the queue down but never stops it.
     h2c_budget = defaults.TCP_H2C_BUDGET
 
-    def __init__(self, target: Target, listener: Listener | None = None, *, on_lost: Any = None) -> None:
+    def __init__(self, target: TransportHost, listener: Listener | None = None, *, on_lost: Any = None) -> None:
         self.target = target
         self.listener = listener
         ops = self.ops
@@ -848,7 +848,7 @@ class TcpListener:
 
     connection_class: type[TargetConnection] = TargetConnection
 
-    def __init__(self, target: Target, listener: Listener) -> None:
+    def __init__(self, target: TransportHost, listener: Listener) -> None:
         self.target = target
         self.listener = listener
         self.connections: set[TargetConnection] = set()

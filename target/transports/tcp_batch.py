@@ -63,14 +63,20 @@ from typing import TYPE_CHECKING, Any
 
 from nvmeof import defaults
 from nvmeof.spec import tcp as spec
-from nvmeof.spec.nvme import RW_FUA, SGL_ID_INCAPSULE, SGL_ID_TRANSPORT, SQE_FLAGS_PSDT_SGL, IoOpcode
-from target.core import PSDT_MASK
+from nvmeof.spec.nvme import (
+    RW_FUA,
+    SGL_ID_INCAPSULE,
+    SGL_ID_TRANSPORT,
+    SQE_FLAGS_PSDT_MASK,
+    SQE_FLAGS_PSDT_SGL,
+    IoOpcode,
+)
 from target.model import LATENCY_SHIFT
 from target.transports.tcp import RECV_BUFFER_MAX, RECV_BUFFER_MIN, TargetConnection, TcpListener
 
 if TYPE_CHECKING:
-    from target.core import Target
     from target.model import Listener
+    from target.ports import TransportHost
 
 log = logging.getLogger(__name__)
 
@@ -331,7 +337,7 @@ class BatchMixin:
             # The hot lane: a RAM-disk read of the namespace and length this CID had last time. Every
             # check of the general path below, in the fewest steps; anything else goes there.
             if (head == key and opcode == _READ and nsid == last_nsid and hot is not None and sgl_id == fast_sgl
-                    and flags & PSDT_MASK == _SGL_FLAGS):
+                    and flags & SQE_FLAGS_PSDT_MASK == _SGL_FLAGS):
                 nlb = (cdw12 & 0xFFFF) + 1
                 length = nlb << shift
                 slot = slots.get(cid)
@@ -358,7 +364,7 @@ class BatchMixin:
                 if (ptype != _CMD or pflags or hlen != _CMD_HLEN or pdo != _CMD_HLEN or opcode != _WRITE
                         or sgl_id != SGL_ID_INCAPSULE or plen - _CMD_HLEN > max_incapsule or end - pos < plen):
                     break
-            if flags & PSDT_MASK != _SGL_FLAGS:
+            if flags & SQE_FLAGS_PSDT_MASK != _SGL_FLAGS:
                 break
             if nsid != last_nsid:
                 if last_nsid != -1:
@@ -376,8 +382,7 @@ class BatchMixin:
                         ns.pr.registrants or not (ns.auto_visible or ctrl.hostnqn in ns.hosts):
                     break
                 backend = ns.backend
-                memory_view = getattr(backend, "memory_view", None)
-                disk = memory_view() if memory_view is not None else None
+                disk = backend.memory_view()
                 qos = ns.qos
                 hot = disk if qos is None else None
                 read_nowait = backend.read_nowait
@@ -788,7 +793,7 @@ class SocketTransport(asyncio.Transport):
 class BatchConnection(BatchMixin, TargetConnection):
     """The controller end of one NVMe/TCP queue on the batch engine."""
 
-    def __init__(self, target: Target, listener: Listener | None = None, *, on_lost: Any = None) -> None:
+    def __init__(self, target: TransportHost, listener: Listener | None = None, *, on_lost: Any = None) -> None:
         TargetConnection.__init__(self, target, listener, on_lost=on_lost)
         self._batch_init()
 
@@ -804,7 +809,7 @@ class BatchTcpListener(TcpListener):
 
     connection_class: type[TargetConnection] = BatchConnection   # type: ignore[assignment]
 
-    def __init__(self, target: Target, listener: Listener) -> None:
+    def __init__(self, target: TransportHost, listener: Listener) -> None:
         super().__init__(target, listener)
         self._socks: list[socket.socket] = []
         self._accept_paused: asyncio.TimerHandle | None = None

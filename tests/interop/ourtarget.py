@@ -12,7 +12,6 @@ import contextlib
 import dataclasses
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from typing import Any
 import httpx
 
 from tests.interop import vm
+from tests.procs import stop_process
 
 SUBNQN = "nqn.2026-11.io.nvmeof-toolkit:interop"
 START_TIMEOUT = 30.0
@@ -168,15 +168,7 @@ def _start(log_path: Path, *, subnqn: str, size: str, block_size: int, extra_arg
 
 def _stop(proc: subprocess.Popen[bytes]) -> int | None:
     """SIGTERM, wait; SIGKILL if it hangs. Returns the exit status, or None if it had to be killed."""
-    if proc.poll() is not None:
-        return proc.returncode
-    proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(STOP_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        return None
+    return stop_process(proc, STOP_TIMEOUT)
 
 
 def start_serve(log_path: Path, *, subnqn: str = SUBNQN, size: str = "128M", block_size: int = 512,
