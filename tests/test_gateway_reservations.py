@@ -31,12 +31,24 @@ async def tcp_host(port: int, hostid: bytes, name: str) -> Host:
     return Host(admin, io, hostid)
 
 
+async def settled_pair(tmp_path: Path) -> tuple[Member, Member]:
+    """Members gw-a (owner of ANA group 1, NSID 1) and gw-b (group 2, NSID 2) on one dir store, once ownership
+    has settled; both stopped if it does not."""
+    a = await Member(tmp_path, "gw-a").start(first=True)
+    b = await Member(tmp_path, "gw-b").start()
+    try:
+        await until(lambda: a.group.owned == {1} and b.group.owned == {2}, "a owns 1, b owns 2")
+    except BaseException:
+        await b.stop()
+        await a.stop()
+        raise
+    return a, b
+
+
 def test_reservation_taken_on_one_member_is_enforced_on_the_other_at_once(tmp_path: Path) -> None:
     async def go() -> None:
-        a = await Member(tmp_path, "gw-a").start(first=True)
-        b = await Member(tmp_path, "gw-b").start()
+        a, b = await settled_pair(tmp_path)
         try:
-            await until(lambda: a.group.owned == {1} and b.group.owned == {2}, "a owns 1, b owns 2")
             ha = await tcp_host(a.port, HOST_A, "aaaa")
             hb = await tcp_host(b.port, HOST_B, "bbbb")
             hc = await tcp_host(b.port, HOST_C, "cccc")
@@ -73,10 +85,8 @@ def test_reservation_taken_on_one_member_is_enforced_on_the_other_at_once(tmp_pa
 
 def test_reservation_survives_the_crash_of_the_member_it_was_taken_on(tmp_path: Path) -> None:
     async def go() -> None:
-        a = await Member(tmp_path, "gw-a").start(first=True)
-        b = await Member(tmp_path, "gw-b").start()
+        a, b = await settled_pair(tmp_path)
         try:
-            await until(lambda: a.group.owned == {1} and b.group.owned == {2}, "a owns 1, b owns 2")
             ha = await tcp_host(a.port, HOST_A, "aaaa")
             hc = await tcp_host(b.port, HOST_C, "cccc")
             assert (await ha.register(0xA1)).status == 0
@@ -133,10 +143,8 @@ def test_preempt_and_abort_on_one_member_waits_for_the_preempted_hosts_commands_
     monkeypatch.setattr(prstore, "RESERVATION_ACK_TIMEOUT", 120.0)
 
     async def go() -> None:
-        a = await Member(tmp_path, "gw-a").start(first=True)
-        b = await Member(tmp_path, "gw-b").start()
+        a, b = await settled_pair(tmp_path)
         try:
-            await until(lambda: a.group.owned == {1} and b.group.owned == {2}, "a owns 1, b owns 2")
             ha = await tcp_host(a.port, HOST_A, "aaaa")
             hb = await tcp_host(b.port, HOST_B, "bbbb")
             assert (await ha.register(0xA1)).status == 0
