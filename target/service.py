@@ -17,6 +17,7 @@ request that would collide with one of them (same NQN, same NSID, same file) is 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import dataclasses
 import errno
@@ -25,7 +26,7 @@ import logging
 import os
 import secrets
 import uuid as uuidlib
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from nvmeof import defaults
@@ -58,6 +59,7 @@ from target.model import (
     endpoint_id,
 )
 from target.nqn import NqnError, generate_nqn, validate_nqn
+from target.transaction import Transaction, Undo
 
 if TYPE_CHECKING:
     from target.controller import Controller
@@ -65,15 +67,6 @@ if TYPE_CHECKING:
 
 SERIAL_MAX = 20  # Identify Controller SN, bytes
 MODEL_MAX = 40  # Identify Controller MN, bytes
-
-Undo = Callable[[], Awaitable[None]]
-
-
-def _sync(fn: Callable[[], object]) -> Undo:
-    """A plain call as an entry of an undo or notice log (whose entries are awaited)."""
-    async def run() -> None:
-        fn()
-    return run
 
 log = logging.getLogger(__name__)
 
@@ -304,6 +297,9 @@ class TargetService:
         # change calls before it is saved (set_change_hook).
         self._gateway: GatewayMember | None = None
         self._on_change: Callable[[], Awaitable[None]] | None = None
+        # The transaction of the change of many steps in progress under the lock (_steps: a replay, a reload),
+        # whose one undo log every step's _commit joins; None between them.
+        self._txn: Transaction | None = None
 
     # --- the gateway group ------------------------------------------------------------------------
 
@@ -362,23 +358,64 @@ class TargetService:
     # --- commit machinery ----------------------------------------------------------------------
 
     async def _commit(self, persist: bool, undo: Undo) -> None:
-        if persist and self._on_change is not None:
-            # A gateway group writes the shared configuration to its store first (target/gateway/group.py):
-            # refused there (another gateway changed it at the same moment, the store is out of reach),
-            # the change is undone here too.
-            try:
-                await self._on_change()
-            except ServiceError:
-                await undo()
-                raise
-        if not persist or self.config_path is None:
+        """The end of every change: ``undo`` takes back what it applied. In a replay or a reload (``_steps``)
+        it joins that transaction's log, saved once at its end; otherwise, with ``persist``, the change is
+        a transaction of its own, saved now and undone if that save refuses."""
+        if self._txn is not None:
+            self._txn.undo(undo)
             return
+        if persist:
+            txn = Transaction()
+            txn.undo(undo)
+            await self._save(txn)
+
+    async def _save(self, txn: Transaction, what: str = "the change") -> None:
+        """Commit ``txn``: save the whole configuration once, or undo every step it logged. A gateway
+        group writes the shared configuration to its store first (target/gateway/group.py): refused there
+        (another gateway changed it at the same moment, the store is out of reach), the change is undone
+        here too; then the config file."""
+
+        async def save() -> None:
+            if self._on_change is not None:
+                await self._on_change()
+            if self.config_path is None:
+                return
+            try:
+                await asyncio.to_thread(configmod.save_config, self.config_path, self.snapshot())
+            except configmod.ConfigError as exc:
+                self._store_ahead()
+                raise ServiceError(500, f"{exc}; {what} was undone") from exc
+
+        await txn.commit(save)
+
+    @contextlib.asynccontextmanager
+    async def _steps(self) -> AsyncIterator[Transaction]:
+        """A change of many steps, under the lock (a replay, a reload): one transaction whose log takes
+        every step's undo; an exception out of it undoes them all. Its first entry puts back what the
+        service keeps beside the Target (unrestored items, saved ANA states, the backing policy, the
+        referrals) and tells discovery controllers, so it runs last."""
+        assert self._txn is None, "changes of many steps do not nest"
+        txn = Transaction()
+        kept = (list(self._unrestored), copy.deepcopy(self._ana_saved), self.backing, self._config_backing,
+                list(self.target.referrals))
+
+        def put_back() -> None:
+            unrestored, ana_saved, self.backing, self._config_backing, referrals = kept
+            self._unrestored = list(unrestored)
+            self._ana_saved.clear()
+            self._ana_saved.update(ana_saved)
+            self.target.referrals[:] = referrals
+            self.target.discovery_changed()
+
+        txn.undo_sync(put_back)
+        self._txn = txn
         try:
-            await asyncio.to_thread(configmod.save_config, self.config_path, self.snapshot())
-        except configmod.ConfigError as exc:
-            await undo()
-            self._store_ahead()
-            raise ServiceError(500, f"{exc}; the change was undone") from exc
+            yield txn
+        except BaseException:
+            await txn.roll_back()
+            raise
+        finally:
+            self._txn = None
 
     def _store_ahead(self) -> None:
         """A gateway group's store took a change that was then undone here (the local save failed): the
@@ -435,9 +472,8 @@ class TargetService:
         """Replay the unrestored items again (say, once the missing disk is mounted) and save.
 
         Returns the errors of the items that still fail; those stay remembered."""
-        async with self._lock:
+        async with self._lock, self._steps() as txn:
             pending, self._unrestored = self._unrestored, []
-            before = self._inventory()
             errors: list[str] = []
             await self._replay(
                 [(u.where, u.item) for u in pending if u.kind == "subsystem"],
@@ -447,7 +483,7 @@ class TargetService:
                 errors,
                 keep=True,
             )
-            await self._save_or_roll_back(before, pending, "the retry")
+            await self._save(txn, "the retry")
             return errors
 
     async def discard_unrestored(self) -> int:
@@ -546,6 +582,7 @@ class TargetService:
 
         async def undo() -> None:
             self.target.subsystems.pop(nqn, None)
+            self.target.disconnect_subsystem(nqn)   # a host may have connected while the change was saved
 
         await self._commit(persist, undo)
         self.target.discovery_changed()
@@ -943,6 +980,8 @@ class TargetService:
         async def undo() -> None:
             sub.namespaces.pop(nsid, None)
             self._discard_backend(store)
+            # a replay told the hosts of it already (and one may have found it while the change was saved)
+            self.target.namespace_changed(subnqn, nsid, masking.seen_by(ns))
 
         await self._commit(persist, undo)
         self.target.namespace_changed(subnqn, nsid)
@@ -1639,13 +1678,11 @@ class TargetService:
             [(f"{key}[{i}]", item) for i, item in enumerate(_items(config, key, errors))]
             for key in ("subsystems", "listeners", "referrals")
         ]
-        async with self._lock:
+        async with self._lock, self._steps() as txn:
             self._config_policy(config, errors, start_up=not persist)
-            before = self._inventory()
-            kept = list(self._unrestored)
             await self._replay(placed[0], [], placed[1], placed[2], errors, keep=not persist)
             if persist:
-                await self._save_or_roll_back(before, kept, "the import")
+                await self._save(txn, "the import")
         return errors
 
     def _config_policy(self, config: dict[str, Any], errors: list[str], *, start_up: bool) -> None:
@@ -1796,58 +1833,6 @@ class TargetService:
                 errors.append(f"{where}: {exc.message}; skipped")
                 failed("referral", where, item, exc.message)
 
-    def _inventory(self) -> tuple[set[str], set[tuple[str, int]], set[str], list[Referral]]:
-        return (
-            set(self.target.subsystems),
-            {(sub.nqn, ns.nsid) for sub, ns in self._all_namespaces()},
-            set(self.target.listeners),
-            list(self.target.referrals),
-        )
-
-    async def _save_or_roll_back(
-        self,
-        before: tuple[set[str], set[tuple[str, int]], set[str], list[Referral]],
-        unrestored: list[Unrestored],
-        what: str,
-    ) -> None:
-        """Save after a multi-item change; if saving fails, take out everything added since
-        ``before`` (and put the unrestored list back), so memory matches the file again."""
-        if self._on_change is not None:  # a gateway group's store first, as in _commit
-            try:
-                await self._on_change()
-            except ServiceError:
-                await self._take_out(before, unrestored)
-                raise
-        if self.config_path is None:
-            return
-        try:
-            await asyncio.to_thread(configmod.save_config, self.config_path, self.snapshot())
-        except configmod.ConfigError as exc:
-            await self._take_out(before, unrestored)
-            self._store_ahead()
-            raise ServiceError(500, f"{exc}; {what} was undone") from exc
-
-    async def _take_out(
-        self, before: tuple[set[str], set[tuple[str, int]], set[str], list[Referral]], unrestored: list[Unrestored]
-    ) -> None:
-        """Remove everything added since ``before`` and put the unrestored list back."""
-        subsystems, namespaces, listeners, referrals = before
-        for sub, ns in list(self._all_namespaces()):
-            if sub.nqn in subsystems and (sub.nqn, ns.nsid) not in namespaces:
-                del sub.namespaces[ns.nsid]
-                self.target.namespace_changed(sub.nqn, ns.nsid)
-                ns.backend.close()
-        for nqn in set(self.target.subsystems) - subsystems:
-            sub = self.target.subsystems.pop(nqn)
-            self.target.disconnect_subsystem(nqn)
-            for ns in sub.namespaces.values():
-                ns.backend.close()
-        for lid in set(self.target.listeners) - listeners:
-            await self.target.stop_listener(self.target.listeners.pop(lid))
-        self.target.referrals[:] = referrals
-        self._unrestored = unrestored
-        self.target.discovery_changed()
-
     def live_config(self) -> dict[str, Any]:
         """snapshot() of what runs, without the items kept from a failed restore."""
         pending, self._unrestored = self._unrestored, []
@@ -1861,10 +1846,11 @@ class TargetService:
         load_config) says, change by change (target/reload.py plans them), so the controllers of
         whatever stays keep running. All or nothing: returns the reasons when refused, and then
         nothing changed; [] when applied (the file is then saved back in canonical form, with the
-        nsids and identifiers it left out). Every step runs under the lock into one undo log and the
-        result is saved once (a gateway group's store first, through the change hook): a step, the store or
-        the save refusing undoes them all, which is what a gateway group applying the store's version
-        relies on. Items still waiting from a failed restore that the file keeps as they were stay
+        nsids and identifiers it left out). Every step runs under the lock in one transaction (one undo
+        log, target/transaction.py) and the result is saved once (a gateway group's store first, through
+        the change hook): a step, the store or the save refusing undoes them all, which is what a gateway
+        group applying the store's version relies on. Items still waiting from a failed restore that the
+        file keeps as they were stay
         waiting; those it dropped are forgotten."""
         from target.reload import plan_reload
 
@@ -1877,97 +1863,86 @@ class TargetService:
             errors = list(plan.problems) + self._resize_problems(plan.resized)
             if errors:
                 return errors
-            saved = (self.backing, self._config_backing, list(self._unrestored))
-            before = self._inventory()
-            undo: list[Undo] = []   # one log for every step: any failure, the save's included, undoes them all
-            later: list[Undo] = []  # what hosts are told, once the whole reload is saved
-
-            async def roll_back() -> None:
-                for step in reversed(undo):
-                    await step()
-                await self._take_out(before, saved[2])
-                self.backing, self._config_backing = saved[0], saved[1]
-
-            self._unrestored = []
-            self._config_policy(config, errors, start_up=True)
-            try:
-                if not errors:
-                    self._reload_take_away(plan, undo, later)
-                    for item in plan.access:   # before new namespaces, whose host lists it admits
-                        self._reload_access(item, undo)
-                    nss = [(nqn, f"namespace of {nqn}", item) for nqn, item in plan.new_namespaces]
-                    await self._replay([("subsystem", item) for item in plan.new_subsystems], nss,
-                                       [("listener", item) for item in plan.new_listeners],
-                                       [("referral", item) for item in plan.new_referrals], errors, keep=False)
-                if not errors:
-                    await self._reload_live(plan, undo, later)
-            except (ServiceError, configmod.ConfigError) as exc:
-                errors.append(exc.message if isinstance(exc, ServiceError) else str(exc))
-            except BaseException:  # a bug or a cancellation leaves nothing half applied either
-                await roll_back()
-                raise
-            if errors:
-                await roll_back()
-                return errors
-            self._unrestored = pending
-            try:
-                await self._commit(True, roll_back)  # the group's store, then the file: once, for all steps
-            except ServiceError as exc:
-                return [exc.message]
-            await self._reload_side_effects(plan, later, saved[2])
+            unrestored_before = list(self._unrestored)
+            # one transaction for every step: any failure, the store's or the save's included, undoes them all
+            async with self._steps() as txn:
+                self._unrestored = []
+                self._config_policy(config, errors, start_up=True)
+                try:
+                    if not errors:
+                        self._reload_take_away(plan, txn)
+                        for item in plan.access:   # before new namespaces, whose host lists it admits
+                            self._reload_access(item, txn)
+                        nss = [(nqn, f"namespace of {nqn}", item) for nqn, item in plan.new_namespaces]
+                        await self._replay([("subsystem", item) for item in plan.new_subsystems], nss,
+                                           [("listener", item) for item in plan.new_listeners],
+                                           [("referral", item) for item in plan.new_referrals], errors, keep=False)
+                    if not errors:
+                        await self._reload_live(plan, txn)
+                except (ServiceError, configmod.ConfigError) as exc:
+                    errors.append(exc.message if isinstance(exc, ServiceError) else str(exc))
+                if errors:
+                    await txn.roll_back()
+                    return errors
+                self._unrestored = pending
+                try:
+                    await self._save(txn)  # the group's store, then the file: once, for all steps
+                except ServiceError as exc:
+                    return [exc.message]
+            await self._reload_side_effects(plan, txn, unrestored_before)
         log.info("configuration %s reloaded: %s", self.config_path, plan.summary())
         return []
 
-    async def _reload_live(self, plan: Any, undo: list[Undo], later: list[Undo]) -> None:
+    async def _reload_live(self, plan: Any, txn: Transaction) -> None:
         """The changes to namespaces and listeners that stay: sizes (_resize_problems checked them), enabled,
-        ANA groups and ANA states, each undoable, unsaved; their notices wait in ``later``."""
+        ANA groups and ANA states, each logged in ``txn``, unsaved; their notices wait until it is saved."""
         for nqn, nsid, size in plan.resized:
             step = await self._resize_step(self.get_namespace(nqn, nsid), size, allow_shrink=True)
             if step is not None:
-                undo.append(step)
-                later.append(_sync(lambda nqn=nqn, nsid=nsid: self.target.namespace_changed(nqn, nsid)))
+                txn.undo(step)
+                txn.after_sync(lambda nqn=nqn, nsid=nsid: self.target.namespace_changed(nqn, nsid))
         for nqn, nsid, enabled in plan.enabled:
             ns = self.get_namespace(nqn, nsid)
             step = self._enabled_step(ns, enabled)
             if step is not None:
-                undo.append(step)
-                later.append(_sync(lambda nqn=nqn, ns=ns: (self.target.namespace_changed(nqn, ns.nsid),
-                                                           self._ana_changed(subnqn=nqn, groups=(ns.anagrpid,)))))
+                txn.undo(step)
+                txn.after_sync(lambda nqn=nqn, ns=ns: (self.target.namespace_changed(nqn, ns.nsid),
+                                                       self._ana_changed(subnqn=nqn, groups=(ns.anagrpid,))))
         for nqn, nsid, anagrpid in plan.anagrpid:
             ns = self.get_namespace(nqn, nsid)
             old = ns.anagrpid
             step = self._anagrpid_step(ns, anagrpid)
             if step is not None:
-                undo.append(step)
-                later.append(_sync(lambda nqn=nqn, groups=(old, ns.anagrpid): self._ana_changed(subnqn=nqn,
-                                                                                                groups=groups)))
+                txn.undo(step)
+                txn.after_sync(lambda nqn=nqn, groups=(old, ns.anagrpid): self._ana_changed(subnqn=nqn,
+                                                                                            groups=groups))
         for nqn, nsid, auto_visible, hosts in plan.visibility:
             ns = self.get_namespace(nqn, nsid)
             auto_visible, hosts = _visibility(self.target.subsystems[nqn], nsid, auto_visible, hosts)
             change = self._visibility_step(ns, auto_visible, hosts)
             if change is not None:
-                undo.append(change[0])
-                later.append(_sync(lambda nqn=nqn, ns=ns, c=change[1]: self._visibility_notice(nqn, ns, c)))
+                txn.undo(change[0])
+                txn.after_sync(lambda nqn=nqn, ns=ns, c=change[1]: self._visibility_notice(nqn, ns, c))
         for item in plan.access:   # the file narrowed a subsystem's hosts: its namespaces must follow
             stale = masking.unadmitted(self.target.subsystems[item["nqn"]])
             if stale:
                 raise _bad(f"subsystem {item['nqn']}: {'; '.join(stale)}, a host the subsystem no longer admits; "
                            "remove it from the namespace's hosts in the file too")
-        self._reload_qos(plan, undo, later)
+        self._reload_qos(plan, txn)
         for lid, states in plan.ana_states:
             done = self._reload_ana(lid, states)
             if done is not None:
-                undo.append(done[0])
+                txn.undo(done[0])
                 changed, groups = done[1], done[2]
                 if changed:
-                    later.append(_sync(lambda changed=changed, groups=groups: self._ana_changed(listeners=changed,
-                                                                                                groups=groups)))
+                    txn.after_sync(lambda changed=changed, groups=groups: self._ana_changed(listeners=changed,
+                                                                                            groups=groups))
 
-    def _reload_qos(self, plan: Any, undo: list[Undo], later: list[Undo]) -> None:
+    def _reload_qos(self, plan: Any, txn: Transaction) -> None:
         for nqn, nsid, item in plan.qos:
             limits, hosts = qosmod.parse_config(item)   # config.item_problems checked it
-            undo.append(self._qos_step(self.get_namespace(nqn, nsid), limits, hosts))
-            later.append(_sync(lambda nqn=nqn, nsid=nsid: self.target.namespace_changed(nqn, nsid)))
+            txn.undo(self._qos_step(self.get_namespace(nqn, nsid), limits, hosts))
+            txn.after_sync(lambda nqn=nqn, nsid=nsid: self.target.namespace_changed(nqn, nsid))
 
     def _resize_problems(self, resized: list[tuple[str, int, int]]) -> list[str]:
         problems = []
@@ -1981,22 +1956,23 @@ class TargetService:
                                 f"({ns.backend.size} -> {size} bytes); shrink it through the API with allow_shrink")
         return problems
 
-    def _reload_take_away(self, plan: Any, undo: list[Undo], later: list[Undo]) -> None:
-        """The removals, in memory only (undoable); ``later`` disconnects and closes once saved,
+    def _reload_take_away(self, plan: Any, txn: Transaction) -> None:
+        """The removals, in memory only (logged in ``txn``); once saved, its notices disconnect and close,
         as remove_namespace/remove_subsystem/remove_listener do."""
         for nqn, nsid in plan.removed_namespaces:
             sub = self.target.subsystems[nqn]
             ns = sub.namespaces.pop(nsid)
-            undo.append(_sync(lambda sub=sub, ns=ns: sub.namespaces.__setitem__(ns.nsid, ns)))
-            later.append(lambda nqn=nqn, ns=ns: self._dropped_namespace(nqn, ns))
+            txn.undo_sync(lambda sub=sub, ns=ns: sub.namespaces.__setitem__(ns.nsid, ns))
+            txn.after(lambda nqn=nqn, ns=ns: self._dropped_namespace(nqn, ns))
         for nqn in plan.removed_subsystems:
             sub = self.target.subsystems.pop(nqn)
-            undo.append(_sync(lambda sub=sub: self.target.subsystems.__setitem__(sub.nqn, sub)))
-            later.append(lambda sub=sub: self._dropped_subsystem(sub))
+            txn.undo_sync(lambda sub=sub: self.target.subsystems.__setitem__(sub.nqn, sub))
+            txn.after(lambda sub=sub: self._dropped_subsystem(sub))
         for lid in plan.removed_listeners:
             lst = self.target.listeners.pop(lid)
-            undo.append(_sync(lambda lid=lid, lst=lst: self.target.listeners.__setitem__(lid, lst)))
-            later.append(lambda lst=lst: self._dropped_listener(lst))
+            txn.undo_sync(lambda lid=lid, lst=lst: self.target.listeners.__setitem__(lid, lst))
+            txn.after(lambda lst=lst: self._dropped_listener(lst))
+        # (the referrals come back with the rest of what _steps keeps)
         self.target.referrals[:] = [r for r in self.target.referrals if r.id not in plan.removed_referrals]
 
     async def _dropped_namespace(self, nqn: str, ns: Namespace) -> None:
@@ -2013,7 +1989,7 @@ class TargetService:
         self.target.disconnect_listener(listener)
         await self.target.stop_listener(listener)
 
-    def _reload_access(self, item: dict[str, Any], undo: list[Undo]) -> None:
+    def _reload_access(self, item: dict[str, Any], txn: Transaction) -> None:
         """Hosts, allow_any_host and DH-HMAC-CHAP lists of a subsystem as ``item`` has them, checked as
         add_subsystem checks them; the hosts it no longer admits lose their controllers afterwards."""
         sub = self.target.subsystems[item["nqn"]]
@@ -2033,14 +2009,13 @@ class TargetService:
         async def back() -> None:
             sub.hosts, sub.host_auth, sub.allow_any_host, sub.dhchap_hash, sub.dhchap_dhgroup = old
 
-        undo.append(back)
+        txn.undo(back)
         sub.hosts, sub.host_auth, sub.allow_any_host, sub.dhchap_hash, sub.dhchap_dhgroup = (
             hosts, auth, allow, hashes, groups)
 
-    async def _reload_side_effects(self, plan: Any, later: list[Undo], unrestored_before: list[Unrestored]) -> None:
+    async def _reload_side_effects(self, plan: Any, txn: Transaction, unrestored_before: list[Unrestored]) -> None:
         """After the reload is saved: what removals and narrower host lists do to connected hosts."""
-        for step in later:
-            await step()
+        await txn.announce()
         for item in plan.access:
             await self._revoke(item["nqn"])
         for u in unrestored_before:
