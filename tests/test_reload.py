@@ -236,6 +236,23 @@ async def test_a_failing_step_undoes_every_step(svc: TargetService, monkeypatch:
     assert Path(svc.config_path).read_text() == saved
 
 
+@pytest.mark.parametrize("method", ["_replay", "_anagrpid_step", "_reload_ana"])
+async def test_a_bug_in_a_step_undoes_every_step_and_propagates(svc: TargetService, monkeypatch: pytest.MonkeyPatch,
+                                                                 method: str) -> None:
+    """Not a refusal (ServiceError) but a bug or a cancellation: raised to the caller, nothing half applied."""
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"{method} is broken (injected)")
+
+    monkeypatch.setattr(svc, method, broken)
+    snapshot, objects = svc.snapshot(), live_objects(svc)
+    saved = Path(svc.config_path).read_text()
+    with pytest.raises(RuntimeError, match="injected"):
+        await svc.reload(every_step(svc))
+    assert svc.snapshot() == snapshot and live_objects(svc) == objects
+    assert Path(svc.config_path).read_text() == saved
+    assert not svc._lock.locked()
+
+
 async def test_a_failing_save_undoes_every_step(svc: TargetService, monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(path: Any, config: Any) -> None:
         raise configmod.ConfigError(f"{path}: disk full (injected)")
