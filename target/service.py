@@ -3,8 +3,9 @@
 Daemon start-up, config restore, the REST API and the CLI all come through here. Each mutation:
 1. takes the one asyncio.Lock, so changes never interleave;
 2. validates everything before touching anything, so a refused request changes nothing;
-3. applies the change in memory and saves the whole configuration atomically (when a config path
-   is set); if the save fails the change is undone and the caller gets a 500;
+3. applies the change in memory, each step logging its undo in one Transaction (target/transaction.py),
+   and saves the whole configuration once, atomically (when a config path is set); if the save fails
+   the log undoes the change and the caller gets a 500 (a replay and a reload are one transaction too);
 4. calls the Target's live hooks (namespace_changed, discovery_changed, disconnects).
 
 Items of a replayed configuration that cannot be restored (a file on a disk not mounted yet, a port
