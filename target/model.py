@@ -14,6 +14,7 @@ from typing import Any, Literal
 from nvmeof import defaults
 from nvmeof.spec.logs import AnaState
 from nvmeof.status import Status
+from nvmeof.tls.psk import TlsKey
 from target.backends.base import Backend
 from target.qos import NamespaceQos
 from target.reservations import EMPTY as EMPTY_RESERVATION
@@ -169,16 +170,19 @@ class HostAuth:
     dhchap_ctrl_key: Any = None      # the controller's secret (bidirectional authentication)
     dhchap_hash: tuple[int, ...] | None = None     # allowed hash ids (1 SHA-256, 2 SHA-384, 3 SHA-512)
     dhchap_dhgroup: tuple[int, ...] | None = None  # allowed DH group ids (0 null, 1..5 ffdhe2048..8192)
+    # NVMe/TCP TLS: the host's configured PSK on this subsystem (SPDK nvmf_subsystem_add_host --psk); a TLS
+    # connection whose PSK identity names this host and subsystem uses it (target/tls.py)
+    tls_key: TlsKey | None = None
 
     def __repr__(self) -> str:
         return (f"HostAuth(dhchap_key={self.dhchap_key is not None}, "
                 f"dhchap_ctrl_key={self.dhchap_ctrl_key is not None}, dhchap_hash={self.dhchap_hash}, "
-                f"dhchap_dhgroup={self.dhchap_dhgroup})")
+                f"dhchap_dhgroup={self.dhchap_dhgroup}, tls_key={self.tls_key is not None})")
 
     @property
     def empty(self) -> bool:
         return (self.dhchap_key is None and self.dhchap_ctrl_key is None and self.dhchap_hash is None
-                and self.dhchap_dhgroup is None)
+                and self.dhchap_dhgroup is None and self.tls_key is None)
 
 
 @dataclass(eq=False)
@@ -267,6 +271,9 @@ class Listener:
     # makes it its standby state (Target.set_ana_default) so that a group it holds no lock for is never
     # served optimized, whatever adds the group or the listener.
     ana_default: AnaState = field(default=AnaState.OPTIMIZED, repr=False)
+    # NVMe/TCP secure channel (TP 8011): "none" (clear only), "optional" (TLS or clear, told apart by the
+    # first byte) or "required" (TLS 1.3 only); discovery shows it as SECTYPE/TREQ (target/discovery.py)
+    tls: str = "none"
 
     @property
     def id(self) -> str:
