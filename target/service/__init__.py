@@ -22,7 +22,6 @@ import contextlib
 import copy
 import dataclasses
 import errno
-import ipaddress
 import logging
 import os
 import secrets
@@ -50,16 +49,36 @@ from target.backends import (
 )
 from target.backends.base import close_backends
 from target.model import (
-    ADRFAMS,
     BLOCK_SIZES,
-    TRTYPES,
     Listener,
     Namespace,
     Referral,
     Subsystem,
     endpoint_id,
 )
-from target.nqn import NqnError, generate_nqn, validate_nqn
+from target.nqn import generate_nqn
+from target.service.checks import (
+    ServiceError,
+    _address,
+    _ana_state,
+    _anagrpid,
+    _ascii_field,
+    _bad,
+    _bool,
+    _endpoint_key,
+    _given,
+    _hex_id,
+    _host_auth,
+    _int,
+    _masking,
+    _nothing,
+    _nqn,
+    _restore_hosts,
+    _show,
+    _split_hosts,
+    _uuid,
+    _visibility,
+)
 from target.transaction import Transaction, Undo
 
 if TYPE_CHECKING:
@@ -70,6 +89,8 @@ SERIAL_MAX = 20  # Identify Controller SN, bytes
 MODEL_MAX = 40  # Identify Controller MN, bytes
 
 log = logging.getLogger(__name__)
+
+__all__ = ["GatewayMember", "ServiceError", "TargetHooks", "TargetService", "Unrestored", "_endpoint_key", "configmod"]
 
 # (where, item) pairs for subsystems/listeners/referrals; (subnqn, where, item) for namespaces.
 Placed = list[tuple[str, Any]]
@@ -140,132 +161,6 @@ class GatewayMember(Protocol):
     async def report(self) -> dict[str, Any]: ...   # what GET /api/v1/gateway returns
     # A member gone for good leaves the group (refused while it is alive): DELETE /api/v1/gateway/members/NAME
     async def remove_member(self, name: str) -> None: ...
-
-
-class ServiceError(Exception):
-    """A refused or failed management request. ``status`` follows HTTP: 400 bad input, 404 no such
-    object, 409 conflicts with the current state, 500 the change could not be applied or saved."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
-def _bad(message: str) -> ServiceError:
-    return ServiceError(400, message)
-
-
-def _int(value: Any, name: str, low: int, high: int) -> int:
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value)
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise _bad(f"{name} must be an integer, got {value!r}")
-    if not low <= value <= high:
-        raise _bad(f"{name} {value} is out of range; use {low}..{high}")
-    return value
-
-
-def _anagrpid(value: Any) -> int:
-    return _int(value, "anagrpid", 1, defaults.ANAGRPMAX)
-
-
-def _ana_state(value: Any) -> AnaState:
-    try:
-        return parse_ana_state(value)
-    except ValueError as exc:
-        raise _bad(str(exc)) from None
-
-
-def _bool(value: Any, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise _bad(f"{name} must be true or false, got {value!r}")
-    return value
-
-
-def _ascii_field(value: Any, name: str, limit: int) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise _bad(f"{name} must be a non-empty string, got {value!r}")
-    if any(not (0x20 <= ord(ch) <= 0x7E) for ch in value):
-        raise _bad(f"{name} {value!r} must be printable ASCII (it goes into a fixed ASCII field)")
-    if len(value) > limit:
-        raise _bad(f"{name} {value!r} is {len(value)} characters; the limit is {limit}")
-    return value
-
-
-def _hex_id(value: Any, name: str, length: int) -> bytes:
-    """Parse an NGUID/EUI-64 given as bytes or hex text (with optional '-' or ':' separators)."""
-    if isinstance(value, bytes | bytearray):
-        raw = bytes(value)
-    elif isinstance(value, str):
-        digits = value.replace("-", "").replace(":", "").strip()
-        try:
-            raw = bytes.fromhex(digits)
-        except ValueError:
-            raise _bad(f"{name} {value!r} is not hexadecimal") from None
-    else:
-        raise _bad(f"{name} must be hex text, got {value!r}")
-    if len(raw) != length:
-        raise _bad(f"{name} {value!r} is {len(raw)} bytes; it must be {length} ({2 * length} hex digits)")
-    if raw == bytes(length):
-        raise _bad(f"{name} is all zeros, which tells the host there is none; leave it out to generate one")
-    return raw
-
-
-def _uuid(value: Any) -> uuidlib.UUID:
-    if isinstance(value, uuidlib.UUID):
-        parsed = value
-    else:
-        try:
-            parsed = uuidlib.UUID(str(value))
-        except ValueError:
-            raise _bad(f"uuid {value!r} is not a UUID (8-4-4-4-12 hex digits)") from None
-    if parsed.int == 0:
-        raise _bad("uuid is all zeros, which tells the host there is none; leave it out to generate one")
-    return parsed
-
-
-def _nqn(value: Any, what: str) -> str:
-    try:
-        return validate_nqn(value, what=what)
-    except NqnError as exc:
-        raise _bad(str(exc)) from None
-
-
-def _address(trtype: Any, traddr: Any, trsvcid: Any, adrfam: Any) -> tuple[str, str, str, int]:
-    if trtype not in TRTYPES:
-        raise _bad(f"transport type {trtype!r} is not supported; use one of {', '.join(TRTYPES)}")
-    try:
-        ip = ipaddress.ip_address(str(traddr).strip("[]"))
-    except ValueError:
-        raise _bad(f"address {traddr!r} is not an IPv4 or IPv6 address") from None
-    family = "ipv6" if ip.version == 6 else "ipv4"
-    if adrfam is not None and adrfam != family:
-        if adrfam not in ADRFAMS:
-            raise _bad(f"address family {adrfam!r} is not supported; use one of {', '.join(ADRFAMS)}")
-        raise _bad(f"address {traddr} is {family}, but the address family given is {adrfam}")
-    return trtype, family, str(ip), _int(trsvcid, "port (trsvcid)", 1, 65535)
-
-
-def _masking(check: Callable[[], Any]) -> Any:
-    try:
-        return check()
-    except masking.MaskingError as exc:
-        raise ServiceError(exc.status, exc.message) from None
-
-
-def _visibility(sub: Subsystem, nsid: int, auto_visible: Any, hosts: Any) -> tuple[bool, set[str]]:
-    return _masking(lambda: masking.check_visibility(sub, nsid, auto_visible, hosts))
-
-
-def _restore_hosts(dropped: list[tuple[Namespace, str]]) -> None:
-    """Undo masking.drop_unadmitted."""
-    for ns, hostnqn in dropped:
-        ns.hosts.add(hostnqn)
-
-
-async def _nothing() -> None:
-    return None
 
 
 class TargetService:
@@ -2071,25 +1966,9 @@ def _keepable(kind: str, item: Any) -> bool:
     return True
 
 
-def _endpoint_key(item: dict[str, Any]) -> str | None:
-    """The listener/referral id an item would get, or None if its address does not parse."""
-    try:
-        trtype, _, traddr, port = _address(_given(item, "trtype", "tcp"), item.get("traddr"),
-                                           item.get("trsvcid"), item.get("adrfam"))
-    except ServiceError:
-        return None
-    return endpoint_id(trtype, traddr, port)
-
-
 def _nsid_order(entry: dict[str, Any]) -> tuple[int, int]:
     nsid = entry.get("nsid")
     return (0, nsid) if isinstance(nsid, int) else (1, 0)
-
-
-def _given(item: dict[str, Any], key: str, default: Any) -> Any:
-    """The item's value for ``key``, or ``default`` when absent or null (a 0 or "" stays, to be refused)."""
-    value = item.get(key)
-    return default if value is None else value
 
 
 def _open_store(backend: str, **kw: Any) -> tuple[Any, dict[str, str] | None]:
@@ -2100,10 +1979,6 @@ def _open_store(backend: str, **kw: Any) -> tuple[Any, dict[str, str] | None]:
     except BackendError:
         TargetService._discard_backend(store)
         raise
-
-
-def _show(value: Any) -> str:
-    return value.hex() if isinstance(value, bytes) else str(value)
 
 
 def _listen_error(lid: str, exc: OSError) -> ServiceError:
@@ -2149,32 +2024,6 @@ def _subsystem_entry(sub: Subsystem, *, redact: bool = False) -> dict[str, Any]:
         entry["dhchap_dhgroup"] = hostauth.dhgroup_names(sub.dhchap_dhgroup)
     entry["namespaces"] = [_namespace_entry(sub.namespaces[nsid]) for nsid in sorted(sub.namespaces)]
     return entry
-
-
-def _host_auth(hostnqn: str, settings: dict[str, Any], base: Any = None) -> Any:
-    """hostauth.build with its refusal as a 400 (the message names the field, never the secret)."""
-    if not isinstance(settings, dict):
-        raise _bad(f"DH-HMAC-CHAP settings of host {hostnqn} must be an object, got {type(settings).__name__}")
-    try:
-        return hostauth.build(hostnqn, settings, base)
-    except hostauth.AuthSettingError as exc:
-        raise _bad(str(exc)) from None
-
-
-def _split_hosts(hosts: Any) -> tuple[Any, dict[str, dict[str, Any]]]:
-    """A config ``hosts`` list (NQN strings, or objects {"nqn", "dhchap_key", ...}) as the NQNs and
-    the settings per NQN."""
-    if not isinstance(hosts, list | tuple):
-        return hosts, {}
-    nqns: list[Any] = []
-    settings: dict[str, dict[str, Any]] = {}
-    for host in hosts:
-        if isinstance(host, dict):
-            nqns.append(host.get("nqn"))
-            settings[host.get("nqn")] = {k: v for k, v in host.items() if k != "nqn"}
-        else:
-            nqns.append(host)
-    return nqns, settings
 
 
 def _namespace_entry(ns: Namespace) -> dict[str, Any]:
