@@ -364,7 +364,11 @@ class TlsSession:
         else:
             lib.SSL_set_ciphersuites(ssl, CIPHER_SUITES[cipher].encode())
             lib.SSL_set_connect_state(ssl)
-        self._rbuf = ffi.new("unsigned char[]", READ_CHUNK)
+        # reused buffers, not zeroed on allocation (every byte read out was written by OpenSSL first)
+        self._alloc = ffi.new_allocator(should_clear_after_alloc=False)
+        self._rbuf = self._alloc("unsigned char[]", READ_CHUNK)
+        self._wbuf = self._alloc("unsigned char[]", READ_CHUNK)
+        self._wsize = READ_CHUNK
         self._nbytes = ffi.new("size_t *")
 
     # -- handshake -----------------------------------------------------------------------------------------
@@ -449,9 +453,11 @@ class TlsSession:
         n = lib.BIO_ctrl_pending(self._wbio)
         if not n:
             return b""
-        out = ffi.new("unsigned char[]", n)
-        got = lib.BIO_read(self._wbio, out, n)
-        return ffi.buffer(out, max(got, 0))[:]
+        if n > self._wsize:
+            self._wsize = max(n, self._wsize * 2)
+            self._wbuf = self._alloc("unsigned char[]", self._wsize)
+        got = lib.BIO_read(self._wbio, self._wbuf, n)
+        return ffi.buffer(self._wbuf, max(got, 0))[:]
 
     def close_notify(self) -> None:
         """Queue a close_notify alert (best effort)."""
