@@ -23,11 +23,10 @@ import logging
 import os
 import secrets
 import uuid as uuidlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from nvmeof import defaults
-from nvmeof.spec.identify import NSID_MAX
 from nvmeof.spec.logs import ANA_STATE_NAMES, AnaState, parse_ana_state
 from target import config as configmod
 from target import hostauth, masking, pr
@@ -49,13 +48,11 @@ from target.model import (
     Namespace,
     Subsystem,
 )
-from target.nqn import generate_nqn
 from target.service.base import GatewayMember, Placed, PlacedNs, ServiceBase, TargetHooks, Unrestored
 from target.service.checks import (
     ServiceError,
     _ana_state,
     _anagrpid,
-    _ascii_field,
     _bad,
     _bool,
     _endpoint_key,
@@ -65,24 +62,22 @@ from target.service.checks import (
     _int,
     _masking,
     _nqn,
-    _restore_hosts,
     _show,
     _split_hosts,
     _uuid,
     _visibility,
 )
+from target.service.hosts import HostsMixin
 from target.service.listeners import ListenersMixin
+from target.service.subsystems import SubsystemsMixin
 from target.transaction import Transaction, Undo
-
-SERIAL_MAX = 20  # Identify Controller SN, bytes
-MODEL_MAX = 40  # Identify Controller MN, bytes
 
 log = logging.getLogger(__name__)
 
 __all__ = ["GatewayMember", "ServiceError", "TargetHooks", "TargetService", "Unrestored", "_endpoint_key", "configmod"]
 
 
-class TargetService(ListenersMixin, ServiceBase):
+class TargetService(HostsMixin, SubsystemsMixin, ListenersMixin, ServiceBase):
     async def retry_unrestored(self) -> list[str]:
         """Replay the unrestored items again (say, once the missing disk is mounted) and save.
 
@@ -115,258 +110,6 @@ class TargetService(ListenersMixin, ServiceBase):
             return len(dropped)
 
     # --- subsystems ----------------------------------------------------------------------------
-
-    async def add_subsystem(
-        self,
-        nqn: str | None = None,
-        serial: str | None = None,
-        model: str = defaults.MODEL,
-        allow_any_host: bool | None = None,
-        hosts: Iterable[str] = (),
-        max_namespaces: int = defaults.MAX_NAMESPACES,
-        *,
-        host_auth: dict[str, dict[str, Any]] | None = None,
-        dhchap_hash: Any = None,
-        dhchap_dhgroup: Any = None,
-    ) -> Subsystem:
-        """Create a subsystem. ``allow_any_host`` defaults to True when no hosts are listed.
-        ``host_auth``: DH-HMAC-CHAP settings per listed host (hostauth.FIELDS); ``dhchap_hash`` /
-        ``dhchap_dhgroup``: the subsystem's allowed hashes and DH groups (default all)."""
-        async with self._lock:
-            return await self._add_subsystem(nqn, serial, model, allow_any_host, hosts, max_namespaces, persist=True,
-                                             host_auth=host_auth, dhchap_hash=dhchap_hash,
-                                             dhchap_dhgroup=dhchap_dhgroup)
-
-    async def _add_subsystem(
-        self,
-        nqn: str | None,
-        serial: str | None,
-        model: str,
-        allow_any_host: bool | None,
-        hosts: Iterable[str],
-        max_namespaces: int,
-        *,
-        persist: bool,
-        host_auth: dict[str, dict[str, Any]] | None = None,
-        dhchap_hash: Any = None,
-        dhchap_dhgroup: Any = None,
-    ) -> Subsystem:
-        nqn = generate_nqn() if nqn is None else _nqn(nqn, "subsystem NQN")
-        if nqn in self.target.subsystems:
-            raise ServiceError(409, f"subsystem {nqn} already exists")
-        for u in self._pending("subsystem"):
-            if u.item.get("nqn") == nqn:
-                raise self._pending_conflict(f"subsystem {nqn}", u)
-        serial = secrets.token_hex(SERIAL_MAX // 2) if serial is None else _ascii_field(serial, "serial", SERIAL_MAX)
-        model = _ascii_field(model, "model", MODEL_MAX)
-        if isinstance(hosts, str):
-            raise _bad("hosts must be a list of host NQNs, not a single string")
-        host_set = {_nqn(h, "host NQN") for h in hosts}
-        if allow_any_host is None:
-            allow_any_host = not host_set
-        elif _bool(allow_any_host, "allow_any_host") and host_set:
-            raise _bad(
-                "give either allow_any_host or a list of hosts, not both: "
-                "with allow_any_host every host may connect and the list would mean nothing"
-            )
-        max_namespaces = _int(max_namespaces, "max_namespaces", 1, NSID_MAX)
-        auth = {}
-        for hostnqn, settings in (host_auth or {}).items():
-            if hostnqn not in host_set:
-                raise _bad(f"DH-HMAC-CHAP settings for host {hostnqn}, which is not in the subsystem's hosts")
-            entry = _host_auth(hostnqn, settings)
-            if not entry.empty:
-                auth[hostnqn] = entry
-        try:
-            hashes = hostauth.parse_hashes(dhchap_hash)
-            groups = hostauth.parse_dhgroups(dhchap_dhgroup)
-        except hostauth.AuthSettingError as exc:
-            raise _bad(f"subsystem {nqn}: {exc}") from None
-        sub = Subsystem(
-            nqn=nqn,
-            serial=serial,
-            model=model,
-            allow_any_host=allow_any_host,
-            hosts=host_set,
-            max_namespaces=max_namespaces,
-            host_auth=auth,
-            dhchap_hash=hashes,
-            dhchap_dhgroup=groups,
-        )
-        self.target.subsystems[nqn] = sub
-
-        async def undo() -> None:
-            self.target.subsystems.pop(nqn, None)
-            self.target.disconnect_subsystem(nqn)   # a host may have connected while the change was saved
-
-        await self._commit(persist, undo)
-        self.target.discovery_changed()
-        return sub
-
-    async def remove_subsystem(self, nqn: str, force: bool = False) -> int:
-        """Remove subsystem ``nqn``; returns how many controllers were disconnected with it."""
-        async with self._lock:
-            sub = self.get_subsystem(nqn)
-            waiting = [u for u in self._pending("namespace") if u.subnqn == nqn]
-            if sub.namespaces and not force:
-                also = f" (and {len(waiting)} more that were not restored)" if waiting else ""
-                raise ServiceError(
-                    409,
-                    f"subsystem {nqn} still has namespaces {sorted(sub.namespaces)}{also}; "
-                    "remove them first or pass force",
-                )
-            if waiting and not force:
-                raise ServiceError(
-                    409,
-                    f"subsystem {nqn} has namespaces in the configuration that were not restored "
-                    f"({', '.join(u.where for u in waiting)}); pass force to remove them with it",
-                )
-            del self.target.subsystems[nqn]
-            for u in waiting:
-                self._unrestored.remove(u)
-
-            async def undo() -> None:
-                self.target.subsystems[nqn] = sub
-                self._unrestored.extend(waiting)
-
-            await self._commit(True, undo)
-            disconnected = self.target.disconnect_subsystem(nqn)
-            for ns in sub.namespaces.values():
-                ns.backend.close()
-            self.target.discovery_changed()
-            await self._settle()
-            return disconnected
-
-    async def set_allow_any_host(self, nqn: str, allow: bool) -> int:
-        """Set allow_any_host; turning it off disconnects the controllers of hosts not in the list.
-        Returns how many controllers were disconnected."""
-        async with self._lock:
-            sub = self.get_subsystem(nqn)
-            allow = _bool(allow, "allow_any_host")
-            if allow and sub.hosts:
-                raise ServiceError(
-                    409,
-                    f"subsystem {nqn} lists allowed hosts {sorted(sub.hosts)}; deny them first, then allow any host",
-                )
-            old = sub.allow_any_host
-            sub.allow_any_host = allow
-            dropped = masking.drop_unadmitted(sub)
-
-            async def undo() -> None:
-                sub.allow_any_host = old
-                _restore_hosts(dropped)
-
-            await self._commit(True, undo)
-            disconnected = await self._revoke(nqn)
-            self.target.discovery_changed()
-            return disconnected
-
-    async def allow_host(self, subnqn: str, hostnqn: str, **auth: Any) -> Subsystem:
-        """Add ``hostnqn`` to the allowed hosts, with its DH-HMAC-CHAP settings (``dhchap_key``,
-        ``dhchap_ctrl_key``, ``dhchap_hash``, ``dhchap_dhgroup``) if given."""
-        async with self._lock:
-            hostnqn = _nqn(hostnqn, "host NQN")
-            sub = self.get_subsystem(subnqn)
-            if sub.allow_any_host:
-                raise ServiceError(
-                    409,
-                    f"subsystem {subnqn} allows any host; turn allow_any_host off "
-                    "first so that the list of hosts takes effect",
-                )
-            if hostnqn in sub.hosts:
-                raise ServiceError(409, f"host {hostnqn} is already allowed on {subnqn}")
-            entry = _host_auth(hostnqn, {k: v for k, v in auth.items() if v is not None})
-            sub.hosts.add(hostnqn)
-            if not entry.empty:
-                sub.host_auth[hostnqn] = entry
-
-            async def undo() -> None:
-                sub.hosts.discard(hostnqn)
-                sub.host_auth.pop(hostnqn, None)
-
-            await self._commit(True, undo)
-            self.target.discovery_changed()
-            return sub
-
-    async def deny_host(self, subnqn: str, hostnqn: str) -> int:
-        """Remove ``hostnqn`` from the allowed hosts and disconnect its controllers on ``subnqn``
-        (SPDK spdk_nvmf_subsystem_remove_host does the same); returns how many were disconnected."""
-        async with self._lock:
-            sub = self.get_subsystem(subnqn)
-            if hostnqn not in sub.hosts:
-                raise ServiceError(404, f"host {hostnqn} is not in the allowed hosts of {subnqn}")
-            sub.hosts.discard(hostnqn)
-            auth = sub.host_auth.pop(hostnqn, None)
-            dropped = masking.drop_unadmitted(sub)
-
-            async def undo() -> None:
-                sub.hosts.add(hostnqn)
-                if auth is not None:
-                    sub.host_auth[hostnqn] = auth
-                _restore_hosts(dropped)
-
-            await self._commit(True, undo)
-            disconnected = await self._revoke(subnqn)
-            self.target.discovery_changed()
-            return disconnected
-
-    def get_host(self, subnqn: str, hostnqn: str) -> tuple[Subsystem, Any]:
-        """(subsystem, its HostAuth or None) for an allowed host; 404 when the host is not allowed."""
-        sub = self.get_subsystem(subnqn)
-        if hostnqn not in sub.hosts:
-            raise ServiceError(404, f"host {hostnqn} is not in the allowed hosts of {subnqn}; allow it first")
-        return sub, sub.host_auth.get(hostnqn)
-
-    async def set_host_auth(self, subnqn: str, hostnqn: str, settings: dict[str, Any]) -> Subsystem:
-        """Set, rotate or remove DH-HMAC-CHAP settings of an allowed host: each field given replaces the
-        current one (None removes it), the others stay. Connected controllers keep running; their next
-        (re-)authentication, and every new queue, uses the new settings (nvmet reads the host's key at
-        each authentication too)."""
-        async with self._lock:
-            sub, old = self.get_host(subnqn, hostnqn)
-            entry = _host_auth(hostnqn, settings, old)
-            if entry.empty:
-                sub.host_auth.pop(hostnqn, None)
-            else:
-                sub.host_auth[hostnqn] = entry
-
-            async def undo() -> None:
-                if old is None:
-                    sub.host_auth.pop(hostnqn, None)
-                else:
-                    sub.host_auth[hostnqn] = old
-
-            await self._commit(True, undo)
-            changed = ", ".join(sorted(settings)) or "nothing"
-            log.info("DH-HMAC-CHAP settings of host %s on %s changed (%s)", hostnqn, subnqn, changed)
-            return sub
-
-    async def clear_host_auth(self, subnqn: str, hostnqn: str) -> Subsystem:
-        """Remove every DH-HMAC-CHAP setting of the host: its new queues no longer authenticate."""
-        return await self.set_host_auth(subnqn, hostnqn, {field: None for field in hostauth.DHCHAP_FIELDS})
-
-    async def set_subsystem_dhchap(self, subnqn: str, settings: dict[str, Any]) -> Subsystem:
-        """The subsystem's allowed hashes/DH groups (``dhchap_hash``, ``dhchap_dhgroup``; None: all),
-        used by hosts that name none of their own."""
-        async with self._lock:
-            sub = self.get_subsystem(subnqn)
-            unknown = sorted(set(settings) - set(hostauth.LIST_FIELDS))
-            if unknown:
-                raise _bad(f"unknown subsystem setting(s) {', '.join(unknown)}; use dhchap_hash, dhchap_dhgroup")
-            old = (sub.dhchap_hash, sub.dhchap_dhgroup)
-            try:
-                hashes = hostauth.parse_hashes(settings["dhchap_hash"]) if "dhchap_hash" in settings else old[0]
-                groups = (hostauth.parse_dhgroups(settings["dhchap_dhgroup"]) if "dhchap_dhgroup" in settings
-                          else old[1])
-            except hostauth.AuthSettingError as exc:
-                raise _bad(f"subsystem {subnqn}: {exc}") from None
-            sub.dhchap_hash, sub.dhchap_dhgroup = hashes, groups
-
-            async def undo() -> None:
-                sub.dhchap_hash, sub.dhchap_dhgroup = old
-
-            await self._commit(True, undo)
-            return sub
 
     # --- namespaces ----------------------------------------------------------------------------
 
