@@ -8,7 +8,6 @@ nvmf_stop_listen). A live add supersedes a copy of the same endpoint that a repl
 from __future__ import annotations
 
 import errno
-import logging
 from typing import Any
 
 from nvmeof import defaults
@@ -24,8 +23,6 @@ from target.service.checks import (
     _int,
     _nqn,
 )
-
-log = logging.getLogger("target.service")
 
 
 class ListenersMixin(ServiceBase):

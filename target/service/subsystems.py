@@ -8,7 +8,6 @@ them from namespace host lists too).
 
 from __future__ import annotations
 
-import logging
 import secrets
 from collections.abc import Iterable
 from typing import Any
@@ -29,8 +28,6 @@ from target.service.checks import (
     _nqn,
     _restore_hosts,
 )
-
-log = logging.getLogger("target.service")
 
 
 class SubsystemsMixin(ServiceBase):
