@@ -1,6 +1,6 @@
 """One management change as a transaction: a log of how to undo each step applied, saved once.
 
-TargetService (target/service.py) applies every change in memory step by step; each step records here
+TargetService (target/service/) applies every change in memory step by step; each step records here
 how to take it back. The change is then saved once (the gateway group's store, then the config file);
 if the save refuses, or a later step fails, the whole log is run backwards, newest step first, so each
 undo sees the state its own step left, and memory matches the saved file again. A single API call is a
