@@ -13,10 +13,11 @@ import asyncio
 import contextlib
 import copy
 import dataclasses
+import functools
 import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from nvmeof.spec.logs import AnaState
 from target import config as configmod
@@ -101,6 +102,26 @@ class GatewayMember(Protocol):
     async def report(self) -> dict[str, Any]: ...   # what GET /api/v1/gateway returns
     # A member gone for good leaves the group (refused while it is alive): DELETE /api/v1/gateway/members/NAME
     async def remove_member(self, name: str) -> None: ...
+
+
+T = TypeVar("T")
+
+
+def locked(step: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """The public door of a step that a replay or a reload also applies (``_add_subsystem`` -> ``add_subsystem``):
+    the step's own parameters and docstring (functools.wraps: inspect.signature shows them), run under the
+    service lock as a transaction of its own. The step alone, called by a replay that holds the lock inside
+    ``_steps``, joins that change's one undo log instead; it takes no ``persist``, since ``_commit`` knows
+    which of the two it is."""
+
+    @functools.wraps(step)
+    async def door(self: ServiceBase, *args: Any, **kwargs: Any) -> T:
+        async with self._lock:
+            return await step(self, *args, **kwargs)
+
+    door.__name__ = step.__name__.removeprefix("_")
+    door.__qualname__ = step.__qualname__.removesuffix(step.__name__) + door.__name__
+    return door
 
 
 class ServiceBase:

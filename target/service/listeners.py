@@ -13,7 +13,7 @@ from typing import Any
 from nvmeof import defaults
 from nvmeof.spec.fabrics import PORTID_MAX
 from target.model import Listener, Referral, endpoint_id
-from target.service.base import ServiceBase
+from target.service.base import ServiceBase, locked
 from target.service.checks import (
     ServiceError,
     _address,
@@ -26,7 +26,7 @@ from target.service.checks import (
 
 
 class ListenersMixin(ServiceBase):
-    async def add_listener(
+    async def _add_listener(
         self,
         trtype: str,
         traddr: str,
@@ -36,22 +36,7 @@ class ListenersMixin(ServiceBase):
         portid: int | None = None,
         tls: str | None = None,
     ) -> Listener:
-        async with self._lock:
-            return await self._add_listener(trtype, traddr, trsvcid, adrfam, discovery, portid, persist=True,
-                                            tls=tls)
-
-    async def _add_listener(
-        self,
-        trtype: str,
-        traddr: str,
-        trsvcid: int | str,
-        adrfam: str | None,
-        discovery: bool,
-        portid: int | None,
-        *,
-        persist: bool,
-        tls: str | None = None,
-    ) -> Listener:
+        """Listen on an address; ``tls`` none|optional|required (NVMe/TCP only, TP 8011)."""
         trtype, adrfam, traddr, port = _address(trtype, traddr, trsvcid, adrfam)
         tls = _tls_mode(tls, trtype)
         discovery = _bool(discovery, "discovery")
@@ -90,9 +75,11 @@ class ListenersMixin(ServiceBase):
             self._unrestored.extend(superseded)
             await self.target.stop_listener(listener)
 
-        await self._commit(persist, undo)
+        await self._commit(True, undo)
         self.target.discovery_changed()
         return listener
+
+    add_listener = locked(_add_listener)
 
     async def remove_listener(self, listener_id: str) -> int:
         """Stop a listener and disconnect every controller with a queue that came through it (SPDK
@@ -114,7 +101,7 @@ class ListenersMixin(ServiceBase):
             await self._settle()
             return disconnected
 
-    async def add_referral(
+    async def _add_referral(
         self,
         traddr: str,
         trsvcid: int | str = defaults.TCP_DISCOVERY_PORT,
@@ -123,20 +110,7 @@ class ListenersMixin(ServiceBase):
         subnqn: str = defaults.DISCOVERY_NQN,
         portid: int = 0,
     ) -> Referral:
-        async with self._lock:
-            return await self._add_referral(traddr, trsvcid, trtype, adrfam, subnqn, portid, persist=True)
-
-    async def _add_referral(
-        self,
-        traddr: str,
-        trsvcid: int | str,
-        trtype: str,
-        adrfam: str | None,
-        subnqn: str,
-        portid: int,
-        *,
-        persist: bool,
-    ) -> Referral:
+        """Point hosts to another discovery service (a Discovery Log Page entry of subtype referral)."""
         trtype, adrfam, traddr, port = _address(trtype, traddr, trsvcid, adrfam)
         if subnqn != defaults.DISCOVERY_NQN:
             subnqn = _nqn(subnqn, "referral subsystem NQN")
@@ -155,9 +129,11 @@ class ListenersMixin(ServiceBase):
             self.target.referrals.remove(referral)
             self._unrestored.extend(superseded)
 
-        await self._commit(persist, undo)
+        await self._commit(True, undo)
         self.target.discovery_changed()
         return referral
+
+    add_referral = locked(_add_referral)
 
     async def remove_referral(self, referral_id: str) -> None:
         async with self._lock:

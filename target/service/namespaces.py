@@ -30,7 +30,7 @@ from target.backends import (
 )
 from target.backends.base import close_backends
 from target.model import BLOCK_SIZES, Namespace
-from target.service.base import ServiceBase
+from target.service.base import ServiceBase, locked
 from target.service.checks import (
     ServiceError,
     _anagrpid,
@@ -68,7 +68,7 @@ class NamespacesMixin(ServiceBase):
             if self._id_owner(attr, value) is None:
                 return value
 
-    async def add_namespace(
+    async def _add_namespace(
         self,
         subnqn: str,
         *,
@@ -84,55 +84,13 @@ class NamespacesMixin(ServiceBase):
         enabled: bool = True,
         create: bool = False,
         options: dict[str, Any] | None = None,
-        anagrpid: int = defaults.DEFAULT_ANAGRPID,
+        anagrpid: int | None = defaults.DEFAULT_ANAGRPID,
         auto_visible: bool = True,
         hosts: Sequence[str] = (),
     ) -> Namespace:
         """``options``: the settings only ``backend`` takes (BACKEND_OPTIONS: an RBD namespace's
         ``pool``, ``image``, ...). ``anagrpid``: its ANA group, 1..ANAGRPMAX. ``auto_visible`` False:
         only the controllers of ``hosts`` see it (target/masking.py)."""
-        async with self._lock:
-            return await self._add_namespace(
-                subnqn,
-                backend=backend,
-                path=path,
-                size=size,
-                block_size=block_size,
-                nsid=nsid,
-                uuid=uuid,
-                nguid=nguid,
-                eui64=eui64,
-                read_only=read_only,
-                enabled=enabled,
-                create=create,
-                options=options,
-                persist=True,
-                anagrpid=anagrpid,
-                auto_visible=auto_visible,
-                hosts=hosts,
-            )
-
-    async def _add_namespace(
-        self,
-        subnqn: str,
-        *,
-        backend: str,
-        path: str | None,
-        size: int | None,
-        block_size: int,
-        nsid: int | None,
-        uuid: Any,
-        nguid: Any,
-        eui64: Any,
-        read_only: bool,
-        enabled: bool,
-        create: bool,
-        persist: bool,
-        options: dict[str, Any] | None = None,
-        anagrpid: int | None = defaults.DEFAULT_ANAGRPID,
-        auto_visible: bool = True,
-        hosts: Sequence[str] = (),
-    ) -> Namespace:
         sub = self.get_subsystem(subnqn)
         anagrpid = _anagrpid(defaults.DEFAULT_ANAGRPID if anagrpid is None else anagrpid)
         if backend not in kinds():
@@ -262,7 +220,7 @@ class NamespacesMixin(ServiceBase):
             # a replay told the hosts of it already (and one may have found it while the change was saved)
             self.target.namespace_changed(subnqn, nsid, masking.seen_by(ns))
 
-        await self._commit(persist, undo)
+        await self._commit(True, undo)
         self.target.namespace_changed(subnqn, nsid)
         # The ANA log now lists the NSID in its group: a Linux host with ANA attaches no block device
         # for a new namespace until it has read it there (nvme-cli #832), so tell it (nvmet_ns_enable).
@@ -270,6 +228,8 @@ class NamespacesMixin(ServiceBase):
         store.watch_size(lambda new_size: self._storage_resized(subnqn, nsid, store, new_size))
         await self._settle()
         return ns
+
+    add_namespace = locked(_add_namespace)
 
     def _storage_key(self, entry: Mapping[str, Any]) -> Any:
         """The storage a namespace's configuration entry names (None: its own, or unusable)."""

@@ -215,7 +215,6 @@ class ReplayMixin(ServiceBase):
                     item.get("allow_any_host"),
                     hosts,
                     _given(item, "max_namespaces", defaults.MAX_NAMESPACES),
-                    persist=False,
                     host_auth=host_auth,
                     dhchap_hash=item.get("dhchap_hash"),
                     dhchap_dhgroup=item.get("dhchap_dhgroup"),
@@ -239,7 +238,6 @@ class ReplayMixin(ServiceBase):
                     read_only=_given(item, "read_only", False),
                     enabled=_given(item, "enabled", True),
                     create=False,
-                    persist=False,
                     anagrpid=_given(item, "anagrpid", defaults.DEFAULT_ANAGRPID),
                     auto_visible=_given(item, "auto_visible", True),
                     hosts=_given(item, "hosts", ()),
@@ -265,7 +263,6 @@ class ReplayMixin(ServiceBase):
                     item.get("adrfam"),
                     _given(item, "discovery", False),
                     item.get("portid"),
-                    persist=False,
                     tls=item.get("tls"),
                 )
                 self._restore_ana(listener, item.get("ana_states"))
@@ -284,7 +281,6 @@ class ReplayMixin(ServiceBase):
                     item.get("adrfam"),
                     _given(item, "subnqn", defaults.DISCOVERY_NQN),
                     _given(item, "portid", 0),
-                    persist=False,
                 )
             except ServiceError as exc:
                 errors.append(f"{where}: {exc.message}; skipped")

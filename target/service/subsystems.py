@@ -17,7 +17,7 @@ from nvmeof.spec.identify import NSID_MAX
 from target import hostauth, masking
 from target.model import Subsystem
 from target.nqn import generate_nqn
-from target.service.base import ServiceBase
+from target.service.base import ServiceBase, locked
 from target.service.checks import (
     ServiceError,
     _ascii_field,
@@ -31,7 +31,7 @@ from target.service.checks import (
 
 
 class SubsystemsMixin(ServiceBase):
-    async def add_subsystem(
+    async def _add_subsystem(
         self,
         nqn: str | None = None,
         serial: str | None = None,
@@ -47,25 +47,6 @@ class SubsystemsMixin(ServiceBase):
         """Create a subsystem. ``allow_any_host`` defaults to True when no hosts are listed.
         ``host_auth``: DH-HMAC-CHAP settings per listed host (hostauth.FIELDS); ``dhchap_hash`` /
         ``dhchap_dhgroup``: the subsystem's allowed hashes and DH groups (default all)."""
-        async with self._lock:
-            return await self._add_subsystem(nqn, serial, model, allow_any_host, hosts, max_namespaces, persist=True,
-                                             host_auth=host_auth, dhchap_hash=dhchap_hash,
-                                             dhchap_dhgroup=dhchap_dhgroup)
-
-    async def _add_subsystem(
-        self,
-        nqn: str | None,
-        serial: str | None,
-        model: str,
-        allow_any_host: bool | None,
-        hosts: Iterable[str],
-        max_namespaces: int,
-        *,
-        persist: bool,
-        host_auth: dict[str, dict[str, Any]] | None = None,
-        dhchap_hash: Any = None,
-        dhchap_dhgroup: Any = None,
-    ) -> Subsystem:
         nqn = generate_nqn() if nqn is None else _nqn(nqn, "subsystem NQN")
         if nqn in self.target.subsystems:
             raise ServiceError(409, f"subsystem {nqn} already exists")
@@ -114,9 +95,11 @@ class SubsystemsMixin(ServiceBase):
             self.target.subsystems.pop(nqn, None)
             self.target.disconnect_subsystem(nqn)   # a host may have connected while the change was saved
 
-        await self._commit(persist, undo)
+        await self._commit(True, undo)
         self.target.discovery_changed()
         return sub
+
+    add_subsystem = locked(_add_subsystem)
 
     async def remove_subsystem(self, nqn: str, force: bool = False) -> int:
         """Remove subsystem ``nqn``; returns how many controllers were disconnected with it."""
