@@ -16,11 +16,7 @@ from typing import Any
 from nvmeof.spec.logs import ANA_STATE_NAMES, AnaState, parse_ana_state
 from target.model import Listener, Namespace
 from target.service.base import ServiceBase
-from target.service.checks import (
-    ServiceError,
-    _ana_state,
-    _anagrpid,
-)
+from target.service.checks import ServiceError, _ana_state, _anagrpid
 from target.transaction import Undo
 
 log = logging.getLogger("target.service")

@@ -13,12 +13,7 @@ from typing import Any
 from target import hostauth, masking
 from target.model import Subsystem
 from target.service.base import ServiceBase
-from target.service.checks import (
-    ServiceError,
-    _host_auth,
-    _nqn,
-    _restore_hosts,
-)
+from target.service.checks import ServiceError, _host_auth, _nqn, _restore_hosts
 
 log = logging.getLogger("target.service")
 

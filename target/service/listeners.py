@@ -14,15 +14,7 @@ from nvmeof import defaults
 from nvmeof.spec.fabrics import PORTID_MAX
 from target.model import Listener, Referral, endpoint_id
 from target.service.base import ServiceBase, locked
-from target.service.checks import (
-    ServiceError,
-    _address,
-    _bad,
-    _bool,
-    _endpoint_key,
-    _int,
-    _nqn,
-)
+from target.service.checks import ServiceError, _address, _bad, _bool, _endpoint_key, _int, _nqn
 
 
 class ListenersMixin(ServiceBase):

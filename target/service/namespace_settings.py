@@ -15,19 +15,10 @@ from typing import Any
 from nvmeof import defaults
 from target import masking, pr
 from target import qos as qosmod
-from target.backends import (
-    BackendError,
-)
+from target.backends import BackendError
 from target.model import Namespace
 from target.service.base import ServiceBase
-from target.service.checks import (
-    ServiceError,
-    _bad,
-    _bool,
-    _int,
-    _masking,
-    _nqn,
-)
+from target.service.checks import ServiceError, _bad, _bool, _int, _masking, _nqn
 from target.transaction import Undo
 
 log = logging.getLogger("target.service")

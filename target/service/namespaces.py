@@ -31,17 +31,7 @@ from target.backends import (
 from target.backends.base import close_backends
 from target.model import BLOCK_SIZES, Namespace
 from target.service.base import ServiceBase, locked
-from target.service.checks import (
-    ServiceError,
-    _anagrpid,
-    _bad,
-    _bool,
-    _hex_id,
-    _int,
-    _show,
-    _uuid,
-    _visibility,
-)
+from target.service.checks import ServiceError, _anagrpid, _bad, _bool, _hex_id, _int, _show, _uuid, _visibility
 
 log = logging.getLogger("target.service")
 

@@ -19,17 +19,10 @@ from nvmeof import defaults
 from target import config as configmod
 from target import hostauth
 from target import qos as qosmod
-from target.backends import (
-    BackendError,
-    spec_of,
-)
+from target.backends import BackendError, spec_of
 from target.model import Namespace, Subsystem
 from target.service.base import Placed, PlacedNs, ServiceBase, Unrestored
-from target.service.checks import (
-    ServiceError,
-    _given,
-    _split_hosts,
-)
+from target.service.checks import ServiceError, _given, _split_hosts
 
 log = logging.getLogger("target.service")
 

@@ -18,16 +18,7 @@ from target import hostauth, masking
 from target.model import Subsystem
 from target.nqn import generate_nqn
 from target.service.base import ServiceBase, locked
-from target.service.checks import (
-    ServiceError,
-    _ascii_field,
-    _bad,
-    _bool,
-    _host_auth,
-    _int,
-    _nqn,
-    _restore_hosts,
-)
+from target.service.checks import ServiceError, _ascii_field, _bad, _bool, _host_auth, _int, _nqn, _restore_hosts
 
 
 class SubsystemsMixin(ServiceBase):
