@@ -314,6 +314,35 @@ def test_the_gateway_group_uses_declared_interfaces_only() -> None:
     assert not probes, "attribute probes in the gateway group (declare the member):\n" + "\n".join(probes)
 
 
+# target/service/ (issue 27): the leaf, the ground, and the resource mixins that stand on both
+SERVICE_GROUND = {"target.service.checks": set(), "target.service.base": {"target.service.checks"}}
+SERVICE_MODULE_LINES = 400   # each module readable in one sitting
+
+
+def test_the_service_resources_stand_on_base_and_checks_only() -> None:
+    """Each resource module of the service (a mixin) imports base.py and checks.py only, never the facade
+    (target/service/__init__.py) nor another resource: they meet in TargetService, through ``self``. checks.py
+    imports nothing of the service."""
+    sources = {path: text for path, text in _sources("target").items() if path.startswith("target/service/")}
+    modules = {module_name(path) for path in sources}
+    assert {"target.service", *SERVICE_GROUND} <= modules and len(modules) >= 10, sorted(modules)
+    bad = []
+    for path, text in sources.items():
+        here = module_name(path)
+        if here == "target.service":
+            continue
+        allowed = SERVICE_GROUND.get(here, set(SERVICE_GROUND))
+        for line, name in imports_of(text, path):
+            while name and name not in modules and name.startswith("target.service"):
+                name = name.rpartition(".")[0]
+            if name in modules and name not in allowed:
+                bad.append(f"{path}:{line}: imports {name}")
+    assert not bad, "service modules importing sideways or up:\n" + "\n".join(bad)
+    long = [f"{path}: {len(text.splitlines())} lines" for path, text in sources.items()
+            if len(text.splitlines()) > SERVICE_MODULE_LINES]
+    assert not long, f"service modules over {SERVICE_MODULE_LINES} lines (split by resource):\n" + "\n".join(long)
+
+
 def test_no_import_cycles_in_initiator() -> None:
     cycles = import_cycles(_sources("initiator"))
     assert not cycles, "initiator modules importing each other: " + "; ".join(" <-> ".join(c) for c in cycles)
