@@ -158,6 +158,8 @@ class ServiceBase:
         # whose one undo log every step's _commit joins; None between them.
         self._txn: Transaction | None = None
 
+    # --- the gateway group ------------------------------------------------------------------------
+
     @property
     def gateway(self) -> GatewayMember | None:
         """The gateway group member this target belongs to (it decides the ANA states), or None."""
@@ -170,6 +172,8 @@ class ServiceBase:
         """``hook`` is awaited by every persisted change before it is saved; a ServiceError from it undoes the
         change (a gateway group writes the shared configuration to its store there). None: no hook."""
         self._on_change = hook
+
+    # --- reads ---------------------------------------------------------------------------------
 
     def list_subsystems(self) -> list[Subsystem]:
         return [s for s in self.target.subsystems.values() if s.subtype == "nvm"]
@@ -212,6 +216,8 @@ class ServiceBase:
         for sub in self.target.subsystems.values():
             for ns in sub.namespaces.values():
                 yield sub, ns
+
+    # --- the end of every change: one transaction, one undo log -----------------------------------
 
     async def _commit(self, persist: bool, undo: Undo) -> None:
         """The end of every change: ``undo`` takes back what it applied. In a replay or a reload (``_steps``)
@@ -289,6 +295,8 @@ class ServiceBase:
         async with self._lock:
             await self._commit(True, _nothing)
 
+    # --- notices shared by several resources -----------------------------------------------------
+
     def _ana_changed(self, *, subnqn: str | None = None, listeners: Iterable[Listener] | None = None,
                      groups: Iterable[int] = (), concerns: Callable[[str], bool] | None = None) -> None:
         self.target.ana_changed(subnqn=subnqn, listeners=listeners, groups=groups, concerns=concerns)
@@ -300,6 +308,8 @@ class ServiceBase:
         if disconnected:
             await self._settle()
         return disconnected
+
+    # --- what a replay could not restore -------------------------------------------------------
 
     def unrestored(self) -> list[dict[str, Any]]:
         """Configuration items kept from a replay that failed, with the reason, oldest first; host
