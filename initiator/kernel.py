@@ -50,7 +50,7 @@ def build_options(*, subnqn: str, transport: str, traddr: str, trsvcid: int, hos
                   ctrl_loss_tmo: int | None = None, reconnect_delay: int | None = None,
                   hdr_digest: bool = False, data_digest: bool = False, disable_sqflow: bool = False,
                   host_traddr: str | None = None, dhchap_secret: str | None = None,
-                  dhchap_ctrl_secret: str | None = None) -> str:
+                  dhchap_ctrl_secret: str | None = None, tls: bool = False, tls_key_id: int | None = None) -> str:
     """The option string nvme-cli writes (libnvme ``build_options``); values are validated first.
 
     It carries the DH-HMAC-CHAP secrets: never log it or put it in an exception."""
@@ -86,7 +86,60 @@ def build_options(*, subnqn: str, transport: str, traddr: str, trsvcid: int, hos
         opts.append("data_digest")
     if disable_sqflow:
         opts.append("disable_sqflow")
+    # libnvme build_options: "tls" (the kernel picks the PSK from its .nvme keyring, nvme_tls_psk_default)
+    # and, for one given key, "tls_key=<serial>"
+    if tls or tls_key_id is not None:
+        if transport != "tcp":
+            raise KernelAttachError(f"--tls needs transport tcp, not {transport}")
+        opts.append("tls")
+    if tls_key_id is not None:
+        opts.append(f"tls_key={int(tls_key_id)}")
     return ",".join(opts)
+
+
+_SYS_ADD_KEY = {"x86_64": 248, "aarch64": 217}
+
+
+def nvme_keyring_id(proc_keys: str = "/proc/keys") -> int:
+    """The serial of the kernel's ``.nvme`` keyring (libnvme nvme_lookup_keyring reads /proc/keys too)."""
+    try:
+        lines = Path(proc_keys).read_text().splitlines()
+    except OSError as e:
+        raise KernelAttachError(f"cannot read {proc_keys}: {e.strerror}") from e
+    for line in lines:
+        fields = line.split(None, 8)
+        if len(fields) == 9 and fields[7] == "keyring" and fields[8].split(":", 1)[0] == ".nvme":
+            return int(fields[0], 16)
+    raise KernelAttachError("the kernel has no .nvme keyring: load nvme-tcp from a kernel with "
+                            "CONFIG_NVME_TCP_TLS (and CONFIG_NVME_KEYRING)")
+
+
+def insert_tls_key(tls_key: str, hostnqn: str, subnqn: str, version: int = defaults.TLS_IDENTITY_VERSION) -> int:
+    """Put the TLS PSK of a configured key into the .nvme keyring under its identity, as `nvme check-tls-key
+    --insert` does (libnvme __nvme_insert_tls_key: add_key("psk", identity, TLS PSK)); returns its serial."""
+    import ctypes
+    import platform
+
+    from nvmeof.tls.psk import TlsKey
+
+    try:
+        key = TlsKey.parse(tls_key)
+    except ValueError as e:
+        raise KernelAttachError(f"invalid --tls-key: {e}") from None
+    identity = key.identity(hostnqn, subnqn, version)
+    psk = key.tls_psk(identity)
+    number = _SYS_ADD_KEY.get(platform.machine())
+    if number is None:
+        raise KernelAttachError(f"inserting a TLS key is not supported on {platform.machine()}; use nvme-cli's "
+                                "check-tls-key --insert")
+    keyring = nvme_keyring_id()
+    libc = ctypes.CDLL(None, use_errno=True)
+    serial = libc.syscall(number, b"psk", str(identity).encode(), psk, ctypes.c_size_t(len(psk)),
+                          ctypes.c_int32(keyring))
+    if serial < 0:
+        err = ctypes.get_errno()
+        raise KernelAttachError(f"cannot add the TLS PSK to the .nvme keyring: {os.strerror(err)}")
+    return int(serial)
 
 
 def _explain_write_error(e: OSError, transport: str) -> str:
@@ -110,8 +163,13 @@ def connect(traddr: str, trsvcid: int = defaults.TCP_IO_PORT, *, subnqn: str, tr
             hostnqn: str | None = None, hostid: str | None = None, nr_io_queues: int | None = None,
             queue_size: int | None = None, kato: int | None = None, hdr_digest: bool = False,
             data_digest: bool = False, ctrl_loss_tmo: int | None = None, wait_for_devices: float = 10.0,
-            dhchap_secret: str | None = None, dhchap_ctrl_secret: str | None = None) -> KernelController:
-    """Connect through the kernel host and return the controller with its block devices."""
+            dhchap_secret: str | None = None, dhchap_ctrl_secret: str | None = None, tls: bool = False,
+            tls_key: str | None = None,
+            tls_identity_version: int = defaults.TLS_IDENTITY_VERSION) -> KernelController:
+    """Connect through the kernel host and return the controller with its block devices.
+
+    ``tls``: NVMe/TCP over TLS with the PSK the kernel finds in its .nvme keyring; ``tls_key`` (an NVMeTLSkey-1
+    configured PSK) is first inserted there under this host's identity and named by serial."""
     if not os.path.exists(FABRICS_DEV):
         raise KernelAttachError(
             # One module name only: modprobe reads any further words as parameters of the first module.
@@ -124,11 +182,12 @@ def connect(traddr: str, trsvcid: int = defaults.TCP_IO_PORT, *, subnqn: str, tr
         default_nqn, default_id = default_host_identity()
         hostnqn = hostnqn or default_nqn
         hostid = hostid or str(default_id)
+    tls_key_id = insert_tls_key(tls_key, hostnqn, subnqn, tls_identity_version) if tls_key else None
     options = build_options(subnqn=subnqn, transport=transport, traddr=traddr, trsvcid=trsvcid,
                             hostnqn=hostnqn, hostid=hostid, nr_io_queues=nr_io_queues, queue_size=queue_size,
                             kato=kato, hdr_digest=hdr_digest, data_digest=data_digest,
                             ctrl_loss_tmo=ctrl_loss_tmo, dhchap_secret=dhchap_secret,
-                            dhchap_ctrl_secret=dhchap_ctrl_secret)
+                            dhchap_ctrl_secret=dhchap_ctrl_secret, tls=tls, tls_key_id=tls_key_id)
     try:
         fd = os.open(FABRICS_DEV, os.O_RDWR)
     except PermissionError as e:

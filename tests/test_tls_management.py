@@ -191,3 +191,23 @@ def test_nvmetcli_round_trip_keeps_listener_tls():
                                                            (None, "not specified")]
     back = configmod.import_nvmetcli(exported)
     assert [lst.get("tls") for lst in back["listeners"]] == ["required", "optional", None]
+
+
+def test_kernel_attach_tls_options(tmp_path):
+    from initiator import kernel
+
+    base = dict(subnqn=NQN, transport="tcp", traddr="10.0.0.1", trsvcid=4420, hostnqn=HOSTNQN, hostid="h")
+    assert kernel.build_options(**base, tls=True).endswith(",tls")
+    assert kernel.build_options(**base, tls_key_id=305419896).endswith(",tls,tls_key=305419896")
+    with pytest.raises(kernel.KernelAttachError, match="transport tcp"):
+        kernel.build_options(**{**base, "transport": "rdma"}, tls=True)
+    keys = tmp_path / "keys"
+    keys.write_text("0a1b2c3d I--Q---     1 perm 3f010000     0     0 keyring   _ses: 1\n"
+                    "1f2e3d4c I------     1 perm 3f0b0000     0     0 keyring   .nvme: 2\n")
+    assert kernel.nvme_keyring_id(str(keys)) == 0x1F2E3D4C
+    keys.write_text("0a1b2c3d I--Q---     1 perm 3f010000     0     0 keyring   _ses: 1\n")
+    with pytest.raises(kernel.KernelAttachError, match=r"no \.nvme keyring"):
+        kernel.nvme_keyring_id(str(keys))
+    with pytest.raises(kernel.KernelAttachError, match="invalid --tls-key") as info:
+        kernel.insert_tls_key(KEY[:-6] + "AAAA:", HOSTNQN, NQN)
+    assert KEY.split(":")[2][:20] not in str(info.value)

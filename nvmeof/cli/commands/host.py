@@ -69,7 +69,8 @@ def tls_options(f: Callable) -> Callable:
                      help="PSK identity version: 1 NVMe1R (with the PSK digest), 0 NVMe0R.")(f)
     f = click.option("--tls-key", "tls_key", callback=_tls_key_callback, metavar="NVMeTLSkey-1:NN:...:",
                      help="The configured TLS PSK (`nvmeof gen-tls-key`); implies --tls. Never printed.")(f)
-    return click.option("--tls", is_flag=True, help="Connect over TLS 1.3 (needs --tls-key).")(f)
+    return click.option("--tls", is_flag=True, help="Connect over TLS 1.3 (the Python host needs --tls-key; "
+                        "`connect`, the kernel host, may find its key in the .nvme keyring).")(f)
 
 
 def tls_kwargs(tls: bool, tls_key: object, version: int) -> dict[str, object]:
@@ -380,9 +381,11 @@ def _kernel_guard(func: Callable) -> Callable:
               "(`nvmeof list` prints them as nvme-cli does).")
 @output_format_options
 @dhchap_options
+@tls_options
 @_kernel_guard
 def connect(transport, traddr, trsvcid, nqn, hostnqn, hostid, nr_io_queues, queue_size, kato, hdr_digest,
-            data_digest, list_only, output_format, as_json, dhchap_secret, dhchap_ctrl_secret) -> None:
+            data_digest, list_only, output_format, as_json, dhchap_secret, dhchap_ctrl_secret, tls, tls_key,
+            tls_identity_version) -> None:
     """Attach a subsystem through the Linux kernel host (like `nvme connect`); prints the block devices.
 
     -o json prints {"device": "nvmeN"} as nvme-cli does, with cntlid, subnqn and the block devices added.
@@ -403,7 +406,9 @@ def connect(transport, traddr, trsvcid, nqn, hostnqn, hostid, nr_io_queues, queu
                           nr_io_queues=nr_io_queues, queue_size=queue_size, kato=kato, hdr_digest=hdr_digest,
                           data_digest=data_digest,
                           dhchap_secret=dhchap_secret.format() if dhchap_secret else None,
-                          dhchap_ctrl_secret=dhchap_ctrl_secret.format() if dhchap_ctrl_secret else None)
+                          dhchap_ctrl_secret=dhchap_ctrl_secret.format() if dhchap_ctrl_secret else None,
+                          tls=tls, tls_key=tls_key.format() if tls_key else None,
+                          tls_identity_version=tls_identity_version)
     if as_json:
         # nvme-cli's fabrics.c hook_connected prints {"device": name}; the rest is what we know besides
         echo_json({"device": ctrl.name, **vars(ctrl)})
