@@ -16,6 +16,7 @@ from initiator.multipath import MultipathController
 from initiator.reconnect import ReconnectingController
 from nvmeof import defaults
 from nvmeof.auth import DhchapSecret
+from nvmeof.tls.psk import TlsKey
 
 
 class _Connecting:
@@ -46,7 +47,8 @@ def connect(traddr: str, trsvcid: int | str = defaults.TCP_IO_PORT,
             max_reconnect_delay: float = 30.0, reconnect_attempts: int | None = None,
             dhchap_secret: str | DhchapSecret | None = None,
             dhchap_ctrl_secret: str | DhchapSecret | None = None, engine: str = defaults.HOST_TCP_ENGINE,
-            poll_us: int = defaults.POLL_US) -> _Connecting:
+            poll_us: int = defaults.POLL_US, tls: bool = False, tls_key: str | TlsKey | None = None,
+            tls_identity_version: int = defaults.TLS_IDENTITY_VERSION) -> _Connecting:
     """Connect to an NVMe-oF controller: ``ctrl = await connect(...)`` or ``async with connect(...) as ctrl``.
 
     With ``reconnect=True`` the result is a :class:`initiator.reconnect.ReconnectingController`.
@@ -55,6 +57,9 @@ def connect(traddr: str, trsvcid: int | str = defaults.TCP_IO_PORT,
     ``engine`` picks the NVMe/TCP queue implementation: "batch" (initiator/engine.py: one socket per queue,
     cid-indexed command slots, one sendmsg per wake-up) or "stream" (the asyncio protocol path, for A/B).
     ``poll_us`` > 0 (batch engine) busy-polls the socket up to that many µs after a batch before sleeping.
+    ``tls_key`` (an ``NVMeTLSkey-1:...:`` configured PSK; implies ``tls=True``) runs every queue over TLS 1.3
+    with the PSK identity of version ``tls_identity_version`` (1: NVMe1R with digest, 0: NVMe0R), on the
+    stream engine.
     """
     # parsed once: a bad secret is refused here, and a kept DhchapSecret never shows its key
     dhchap_secret = parse_secret("dhchap_secret (--dhchap-secret)", dhchap_secret)
@@ -63,7 +68,8 @@ def connect(traddr: str, trsvcid: int | str = defaults.TCP_IO_PORT,
         hostnqn=hostnqn, hostid=hostid, transport=transport, nr_io_queues=nr_io_queues, queue_size=queue_size,
         hdr_digest=hdr_digest, data_digest=data_digest, kato=kato, timeout=timeout, target=target,
         disable_sqflow=disable_sqflow, event_callback=event_callback, dhchap_secret=dhchap_secret,
-        dhchap_ctrl_secret=dhchap_ctrl_secret, engine=engine, poll_us=poll_us)
+        dhchap_ctrl_secret=dhchap_ctrl_secret, engine=engine, poll_us=poll_us, tls=tls,
+        tls_key=tls_key, tls_identity_version=tls_identity_version)
     if reconnect:
         async def make_reconnecting() -> Any:
             rc = ReconnectingController(traddr, trsvcid, subnqn, max_delay=max_reconnect_delay,

@@ -57,6 +57,8 @@ from nvmeof.spec.nvme import (
 )
 from nvmeof.spec.reservations import AEN_INFO_RESERVATION_LOG, NOTIFICATION_LOG_SIZE
 from nvmeof.status import NvmeError, Status
+from nvmeof.tls.openssl import TlsError, TlsSession
+from nvmeof.tls.psk import TlsKey
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +149,15 @@ def _parse_secrets(host: str | DhchapSecret | None,
     return host_secret, ctrl_secret
 
 
+def _parse_tls_key(key: str | TlsKey | None) -> TlsKey | None:
+    if key is None or isinstance(key, TlsKey):
+        return key
+    try:
+        return TlsKey.parse(key)
+    except ValueError as exc:
+        raise ValueError(f"tls_key (--tls-key): {exc}") from None
+
+
 class HostController(ReservationIo):
     """The public async API of one connected controller; see :func:`initiator.connect`."""
 
@@ -160,7 +171,9 @@ class HostController(ReservationIo):
                  event_queue: asyncio.Queue[AsyncEvent | None] | None = None,
                  dhchap_secret: str | DhchapSecret | None = None,
                  dhchap_ctrl_secret: str | DhchapSecret | None = None,
-                 engine: str = defaults.HOST_TCP_ENGINE, poll_us: int = defaults.POLL_US) -> None:
+                 engine: str = defaults.HOST_TCP_ENGINE, poll_us: int = defaults.POLL_US,
+                 tls: bool = False, tls_key: str | TlsKey | None = None,
+                 tls_identity_version: int = defaults.TLS_IDENTITY_VERSION) -> None:
         if transport not in ("tcp", "loop", "rdma"):
             raise ValueError(f"transport {transport!r} is not supported by the Python host (tcp, rdma or loop)")
         if transport == "loop" and not callable(getattr(target, "connect_loop", None)):
@@ -181,8 +194,23 @@ class HostController(ReservationIo):
         if poll_us and (engine != "batch" or transport != "tcp"):
             raise ValueError(f"poll_us={poll_us} needs the TCP batch engine (transport='tcp', engine='batch'); "
                              f"got transport={transport!r}, engine={engine!r}")
-        # The batch engine owns a TCP socket; the loop transport has none, RDMA its own queue.
-        self.engine = engine if transport == "tcp" else "stream"
+        # NVMe/TCP over TLS 1.3 with a configured PSK (nvme connect --tls --tls-key); never logged or shown
+        self._tls_key = _parse_tls_key(tls_key)
+        self.tls = tls or self._tls_key is not None
+        if self.tls:
+            if transport != "tcp":
+                raise ValueError(f"tls needs transport 'tcp', got {transport!r}")
+            if self._tls_key is None:
+                raise ValueError("tls needs tls_key (--tls-key NVMeTLSkey-1:...: the configured PSK, as "
+                                 "`nvme gen-tls-key` prints it); this host reads no kernel keyring")
+            if tls_identity_version not in (0, 1):
+                raise ValueError(f"tls_identity_version must be 0 (NVMe0R) or 1 (NVMe1R), got {tls_identity_version}")
+            if poll_us:
+                raise ValueError("poll_us needs the batch engine; TLS queues run on the stream engine")
+        self.tls_identity_version = tls_identity_version
+        # The batch engine owns a TCP socket; the loop transport has none, RDMA its own queue; TLS queues run
+        # on the stream engine (their bytes go through the TLS session, initiator/queue.py).
+        self.engine = engine if transport == "tcp" and not self.tls else "stream"
         self.poll_us = poll_us
         self.traddr = traddr
         self.trsvcid = int(trsvcid)
@@ -238,6 +266,18 @@ class HostController(ReservationIo):
     def _queue_name(self, qid: int) -> str:
         return f"{self.transport}://{self.traddr}:{self.trsvcid} {self.subnqn} qid {qid}"
 
+    def _tls_session(self) -> TlsSession | None:
+        """A new client TLS session offering the configured PSK under its NVMe identity (one per queue)."""
+        key = self._tls_key
+        if key is None:
+            return None
+        identity = key.identity(self.hostnqn, self.subnqn, self.tls_identity_version)
+        try:
+            return TlsSession(server=False, identity=str(identity).encode(), psk=key.tls_psk(identity),
+                              cipher=key.cipher)
+        except TlsError as exc:
+            raise TransportError(self._queue_name(0), f"TLS unavailable: {exc}") from exc
+
     async def _open_queue(self, qid: int, size: int, incapsule: int) -> HostQueue:
         if self.transport == "rdma":
             return await self._open_rdma_queue(qid, size, incapsule)
@@ -248,7 +288,8 @@ class HostController(ReservationIo):
             bq.on_broken = self._queue_broken
             return await open_batch_queue(bq, self.traddr, self.trsvcid, self.timeout)
         queue = HostQueue(qid, queue_size=size, name=self._queue_name(qid), hdr_digest=self.hdr_digest,
-                          data_digest=self.data_digest, incapsule_size=incapsule, timeout=self.timeout)
+                          data_digest=self.data_digest, incapsule_size=incapsule, timeout=self.timeout,
+                          tls=self._tls_session())
         if self.transport == "loop":
             # duck-typed (target.core.Target.connect_loop): the host library does not import the target
             def factory(pf: Any) -> Any:

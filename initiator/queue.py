@@ -36,6 +36,7 @@ from nvmeof.tcp import (
     TcpConnection,
     TermReqReceived,
 )
+from nvmeof.tls.openssl import TlsError, TlsSession
 
 DEFAULT_TIMEOUT = object()  # sentinel: use the queue's own command timeout
 
@@ -102,7 +103,7 @@ class HostQueue(asyncio.BufferedProtocol):
 
     def __init__(self, qid: int, *, queue_size: int, name: str = "", hdr_digest: bool = False,
                  data_digest: bool = False, incapsule_size: int = defaults.ADMIN_INCAPSULE_SIZE,
-                 timeout: float | None = 30.0) -> None:
+                 timeout: float | None = 30.0, tls: TlsSession | None = None) -> None:
         if not 2 <= queue_size <= 65536:
             raise ValueError(f"queue_size must be 2..65536, got {queue_size}")
         self.qid = qid
@@ -139,12 +140,20 @@ class HostQueue(asyncio.BufferedProtocol):
         # Commands submitted in one loop iteration leave in one write (see _flush_soon).
         self._flush_scheduled = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        # NVMe/TCP over TLS 1.3 (TP 8011): the handshake runs before ICReq and every PDU then travels in
+        # records; a TLS queue receives into new buffers (no direct placement).
+        self._tls = tls
+        self._tls_ready: asyncio.Future[None] | None = None
+        if tls is not None:
+            self._conn.place = None
 
     # ---- opening -------------------------------------------------------------------------------
 
     async def initialize(self, timeout: float | None) -> None:
         """Send ICReq and check ICResp the way the Linux host does (nvme_tcp_init_connection)."""
         loop = asyncio.get_running_loop()
+        if self._tls is not None:
+            await self._tls_handshake(timeout)
         self._ic_future = loop.create_future()
         self._conn.send_icreq(self.hdr_digest, self.data_digest)
         self._flush()
@@ -170,6 +179,56 @@ class HostQueue(asyncio.BufferedProtocol):
             self._break(err)
             raise err
         self.maxh2cdata = resp.maxh2cdata
+
+    async def _tls_handshake(self, timeout: float | None) -> None:
+        tls = self._tls
+        assert tls is not None
+        self._tls_ready = asyncio.get_running_loop().create_future()
+        try:
+            tls.start()
+        except TlsError as exc:
+            err = TransportError(self.name, f"TLS handshake failed: {exc}")
+            self._break(err)
+            raise err from None
+        self._send_tls()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._tls_ready), timeout)
+        except TimeoutError:
+            err = TransportError(self.name, f"TLS handshake not completed within {timeout} s")
+            self._break(err)
+            raise err from None
+        if self._error is not None:
+            raise self._error
+
+    def _tls_received(self, data: bytes | memoryview) -> None:
+        tls = self._tls
+        assert tls is not None
+        try:
+            plain = tls.receive(data)
+        except TlsError as exc:
+            self._send_tls()
+            what = "TLS" if tls.handshake_done else "TLS handshake failed"
+            self._break(TransportError(self.name, f"{what}: {exc}"))
+            self._tls_wake()
+            return
+        if tls.handshake_done:
+            self._tls_wake()
+        if plain:
+            self._on_events(self._conn.receive_data(plain))
+        else:
+            self._send_tls()
+        if tls.closed and self._error is None:
+            self._break(TransportError(self.name, "controller closed the TLS session"))
+
+    def _tls_wake(self) -> None:
+        fut = self._tls_ready
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    def _send_tls(self) -> None:
+        out = self._tls.data_to_send() if self._tls is not None else b""
+        if out and self._transport is not None and not self._transport.is_closing():
+            self._transport.write(out)
 
     # ---- asyncio.Protocol ----------------------------------------------------------------------
 
@@ -199,6 +258,9 @@ class HostQueue(asyncio.BufferedProtocol):
 
     def data_received(self, data: bytes | memoryview) -> None:  # type: ignore[override]
         if self._error is not None:
+            return
+        if self._tls is not None:
+            self._tls_received(data)
             return
         self._on_events(self._conn.receive_data(data))
 
@@ -236,6 +298,7 @@ class HostQueue(asyncio.BufferedProtocol):
         if self._closed_future is not None and not self._closed_future.done():
             self._closed_future.set_result(None)
         self._wake_drain_waiters()
+        self._tls_wake()
 
     def pause_writing(self) -> None:
         self._write_paused = True
@@ -487,6 +550,11 @@ class HostQueue(asyncio.BufferedProtocol):
 
     def _flush(self) -> None:
         out = self._conn.data_to_send()
+        if self._tls is not None:
+            if out:
+                self._tls.send(b"".join(out) if len(out) > 1 else out[0])
+            self._send_tls()
+            return
         if out and self._transport is not None and not self._transport.is_closing():
             self._transport.writelines(out)
 

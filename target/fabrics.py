@@ -33,6 +33,7 @@ from nvmeof.spec.nvme import Direction, FabricsType
 from nvmeof.status import NvmeError, Status
 from target import auth
 from target.controller import host_label
+from target.tls import check_connect as check_tls_connect
 
 if TYPE_CHECKING:
     from target.controller import Controller
@@ -122,6 +123,10 @@ def _execute_connect(target: ControllerRegistry, req: Request) -> None:
         raise _invalid_param(CONNECT_IATTR_SQE, IPO_SQE_SQSIZE,
                              f"host {host}: SQSIZE {sqsize} exceeds CAP.MQES {defaults.MAX_QUEUE_SIZE - 1}; "
                              f"use a queue size of at most {defaults.MAX_QUEUE_SIZE}")
+    refused = check_tls_connect(queue.tls, hostnqn, subnqn)
+    if refused is not None:
+        raise NvmeError(Status.CONNECT_INVALID_HOST, f"host {host}: {refused}",
+                        result=connect_invalid_param_result(CONNECT_IATTR_DATA, IPO_DATA_HOSTNQN))
     subsystem = target.find_subsystem(subnqn)
     if qid == 0:
         cntlid = data.cntlid

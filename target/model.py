@@ -14,6 +14,7 @@ from typing import Any, Literal
 from nvmeof import defaults
 from nvmeof.spec.logs import AnaState
 from nvmeof.status import Status
+from nvmeof.tls.psk import TlsKey
 from target.backends.base import Backend
 from target.qos import NamespaceQos
 from target.reservations import EMPTY as EMPTY_RESERVATION
@@ -196,6 +197,9 @@ class Subsystem:
     host_auth: dict[str, HostAuth] = field(default_factory=dict)
     dhchap_hash: tuple[int, ...] | None = None
     dhchap_dhgroup: tuple[int, ...] | None = None
+    # NVMe/TCP TLS: the configured PSK (nvmeof.tls.TlsKey) of an allowed host, like SPDK's
+    # nvmf_subsystem_add_host --psk; a TLS connection whose identity names this host and subsystem uses it.
+    tls_keys: dict[str, TlsKey] = field(default_factory=dict)
     # I/O counters per host NQN, kept across reconnects (Prometheus counters stay monotonic); a
     # controller holds its host's entry (Controller.host_stats). Bounded: see stats_for_host.
     host_stats: dict[str, NamespaceStats] = field(default_factory=dict)
@@ -267,6 +271,9 @@ class Listener:
     # makes it its standby state (Target.set_ana_default) so that a group it holds no lock for is never
     # served optimized, whatever adds the group or the listener.
     ana_default: AnaState = field(default=AnaState.OPTIMIZED, repr=False)
+    # NVMe/TCP secure channel (TP 8011): "none" (clear only), "optional" (TLS or clear, told apart by the
+    # first byte) or "required" (TLS 1.3 only); discovery shows it as SECTYPE/TREQ (target/discovery.py)
+    tls: str = "none"
 
     @property
     def id(self) -> str:

@@ -34,6 +34,7 @@ class TransportHost(CommandRouter, Protocol):
     controllers: Mapping[int, Any]       # cntlid -> target.controller.Controller
     # what a transport keeps per Target across its listeners, by trtype (TcpPort.of: limits, caps, budget)
     transport_state: dict[str, Any]
+    subsystems: Mapping[str, Subsystem]  # NVMe/TCP TLS finds a connection's PSK here (target/tls.py)
 
     def queue_closed(self, queue: Any) -> None: ...   # a target.request.TargetQueue whose connection ended
 

@@ -14,6 +14,7 @@ from nvmeof.spec.nvme import Command, Direction, pack_cqe
 from nvmeof.status import encode_status
 
 if TYPE_CHECKING:
+    from nvmeof.tls.psk import PskIdentity
     from target.auth import QueueAuth
     from target.controller import Controller
     from target.model import Listener, Namespace
@@ -24,7 +25,7 @@ class TargetQueue:
     """A submission/completion queue pair on the target, bound to a controller by Connect."""
 
     __slots__ = ("auth", "close", "connected_at", "ctrl", "ddgst", "hdgst", "listener", "local_addr", "ops", "peer",
-                 "qid", "sqflow_disabled", "sqhd", "sqsize")
+                 "qid", "sqflow_disabled", "sqhd", "sqsize", "tls")
 
     def __init__(self, *, ops: TransportOps, peer: str = "", listener: Listener | None = None,
                  local_addr: str = "", close: Callable[[], None] | None = None) -> None:
@@ -41,6 +42,7 @@ class TargetQueue:
         self.auth: QueueAuth | None = None   # DH-HMAC-CHAP state when the host must authenticate (target/auth.py)
         self.hdgst = False        # NVMe/TCP header / data digests (CRC32C) the ICReq/ICResp exchange enabled
         self.ddgst = False
+        self.tls: PskIdentity | None = None   # NVMe/TCP over TLS: the PSK identity the handshake proved
         self.close: Callable[[], None] = close or _no_close
 
     @property

@@ -505,6 +505,10 @@ class PoolConnection(TargetConnection):
         if queue.qid and not self._handoff and queue.ctrl is not None and not self._closed:
             # The Connect response is on its way; nothing more is read here.
             self._handoff = True
+            if self._tls is not None:
+                # The TLS session (keys, sequence numbers) lives in this process's OpenSSL state.
+                self._give_up_handoff("it runs over TLS")
+                return
             if queue.auth is not None:
                 # Its authentication and any re-authentication need the host's keys, which only this
                 # process holds (target/auth.py): the queue is served here.

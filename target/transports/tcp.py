@@ -49,8 +49,10 @@ from nvmeof.tcp import (
     TcpConnection,
     TermReqReceived,
 )
+from nvmeof.tls.openssl import TlsError, TlsSession, looks_like_tls
 from target.lifecycle import start_command
 from target.request import Request, TargetQueue
+from target.tls import PskRefused, find_psk
 from target.transport_ops import TransportOps
 
 if TYPE_CHECKING:
@@ -397,6 +399,10 @@ class TargetConnection(asyncio.BufferedProtocol):
         # Set while data_received handles one batch of PDUs: what they queue goes out in one write.
         self._batching = False
         self._linger: asyncio.TimerHandle | None = None   # aborts a graceful close that never finishes
+        # NVMe/TCP over TLS (TP 8011): the listener's mode; the first bytes decide (a TLS record starts 0x16)
+        self.tls_mode = listener.tls if listener is not None else "none"
+        self._first = True
+        self._tls: TlsSession | None = None
 
     # --- asyncio protocol -----------------------------------------------------------------------
 
@@ -444,7 +450,84 @@ class TargetConnection(asyncio.BufferedProtocol):
     def data_received(self, data: bytes | memoryview) -> None:  # type: ignore[override]
         if self._closed:
             return
+        if self._first:
+            if not data or not self._tls_gate(data):
+                return
+        if self._tls is not None:
+            self._tls_received(data)
+            return
         self._handle(self.conn.receive_data(data))
+
+    # --- TLS (target/tls.py picks the PSK) ------------------------------------------------------
+
+    def _tls_gate(self, data: bytes | memoryview) -> bool:
+        """The connection's first bytes: TLS or clear, against the listener's mode (nvmet_tcp_try_peek_pdu).
+
+        False when the connection was refused (one log line says why)."""
+        self._first = False
+        tls = looks_like_tls(data)
+        peer = self.queue.peer or "?"
+        where = self.listener.id if self.listener is not None else "loop"
+        if tls and self.tls_mode == "none":
+            self._refuse(f"NVMe/TCP connection from {peer} to {where} starts a TLS handshake, but this listener "
+                         "takes no TLS (listener add ... --tls optional|required); closing it")
+            return False
+        if not tls and self.tls_mode == "required":
+            self._refuse(f"NVMe/TCP connection from {peer} to {where} sent clear NVMe/TCP, but this listener "
+                         "requires TLS (the host must connect with --tls / a TLS PSK); closing it")
+            return False
+        if tls:
+            try:
+                self._tls = TlsSession(server=True, lookup=self._tls_lookup)
+            except TlsError as exc:
+                self._refuse(f"NVMe/TCP connection from {peer} to {where}: TLS unavailable: {exc}; closing it")
+                return False
+            self.conn.place = None   # records are decrypted into new buffers: no direct placement
+        return True
+
+    def _tls_lookup(self, raw: bytes) -> tuple[bytes, int] | None:
+        try:
+            identity, psk, cipher = find_psk(self.target.subsystems, raw)
+        except PskRefused as exc:
+            if self._tls is not None:
+                self._tls.lookup_failure = str(exc)
+            return None
+        self.queue.tls = identity
+        return psk, cipher
+
+    def _tls_received(self, data: bytes | memoryview) -> None:
+        tls = self._tls
+        assert tls is not None
+        was_done = tls.handshake_done
+        try:
+            plain = tls.receive(data)
+        except TlsError as exc:
+            out = tls.data_to_send()   # the alert, if any, tells the host why
+            if out and self.transport is not None:
+                self.transport.write(out)
+            self._refuse(f"NVMe/TCP TLS handshake with {self.queue.peer or '?'} failed: {exc}; closing it"
+                         if not was_done else f"NVMe/TCP TLS from {self.queue.peer or '?'} failed: {exc}; closing it")
+            return
+        if not was_done and tls.handshake_done:
+            log.info("NVMe/TCP TLS from %s: %s %s, PSK identity %s", self.queue.peer, tls.version, tls.cipher_name,
+                     self.queue.tls, extra=self._fields("tls", "handshake done"))
+            if self._deadline is not None:   # the ICReq gets its own window after the handshake
+                self._arm_deadline(self._port.limits.ic_timeout, "ICReq")
+        if plain:
+            self._handle(self.conn.receive_data(plain))
+        else:
+            self._send_tls()
+        if tls.closed and not self._closed:
+            self.close()
+
+    def _send_tls(self) -> None:
+        out = self._tls.data_to_send() if self._tls is not None else b""
+        if out and self.transport is not None:
+            self.transport.write(out)
+
+    def _refuse(self, text: str) -> None:
+        log.warning(text, extra=self._fields("failure", text))
+        self.close()
 
     def _handle(self, events: list[Any]) -> None:
         self._batching = True
@@ -498,6 +581,12 @@ class TargetConnection(asyncio.BufferedProtocol):
             self._connected()   # a Connect that completed outside a receive batch
             return
         port = self._port
+        if what == "ICReq" and self._tls is not None and not self._tls.handshake_done:
+            port.log_icreq_timeout(f"NVMe/TCP connection from {self.queue.peer or '?'} did not complete its TLS "
+                                   f"handshake within {seconds:g} s of connecting; closing it (--ic-timeout SECONDS "
+                                   "sets the limit)")
+            self.close()
+            return
         if what == "ICReq":
             since, option, say = "connecting", "--ic-timeout", port.log_icreq_timeout
         else:
@@ -638,6 +727,11 @@ class TargetConnection(asyncio.BufferedProtocol):
         if self._batching:
             return   # data_received writes everything the batch queued at its end
         out = self.conn.data_to_send()
+        if self._tls is not None:
+            if out:
+                self._tls.send(b"".join(out) if len(out) > 1 else out[0])
+            self._send_tls()
+            return
         if out and self.transport is not None:
             self.transport.writelines(out)
 

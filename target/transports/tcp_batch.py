@@ -160,6 +160,7 @@ class BatchMixin:
     _closed: bool
     _deadline: Any
     _write_paused: bool
+    _tls: Any
 
     def _batch_init(self) -> None:
         self._carry = 0                       # bytes of a partial CapsuleCmd kept at the start of _recv
@@ -268,8 +269,8 @@ class BatchMixin:
         past its Connect, no digests, and the sans-IO connection at a PDU boundary with nothing held."""
         queue = self.queue
         ctrl = queue.ctrl
-        if ctrl is None or not queue.qid or self._deadline is not None:
-            return False
+        if ctrl is None or not queue.qid or self._deadline is not None or self._tls is not None:
+            return False   # (TLS: the socket carries records; every byte goes through the session)
         conn = self.conn
         if conn.hdgst or conn.ddgst or not conn.idle_ready():
             return False
