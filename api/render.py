@@ -60,6 +60,7 @@ def host(hostnqn: str, entry: Any) -> schemas.HostOut:
         dhchap_ctrl_key=entry is not None and entry.dhchap_ctrl_key is not None,
         dhchap_hash=hostauth.hash_names(entry.dhchap_hash) if entry is not None else None,
         dhchap_dhgroup=hostauth.dhgroup_names(entry.dhchap_dhgroup) if entry is not None else None,
+        tls_key=entry is not None and entry.tls_key is not None,
     )
 
 
@@ -75,7 +76,7 @@ def stats(ns: Any) -> schemas.NamespaceStatsOut:
 def listener(lst: Any) -> schemas.ListenerOut:
     return schemas.ListenerOut(
         id=lst.id, trtype=lst.trtype, adrfam=lst.adrfam, traddr=lst.traddr, trsvcid=int(lst.trsvcid),
-        portid=lst.portid, discovery=lst.discovery,
+        portid=lst.portid, discovery=lst.discovery, tls=lst.tls,
         ana_states={str(g): ANA_STATE_NAMES[st] for g, st in sorted(lst.ana_states.items())},
     )
 

@@ -25,6 +25,7 @@ TrType = Literal["tcp", "rdma"]
 AdrFam = Literal["ipv4", "ipv6"]
 # nvmeof.spec.logs.ANA_STATE_NAMES (tests/test_ana_api.py keeps the two equal)
 AnaStateName = Literal["optimized", "non-optimized", "inaccessible", "persistent-loss", "change"]
+TlsMode = Literal["none", "optional", "required"]   # a TCP listener's TLS (defaults.TLS_MODES)
 
 
 def _example(example: dict[str, Any]) -> ConfigDict:
@@ -239,6 +240,8 @@ class NamespaceResize(_Request):
 _DHCHAP_KEY = ("The host's DH-HMAC-CHAP secret (DHHC-1:NN:base64: as `nvme gen-dhchap-key` writes it); with it the "
                "host must authenticate every queue. Never shown again: answers say only whether it is set")
 _DHCHAP_CTRL_KEY = "The controller's secret for bidirectional authentication (needs dhchap_key); never shown again"
+_TLS_KEY = ("The host's NVMe/TCP TLS PSK on this subsystem (NVMeTLSkey-1:NN:base64: as `nvme gen-tls-key` writes it), "
+            "used on listeners with tls optional/required. Never shown again: answers say only whether it is set")
 
 
 class HostAdd(_Request):
@@ -251,6 +254,7 @@ class HostAdd(_Request):
     dhchap_ctrl_key: str | None = Field(None, description=_DHCHAP_CTRL_KEY)
     dhchap_hash: list[str] | None = Field(None, description=_DHCHAP_HASH + "; default: the subsystem's")
     dhchap_dhgroup: list[str] | None = Field(None, description=_DHCHAP_DHGROUP + "; default: the subsystem's")
+    tls_key: str | None = Field(None, description=_TLS_KEY)
 
 
 class HostAuthSet(_Request):
@@ -263,6 +267,7 @@ class HostAuthSet(_Request):
     dhchap_ctrl_key: str | None = Field(None, description=_DHCHAP_CTRL_KEY)
     dhchap_hash: list[str] | None = Field(None, description=_DHCHAP_HASH + "; null: the subsystem's")
     dhchap_dhgroup: list[str] | None = Field(None, description=_DHCHAP_DHGROUP + "; null: the subsystem's")
+    tls_key: str | None = Field(None, description=_TLS_KEY + "; null removes it")
 
 
 class SubsystemDhchapSet(_Request):
@@ -278,6 +283,7 @@ class HostOut(BaseModel):
     dhchap_ctrl_key: bool = Field(description="A controller secret is set: bidirectional authentication is possible")
     dhchap_hash: list[str] | None = Field(None, description="The host's allowed hashes (null: the subsystem's)")
     dhchap_dhgroup: list[str] | None = Field(None, description="The host's allowed DH groups (null: the subsystem's)")
+    tls_key: bool = Field(False, description="A TLS PSK is set for this host (the key is never shown)")
 
 
 class HostsOut(BaseModel):
@@ -299,6 +305,7 @@ class ListenerCreate(_Request):
     adrfam: AdrFam | None = Field(None, description="Derived from traddr when omitted")
     discovery: bool = Field(False, description="Serve the discovery subsystem on this listener")
     portid: int | None = Field(None, ge=1, le=PORTID_MAX, description="Discovery log port ID; a free one if omitted")
+    tls: TlsMode = Field("none", description="NVMe/TCP TLS 1.3 with PSKs: none, optional (TLS or clear) or required")
 
 
 class ListenerOut(BaseModel):
@@ -309,6 +316,7 @@ class ListenerOut(BaseModel):
     trsvcid: int
     portid: int
     discovery: bool
+    tls: TlsMode = "none"
     ana_states: dict[str, AnaStateName] = Field(
         default_factory=dict, description="ANA state per group id on this listener; groups not listed are optimized")
 

@@ -102,14 +102,17 @@ async def discover(traddr: str, trsvcid: int | str = defaults.TCP_DISCOVERY_PORT
                    hostnqn: str | None = None, hostid: Any = None, *, subnqn: str = defaults.DISCOVERY_NQN,
                    hdr_digest: bool = False, data_digest: bool = False, timeout: float = 30.0,
                    target: Any = None, dhchap_secret: Any = None,
-                   dhchap_ctrl_secret: Any = None) -> list[DiscoveryEntry]:
+                   dhchap_ctrl_secret: Any = None, tls_key: Any = None,
+                   tls_identity_version: int = defaults.TLS_IDENTITY_VERSION) -> list[DiscoveryEntry]:
     """Connect to a discovery controller (kato 0, no I/O queues), read its log, disconnect.
 
-    ``dhchap_secret`` / ``dhchap_ctrl_secret``: DH-HMAC-CHAP for a discovery controller that requires it."""
+    ``dhchap_secret`` / ``dhchap_ctrl_secret``: DH-HMAC-CHAP for a discovery controller that requires it.
+    ``tls_key``: over TLS, with the PSK identity naming the discovery NQN (nvme discover --tls)."""
     ctrl = HostController(traddr, trsvcid, subnqn, hostnqn=hostnqn, hostid=hostid, transport=transport,
                           nr_io_queues=0, kato=0, hdr_digest=hdr_digest, data_digest=data_digest,
                           timeout=timeout, target=target, dhchap_secret=dhchap_secret,
-                          dhchap_ctrl_secret=dhchap_ctrl_secret)
+                          dhchap_ctrl_secret=dhchap_ctrl_secret, tls_key=tls_key,
+                          tls_identity_version=tls_identity_version)
     await ctrl.open()
     try:
         _, entries = await read_discovery_log(ctrl)
@@ -128,7 +131,9 @@ async def connect_all(traddr: str, trsvcid: int | str = defaults.TCP_DISCOVERY_P
     """
     # the host secret also answers a discovery controller that requires authentication (nvme connect-all)
     entries = await discover(traddr, trsvcid, transport, hostnqn, hostid, timeout=timeout, target=target,
-                             dhchap_secret=connect_kwargs.get("dhchap_secret"))
+                             dhchap_secret=connect_kwargs.get("dhchap_secret"), tls_key=connect_kwargs.get("tls_key"),
+                             tls_identity_version=connect_kwargs.get("tls_identity_version",
+                                                                     defaults.TLS_IDENTITY_VERSION))
     wanted = TrType.TCP if transport == "tcp" else None
     ctrls: list[HostController] = []
     seen: set[tuple[str, str, str]] = set()

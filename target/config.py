@@ -19,7 +19,7 @@ Our format::
      "referrals": [{"trtype", "adrfam", "traddr", "trsvcid", "subnqn", "portid"}]}
 
 A host is its NQN, or an object ``{"nqn", "dhchap_key", "dhchap_ctrl_key", "dhchap_hash",
-"dhchap_dhgroup"}`` when it authenticates (DH-HMAC-CHAP; target/hostauth.py).
+"dhchap_dhgroup", "tls_key"}`` when it authenticates (DH-HMAC-CHAP; target/hostauth.py) or has a TLS PSK.
 
 Saving is atomic (temp file in the same folder, fsync, rename, fsync the folder), so a crash
 leaves either the old or the new file. The file holds host secrets, so it is always written 0600.
@@ -82,6 +82,7 @@ HOST_KEYS: dict[str, str] = {
     "dhchap_ctrl_key": _STR,
     "dhchap_hash": _LIST,
     "dhchap_dhgroup": _LIST,
+    "tls_key": _STR,  # the host's NVMe/TCP TLS PSK on the subsystem (NVMeTLSkey-1:NN:...:)
 }
 NAMESPACE_KEYS: dict[str, str] = {
     "nsid": _INT,
@@ -107,6 +108,7 @@ LISTENER_KEYS: dict[str, str] = {
     "trsvcid": _INT,
     "portid": _INT,
     "discovery": _BOOL,
+    "tls": _STR,  # NVMe/TCP secure channel: "none" (default), "optional" or "required" (TLS 1.3 with a PSK)
     "ana_states": _DICT,  # {"<anagrpid>": state word}: groups not named are optimized on this listener
 }
 REFERRAL_KEYS: dict[str, str] = {
@@ -210,12 +212,12 @@ def _host_problems(host: dict[str, Any], where: str) -> list[str]:
     for key, value in host.items():
         if key not in HOST_KEYS:
             problems.append(f"{where}: unknown key {key!r} (a host takes {', '.join(HOST_KEYS)})")
-        elif isinstance(value, bool) and key in ("dhchap_key", "dhchap_ctrl_key"):
+        elif isinstance(value, bool) and key in ("dhchap_key", "dhchap_ctrl_key", "tls_key"):
             # never echo the value: it is a secret, or here the presence flag of an API export
             problems.append(f"{where}.{key}: expected a DHHC-1 secret string, got a boolean (an API export shows "
                             "only whether a secret is set; put the secret itself here)")
         elif value is not None and not _type_ok(value, HOST_KEYS[key]):
-            shown = "a secret" if key in ("dhchap_key", "dhchap_ctrl_key") else repr(value)
+            shown = "a secret" if key in ("dhchap_key", "dhchap_ctrl_key", "tls_key") else repr(value)
             problems.append(f"{where}.{key}: expected {HOST_KEYS[key]}, got {type(value).__name__} {shown}")
         elif key in ("dhchap_hash", "dhchap_dhgroup") and any(not isinstance(v, str) for v in value or []):
             problems.append(f"{where}.{key}: expected a list of names")

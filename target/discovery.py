@@ -16,8 +16,11 @@ from nvmeof.spec.fabrics import (
     DISCOVERY_LOG_ENTRY_SIZE,
     DISCOVERY_LOG_HEADER_SIZE,
     EFLAGS_EPCSD,
+    TCP_SECTYPE_TLS13,
     TREQ_DISABLE_SQFLOW,
+    TREQ_NOT_REQUIRED,
     TREQ_NOT_SPECIFIED,
+    TREQ_REQUIRED,
     AdrFam,
     DiscoveryLogEntryCompiled,
     DiscoveryLogHeader,
@@ -86,9 +89,18 @@ def _wildcard(traddr: str) -> bool:
         return False
 
 
+def _treq_tsas(trtype: str, tls: str) -> tuple[int, bytes]:
+    """TREQ's secure channel bits and the TCP TSAS SECTYPE, as nvmet sets them for a port's addr_tsas /
+    addr_treq (nvmet_addr_tsas_store: TLS 1.3 makes TREQ "required" unless the port says "not required")."""
+    if trtype != "tcp" or tls == "none":
+        return TREQ_NOT_SPECIFIED, _TSAS_NONE
+    treq = TREQ_REQUIRED if tls == "required" else TREQ_NOT_REQUIRED
+    return treq, bytes([TCP_SECTYPE_TLS13]) + bytes(255)
+
+
 def _entry(subtype: int, nqn: str, trtype: str, adrfam: str, traddr: str, trsvcid: int, portid: int,
-           eflags: int = 0) -> bytes:
-    tsas = _TSAS_NONE
+           eflags: int = 0, tls: str = "none") -> bytes:
+    treq, tsas = _treq_tsas(trtype, tls)
     if trtype == "rdma":
         # QPTYPE connected, PRTYPE not specified, CMS RDMA-CM (nvmet's defaults)
         tsas = bytes([1, 1, 1]) + bytes(253)
@@ -96,7 +108,7 @@ def _entry(subtype: int, nqn: str, trtype: str, adrfam: str, traddr: str, trsvci
         "trtype": _TRTYPE.get(trtype, 0),
         "adrfam": _ADRFAM.get(adrfam, 0),
         "subtype": subtype,
-        "treq": TREQ_NOT_SPECIFIED | (TREQ_DISABLE_SQFLOW if trtype == "tcp" else 0),
+        "treq": treq | (TREQ_DISABLE_SQFLOW if trtype == "tcp" else 0),
         "portid": portid,
         "cntlid": CONNECT_ADMIN_CNTLID,
         "asqsz": defaults.ADMIN_QUEUE_SIZE,
@@ -125,10 +137,11 @@ def discovery_log_page(ctrl: Controller, via: Listener | None, local_addr: str =
         if sub.subtype != "nvm" or not sub.host_allowed(ctrl.hostnqn):
             continue
         for lst in io_listeners:
-            entries.append(_entry(SubType.NVME, sub.nqn, lst.trtype, lst.adrfam, addr(lst), port(lst), lst.portid))
+            entries.append(_entry(SubType.NVME, sub.nqn, lst.trtype, lst.adrfam, addr(lst), port(lst), lst.portid,
+                                  tls=lst.tls))
     if via is not None:
         entries.append(_entry(SubType.CURRENT, defaults.DISCOVERY_NQN, via.trtype, via.adrfam, addr(via),
-                              port(via), via.portid, EFLAGS_EPCSD))
+                              port(via), via.portid, EFLAGS_EPCSD, tls=via.tls))
     ref: Referral
     for ref in target.referrals:
         entries.append(_entry(SubType.REFERRAL, ref.subnqn, ref.trtype, ref.adrfam, ref.traddr, ref.trsvcid,

@@ -13,11 +13,16 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from nvmeof.auth import DHGROUP_IDS, HASH_IDS, DhchapSecret, parse_dhgroup, parse_hash
+from nvmeof.tls.psk import TlsKey
 from target.model import HostAuth, Subsystem
 
 SECRET_FIELDS = ("dhchap_key", "dhchap_ctrl_key")
 LIST_FIELDS = ("dhchap_hash", "dhchap_dhgroup")
-FIELDS = SECRET_FIELDS + LIST_FIELDS
+DHCHAP_FIELDS = SECRET_FIELDS + LIST_FIELDS
+# NVMe/TCP TLS: the host's configured PSK (NVMeTLSkey-1:NN:...:), kept with the host like its DH-HMAC-CHAP keys
+TLS_KEY = "tls_key"
+FIELDS = (*DHCHAP_FIELDS, TLS_KEY)
+REDACTED = (*SECRET_FIELDS, TLS_KEY)   # shown as presence flags only
 # The defaults, in the controller's order of preference (the first the host offers is used): every hash,
 # SHA-256 first (nvmet's default dhchap_hash); every DH group, ffdhe2048 first and null last, which is what
 # nvmet with its default dhchap_dhgroup ends up choosing for a Linux host (nvmet_auth_negotiate).
@@ -51,6 +56,23 @@ def parse_secret(value: Any, field: str, hostnqn: str) -> DhchapSecret:
         raise AuthSettingError(
             f"{field} of host {hostnqn} is not a usable secret: {_scrub(str(exc), value.strip())}; "
             "generate one with `nvme gen-dhchap-key` or `nvmeof gen-dhchap-key`") from None
+
+
+def parse_tls_key(value: Any, hostnqn: str) -> TlsKey:
+    if isinstance(value, TlsKey):
+        return value
+    if isinstance(value, bool):
+        raise AuthSettingError(
+            f"tls_key of host {hostnqn} is {str(value).lower()}: that is the presence flag an API export shows "
+            "(it never carries keys); give the NVMeTLSkey-1 key itself or leave the field out")
+    if not isinstance(value, str):
+        raise AuthSettingError(f"tls_key of host {hostnqn} must be an NVMeTLSkey-1 string, got {type(value).__name__}")
+    try:
+        return TlsKey.parse(value.strip())
+    except ValueError as exc:
+        raise AuthSettingError(
+            f"tls_key of host {hostnqn} is not a usable TLS PSK: {_scrub(str(exc), value.strip())}; "
+            "generate one with `nvme gen-tls-key` or `nvmeof gen-tls-key`") from None
 
 
 def _names(value: Any, field: str) -> list[str]:
@@ -102,9 +124,12 @@ def build(hostnqn: str, settings: dict[str, Any], base: HostAuth | None = None) 
     AuthSettingError names the first bad field."""
     unknown = sorted(set(settings) - set(FIELDS))
     if unknown:
-        raise AuthSettingError(f"unknown DH-HMAC-CHAP setting(s) {', '.join(unknown)}; use {', '.join(FIELDS)}")
+        raise AuthSettingError(f"unknown host setting(s) {', '.join(unknown)}; use {', '.join(FIELDS)}")
     entry = HostAuth() if base is None else HostAuth(base.dhchap_key, base.dhchap_ctrl_key, base.dhchap_hash,
-                                                     base.dhchap_dhgroup)
+                                                     base.dhchap_dhgroup, base.tls_key)
+    if TLS_KEY in settings:
+        value = settings[TLS_KEY]
+        entry.tls_key = None if value is None or value == "" else parse_tls_key(value, hostnqn)
     for field in SECRET_FIELDS:
         if field in settings:
             value = settings[field]
@@ -142,6 +167,8 @@ def config_entry(hostnqn: str, entry: HostAuth, *, redact: bool = False) -> dict
         out["dhchap_hash"] = hash_names(entry.dhchap_hash)
     if entry.dhchap_dhgroup is not None:
         out["dhchap_dhgroup"] = dhgroup_names(entry.dhchap_dhgroup)
+    if entry.tls_key is not None:   # only when set: a host without a TLS key keeps its entry as it was
+        out[TLS_KEY] = True if redact else entry.tls_key.format()
     return out
 
 
@@ -152,6 +179,6 @@ def redact_item(item: Any) -> Any:
     hosts = []
     for host in item["hosts"]:
         if isinstance(host, dict):
-            host = {k: (bool(v) if k in SECRET_FIELDS else v) for k, v in host.items()}
+            host = {k: (bool(v) if k in REDACTED else v) for k, v in host.items()}
         hosts.append(host)
     return {**item, "hosts": hosts}

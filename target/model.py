@@ -170,16 +170,19 @@ class HostAuth:
     dhchap_ctrl_key: Any = None      # the controller's secret (bidirectional authentication)
     dhchap_hash: tuple[int, ...] | None = None     # allowed hash ids (1 SHA-256, 2 SHA-384, 3 SHA-512)
     dhchap_dhgroup: tuple[int, ...] | None = None  # allowed DH group ids (0 null, 1..5 ffdhe2048..8192)
+    # NVMe/TCP TLS: the host's configured PSK on this subsystem (SPDK nvmf_subsystem_add_host --psk); a TLS
+    # connection whose PSK identity names this host and subsystem uses it (target/tls.py)
+    tls_key: TlsKey | None = None
 
     def __repr__(self) -> str:
         return (f"HostAuth(dhchap_key={self.dhchap_key is not None}, "
                 f"dhchap_ctrl_key={self.dhchap_ctrl_key is not None}, dhchap_hash={self.dhchap_hash}, "
-                f"dhchap_dhgroup={self.dhchap_dhgroup})")
+                f"dhchap_dhgroup={self.dhchap_dhgroup}, tls_key={self.tls_key is not None})")
 
     @property
     def empty(self) -> bool:
         return (self.dhchap_key is None and self.dhchap_ctrl_key is None and self.dhchap_hash is None
-                and self.dhchap_dhgroup is None)
+                and self.dhchap_dhgroup is None and self.tls_key is None)
 
 
 @dataclass(eq=False)
@@ -197,9 +200,6 @@ class Subsystem:
     host_auth: dict[str, HostAuth] = field(default_factory=dict)
     dhchap_hash: tuple[int, ...] | None = None
     dhchap_dhgroup: tuple[int, ...] | None = None
-    # NVMe/TCP TLS: the configured PSK (nvmeof.tls.TlsKey) of an allowed host, like SPDK's
-    # nvmf_subsystem_add_host --psk; a TLS connection whose identity names this host and subsystem uses it.
-    tls_keys: dict[str, TlsKey] = field(default_factory=dict)
     # I/O counters per host NQN, kept across reconnects (Prometheus counters stay monotonic); a
     # controller holds its host's entry (Controller.host_stats). Bounded: see stats_for_host.
     host_stats: dict[str, NamespaceStats] = field(default_factory=dict)

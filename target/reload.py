@@ -104,8 +104,8 @@ def plan_reload(live: dict[str, Any], new: dict[str, Any], endpoint_key: Any) ->
         old = old_lst.get(lid)
         if old is None:
             plan.new_listeners.append(item)
-        elif any(item.get(key) is not None and item[key] != old.get(key) for key in ("discovery", "portid")):
-            plan.problems.append(f"listener {lid}: discovery/portid cannot change on a running listener; remove "
+        elif any(item.get(key) is not None and item[key] != old.get(key) for key in ("discovery", "portid", "tls")):
+            plan.problems.append(f"listener {lid}: discovery/portid/tls cannot change on a running listener; remove "
                                  "it in one reload and add it in the next")
         elif _ana_states(item) != _ana_states(old):
             plan.ana_states.append((lid, item.get("ana_states") or {}))

@@ -691,7 +691,7 @@ class TargetService:
 
     async def clear_host_auth(self, subnqn: str, hostnqn: str) -> Subsystem:
         """Remove every DH-HMAC-CHAP setting of the host: its new queues no longer authenticate."""
-        return await self.set_host_auth(subnqn, hostnqn, {field: None for field in hostauth.FIELDS})
+        return await self.set_host_auth(subnqn, hostnqn, {field: None for field in hostauth.DHCHAP_FIELDS})
 
     async def set_subsystem_dhchap(self, subnqn: str, settings: dict[str, Any]) -> Subsystem:
         """The subsystem's allowed hashes/DH groups (``dhchap_hash``, ``dhchap_dhgroup``; None: all),
@@ -1427,9 +1427,11 @@ class TargetService:
         adrfam: str | None = None,
         discovery: bool = False,
         portid: int | None = None,
+        tls: str | None = None,
     ) -> Listener:
         async with self._lock:
-            return await self._add_listener(trtype, traddr, trsvcid, adrfam, discovery, portid, persist=True)
+            return await self._add_listener(trtype, traddr, trsvcid, adrfam, discovery, portid, persist=True,
+                                            tls=tls)
 
     async def _add_listener(
         self,
@@ -1441,8 +1443,10 @@ class TargetService:
         portid: int | None,
         *,
         persist: bool,
+        tls: str | None = None,
     ) -> Listener:
         trtype, adrfam, traddr, port = _address(trtype, traddr, trsvcid, adrfam)
+        tls = _tls_mode(tls, trtype)
         discovery = _bool(discovery, "discovery")
         lid = endpoint_id(trtype, traddr, port)
         if lid in self.target.listeners:
@@ -1460,7 +1464,7 @@ class TargetService:
                     f"port id {portid} is already used by another listener; leave it out to get a free one",
                 )
         listener = Listener(
-            trtype=trtype, adrfam=adrfam, traddr=traddr, trsvcid=port, portid=portid, discovery=discovery
+            trtype=trtype, adrfam=adrfam, traddr=traddr, trsvcid=port, portid=portid, discovery=discovery, tls=tls
         )
         try:
             await self.target.start_listener(listener)
@@ -1597,6 +1601,7 @@ class TargetService:
                     "trsvcid": lst.trsvcid,
                     "portid": lst.portid,
                     "discovery": lst.discovery,
+                    **({"tls": lst.tls} if lst.tls != "none" else {}),
                     **self._ana_entry(lst),
                 }
                 for lst in self.target.listeners.values()
@@ -1773,6 +1778,7 @@ class TargetService:
                     _given(item, "discovery", False),
                     item.get("portid"),
                     persist=False,
+                    tls=item.get("tls"),
                 )
                 self._restore_ana(listener, item.get("ana_states"))
             except ServiceError as exc:
@@ -2134,6 +2140,17 @@ def _listen_error(lid: str, exc: OSError) -> ServiceError:
     if exc.errno in (errno.EADDRNOTAVAIL, errno.EACCES, errno.EPERM):
         return ServiceError(400, f"cannot listen on {lid}: {reason}")
     return ServiceError(500, f"cannot listen on {lid}: {reason}")
+
+
+def _tls_mode(tls: Any, trtype: str) -> str:
+    """A listener's ``tls`` (None: "none"); TLS exists for NVMe/TCP only (TP 8011)."""
+    if tls is None:
+        return "none"
+    if tls not in defaults.TLS_MODES:
+        raise _bad(f"tls {tls!r}: use one of {', '.join(defaults.TLS_MODES)}")
+    if tls != "none" and trtype != "tcp":
+        raise _bad(f"tls {tls}: TLS is an NVMe/TCP secure channel; a {trtype} listener takes tls none")
+    return str(tls)
 
 
 def _subsystem_entry(sub: Subsystem, *, redact: bool = False) -> dict[str, Any]:

@@ -2,8 +2,8 @@
 
 The identity a host offers names its host NQN and the subsystem (``NVMe0R0C <hostnqn> <subnqn>`` or, with
 the PSK digest, ``NVMe1R0C ... <digest>``; nvmeof/tls/psk.py). The PSK is the configured key of that host on
-that subsystem (``Subsystem.tls_keys``, SPDK's nvmf_subsystem_add_host --psk), and only while the subsystem
-admits the host. A discovery connection names the discovery NQN: it uses any key configured for the host
+that subsystem (``Subsystem.host_auth[host].tls_key``, SPDK's nvmf_subsystem_add_host --psk), and only while
+the subsystem admits the host. A discovery connection names the discovery NQN: it uses any key configured for the host
 (a version-1 identity's digest picks the key that made it), as the kernel host sends the subsystem key's
 identity-with-discovery-NQN to reach the discovery controller.
 
@@ -34,14 +34,14 @@ def find_psk(subsystems: Mapping[str, Subsystem], raw_identity: bytes) -> tuple[
         raise PskRefused("generated PSKs (secure channel concatenation after DH-HMAC-CHAP) are not supported")
     host = identity.hostnqn
     if identity.subnqn == defaults.DISCOVERY_NQN:
-        keys = [s.tls_keys[host] for s in subsystems.values() if host in s.tls_keys and s.host_allowed(host)]
+        keys = [k for s in subsystems.values() if (k := _key_of(s, host)) is not None]
     else:
         subsystem = subsystems.get(identity.subnqn)
         if subsystem is None:
             raise PskRefused(f"PSK identity names subsystem {identity.subnqn}, which does not exist")
         if not subsystem.host_allowed(host):
             raise PskRefused(f"host {host} is not allowed on {identity.subnqn}")
-        key = subsystem.tls_keys.get(host)
+        key = _key_of(subsystem, host)
         keys = [key] if key is not None else []
     if not keys:
         raise PskRefused(f"no TLS PSK is configured for host {host} on {identity.subnqn} "
@@ -53,6 +53,14 @@ def find_psk(subsystems: Mapping[str, Subsystem], raw_identity: bytes) -> tuple[
         except ValueError as exc:
             why = str(exc)
     raise PskRefused(f"PSK identity of host {host} for {identity.subnqn}: {why}")
+
+
+def _key_of(subsystem: Subsystem, hostnqn: str) -> TlsKey | None:
+    """The host's configured PSK on the subsystem, while the subsystem admits the host."""
+    entry = subsystem.host_auth.get(hostnqn)
+    if entry is None or hostnqn not in subsystem.hosts or not subsystem.host_allowed(hostnqn):
+        return None
+    return entry.tls_key
 
 
 def _unique(keys: list[TlsKey]) -> list[TlsKey]:

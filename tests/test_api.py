@@ -252,7 +252,7 @@ def test_hosts_allow_list_deny(client, service):
     assert r.status_code == 201 and r.json() == {
         "allow_any_host": False, "hosts": [HOSTNQN],
         "entries": [{"hostnqn": HOSTNQN, "dhchap_key": False, "dhchap_ctrl_key": False, "dhchap_hash": None,
-                     "dhchap_dhgroup": None}]}
+                     "dhchap_dhgroup": None, "tls_key": False}]}
     assert client.get(hosts).json()["hosts"] == [HOSTNQN]
     assert service.get_subsystem(NQN).host_allowed(HOSTNQN)
     r = client.post(hosts, json={"hostnqn": HOSTNQN})
@@ -282,7 +282,8 @@ def test_listener_add_list_delete(client, service):
     r = client.post("/api/v1/listeners", json={"trtype": "tcp", "traddr": "127.0.0.1", "trsvcid": port})
     assert r.status_code == 201, r.text
     assert r.json() == {"id": f"tcp:127.0.0.1:{port}", "trtype": "tcp", "adrfam": "ipv4",
-                        "traddr": "127.0.0.1", "trsvcid": port, "portid": 1, "discovery": False, "ana_states": {}}
+                        "traddr": "127.0.0.1", "trsvcid": port, "portid": 1, "discovery": False, "tls": "none",
+                        "ana_states": {}}
     with socket.create_connection(("127.0.0.1", port), timeout=5):
         pass  # it really listens
     assert [lst["trsvcid"] for lst in client.get("/api/v1/listeners").json()] == [port]

@@ -168,7 +168,7 @@ def test_rest_set_rotate_remove_keys_and_never_return_them(client, service, conf
     r = client.post(hosts, json={"hostnqn": HOSTNQN, "dhchap_key": KEY, "dhchap_ctrl_key": CTRL_KEY})
     assert r.status_code == 201, r.text
     assert r.json()["entries"] == [{"hostnqn": HOSTNQN, "dhchap_key": True, "dhchap_ctrl_key": True,
-                                    "dhchap_hash": None, "dhchap_dhgroup": None}]
+                                    "dhchap_hash": None, "dhchap_dhgroup": None, "tls_key": False}]
     assert_no_secret(r.text)
     text = _everything(client)
     assert_no_secret(text)
@@ -186,7 +186,7 @@ def test_rest_set_rotate_remove_keys_and_never_return_them(client, service, conf
     # null removes one field
     r = client.patch(f"{hosts}/{HOSTNQN}", json={"dhchap_ctrl_key": None, "dhchap_dhgroup": ["null"]})
     assert r.json() == {"hostnqn": HOSTNQN, "dhchap_key": True, "dhchap_ctrl_key": False, "dhchap_hash": None,
-                        "dhchap_dhgroup": ["null"]}
+                        "dhchap_dhgroup": ["null"], "tls_key": False}
     r = client.patch(f"{SUBS}/{NQN}/dhchap", json={"dhchap_hash": None})
     assert r.status_code == 200 and r.json()["dhchap_hash"] is None
     # remove everything: the host stays allowed
@@ -255,8 +255,8 @@ def test_cli_host_key_commands(client, service, monkeypatch):
               "--dhchap-hash", "sha512").output
     assert "after DH-HMAC-CHAP authentication" in out
     rows = run("host", "list", NQN).output.splitlines()
-    assert rows[0].split() == ["HOSTNQN", "DHCHAP_KEY", "CTRL_KEY", "HASH", "DHGROUP"]
-    assert rows[2].split() == [HOSTNQN, "yes", "yes", "sha512", "default"]
+    assert rows[0].split() == ["HOSTNQN", "DHCHAP_KEY", "CTRL_KEY", "HASH", "DHGROUP", "TLS_KEY"]
+    assert rows[2].split() == [HOSTNQN, "yes", "yes", "sha512", "default", "no"]
     run("host", "set-key", NQN, HOSTNQN, "--dhchap-key", NEW_KEY, "--no-dhchap-ctrl-key")
     entry = service.get_subsystem(NQN).host_auth[HOSTNQN]
     assert entry.dhchap_key.format() == NEW_KEY and entry.dhchap_ctrl_key is None

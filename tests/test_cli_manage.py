@@ -184,7 +184,7 @@ def test_usage_errors_exit_2(run, args):
 def test_host_commands(run, server):
     run("subsystem", "add", NQN, "--no-allow-any-host")
     assert run("host", "allow", NQN, HOSTNQN).stdout.strip() == f"host {HOSTNQN} may connect to {NQN}"
-    assert run("host", "list", NQN).stdout.splitlines()[2].split() == [HOSTNQN, "no", "no", "default", "default"]
+    assert run("host", "list", NQN).stdout.splitlines()[2].split() == [HOSTNQN, "no", "no", "default", "default", "no"]
     assert server.service.get_subsystem(NQN).host_allowed(HOSTNQN)
     assert "already allowed" in run("host", "allow", NQN, HOSTNQN, code=1).stderr
     run("host", "deny", NQN, HOSTNQN)
@@ -197,7 +197,7 @@ def test_listener_commands(run, server):
     out = run("listener", "add", f"tcp://127.0.0.1:{port}").stdout
     assert out.strip() == f"listening on tcp:127.0.0.1:{port} (port id 1)"
     rows = run("listener", "list").stdout.splitlines()
-    assert rows[2].split() == ["tcp", "127.0.0.1", str(port), "1", "no"]
+    assert rows[2].split() == ["tcp", "127.0.0.1", str(port), "1", "no", "none"]
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()

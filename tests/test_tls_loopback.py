@@ -19,7 +19,7 @@ from initiator.queue import TransportError
 from nvmeof import defaults
 from nvmeof.status import NvmeError
 from nvmeof.tls.psk import HMAC_SHA256, HMAC_SHA384, TlsKey, generate_key
-from target.model import Listener
+from target.model import HostAuth, Listener
 from target.transports import tcp, tcp_batch
 
 HOST = "nqn.2014-08.org.nvmexpress:uuid:0f0f0f0f-1111-2222-3333-444444444444"
@@ -34,7 +34,7 @@ async def _serve(mode: str, *, engine: str = "batch", key: str = KEY, allow: boo
     if allow:
         sub.allow_any_host = False
         sub.hosts.add(HOST)
-        sub.tls_keys[HOST] = TlsKey.parse(key)
+        sub.host_auth[HOST] = HostAuth(tls_key=TlsKey.parse(key))
     listener = Listener("tcp", "ipv4", "127.0.0.1", 0, portid=1, tls=mode)
     tgt.listeners[listener.id] = listener
     server = await tgt.start_listener(listener)

@@ -37,6 +37,8 @@ class ConnectSpec:
     engine: str = defaults.HOST_TCP_ENGINE   # connect(engine=): "batch" or "stream" (A/B)
     poll_us: int = defaults.POLL_US          # connect(poll_us=): busy polling after a batch, µs
     disable_sqflow: bool = False             # connect(disable_sqflow=): a read may end with C2HData SUCCESS
+    tls_key: Any = field(default=None, repr=False)   # connect(tls_key=): an nvmeof.tls.TlsKey (TLS 1.3 with PSK)
+    tls_identity_version: int = defaults.TLS_IDENTITY_VERSION
 
     def kwargs(self) -> dict[str, Any]:
         kw: dict[str, Any] = {
@@ -55,6 +57,9 @@ class ConnectSpec:
         if self.dhchap_secret is not None:
             kw["dhchap_secret"] = self.dhchap_secret
             kw["dhchap_ctrl_secret"] = self.dhchap_ctrl_secret
+        if self.tls_key is not None:
+            kw["tls_key"] = self.tls_key
+            kw["tls_identity_version"] = self.tls_identity_version
         return kw
 
 

@@ -40,6 +40,7 @@ class DaemonOptions:
     config_path: Path | None = None
     listen: list[TransportAddress] = field(default_factory=list)
     discovery: list[TransportAddress] = field(default_factory=list)
+    tls: str = "none"   # serve --tls: the TLS mode of the -l/-d listeners (none, optional, required)
     api: tuple[str, int] | Path | None = (defaults.LISTEN_ADDRESS, defaults.API_PORT)  # a Path: a Unix socket
     api_token: str | None = None
     subsystem_nqn: str = defaults.DEFAULT_SUBSYSTEM_NQN
@@ -399,7 +400,8 @@ class Daemon:
             if (addr.trtype, addr.traddr, addr.trsvcid) in existing:
                 continue
             try:
-                await self.service.add_listener(addr.trtype, addr.traddr, addr.trsvcid, discovery=discovery)
+                await self.service.add_listener(addr.trtype, addr.traddr, addr.trsvcid, discovery=discovery,
+                                                tls=self.options.tls if addr.trtype == "tcp" else None)
             except ServiceError as e:
                 raise DaemonError(f"cannot listen on {addr}: {e}") from e
 

@@ -15,7 +15,7 @@ from nvmeof import __version__, defaults
 from nvmeof.spec.identify import NSID_MAX
 
 from .common import parse_size, run_async
-from .host import dhchap_options
+from .host import dhchap_options, tls_kwargs, tls_options
 
 _TIME = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(us|ms|s|m|h)?\s*$", re.IGNORECASE)
 _TIME_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -272,6 +272,7 @@ def format_normal(report: Any) -> str:
               help="Connect with SQ flow control disabled (nvme-cli --disable-sqflow): the target may end a "
                    "successful read with a C2HData SUCCESS flag instead of a CapsuleResp.")
 @dhchap_options
+@tls_options
 def bench(**opts: Any) -> None:
     """Measure a namespace the way fio does, through the Python initiator.
 
@@ -306,12 +307,15 @@ def bench(**opts: Any) -> None:
         raise click.UsageError(f"--poll-us {opts['poll_us']}: poll_us=N needs the TCP batch engine "
                                f"(--transport tcp --tcp-engine batch), not --transport {opts['transport']} "
                                f"--tcp-engine {opts['tcp_engine']}")
+    tls = tls_kwargs(opts["tls"], opts["tls_key"], opts["tls_identity_version"])
+    if tls and opts["poll_us"]:
+        raise click.UsageError("--poll-us needs the batch engine; TLS queues run on the stream engine")
     cspec = ConnectSpec(
         transport=opts["transport"], traddr=opts["traddr"], trsvcid=opts["trsvcid"], subnqn=opts["nqn"],
         hostnqn=opts["hostnqn"], hdr_digest=opts["hdr_digest"], data_digest=opts["data_digest"],
         nr_io_queues=opts["nr_io_queues"], queue_size=opts["queue_size"],
         dhchap_secret=opts["dhchap_secret"], dhchap_ctrl_secret=opts["dhchap_ctrl_secret"],
-        engine=opts["tcp_engine"], poll_us=opts["poll_us"], disable_sqflow=opts["disable_sqflow"],
+        engine=opts["tcp_engine"], poll_us=opts["poll_us"], disable_sqflow=opts["disable_sqflow"], **tls,
     )
     show = opts["eta"] == "always" or (opts["eta"] == "auto" and sys.stderr.isatty())
     progress = None

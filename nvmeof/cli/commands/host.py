@@ -50,6 +50,35 @@ def dhchap_options(f: Callable) -> Callable:
                         "(`nvmeof gen-dhchap-key`).")(f)
 
 
+def _tls_key_callback(ctx: click.Context, param: click.Parameter, value: str | None) -> object:
+    """Check an NVMeTLSkey-1 PSK while parsing the command line; the error never repeats the value."""
+    if value is None:
+        return None
+    from nvmeof.tls.psk import TlsKey
+
+    try:
+        return TlsKey.parse(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def tls_options(f: Callable) -> Callable:
+    """nvme-cli's --tls and --tls-key (NVMe/TCP over TLS 1.3 with a configured PSK, `nvme gen-tls-key`)."""
+    f = click.option("--tls-identity", "tls_identity_version", type=click.IntRange(0, 1),
+                     default=defaults.TLS_IDENTITY_VERSION, show_default=True,
+                     help="PSK identity version: 1 NVMe1R (with the PSK digest), 0 NVMe0R.")(f)
+    f = click.option("--tls-key", "tls_key", callback=_tls_key_callback, metavar="NVMeTLSkey-1:NN:...:",
+                     help="The configured TLS PSK (`nvmeof gen-tls-key`); implies --tls. Never printed.")(f)
+    return click.option("--tls", is_flag=True, help="Connect over TLS 1.3 (needs --tls-key).")(f)
+
+
+def tls_kwargs(tls: bool, tls_key: object, version: int) -> dict[str, object]:
+    """connect()'s TLS arguments from the command line; --tls alone is refused (no keyring is read)."""
+    if tls and tls_key is None:
+        raise click.UsageError("--tls needs --tls-key NVMeTLSkey-1:...: (this host reads no kernel keyring)")
+    return {"tls_key": tls_key, "tls_identity_version": version} if tls_key is not None else {}
+
+
 def connection_options(default_port: int, *, nqn_required: bool = True) -> Callable:
     """The nvme-cli spellings: -t -a -s -n -q -I -S -C, plus digests and queue counts."""
     def deco(f: Callable) -> Callable:
@@ -70,7 +99,8 @@ def connection_options(default_port: int, *, nqn_required: bool = True) -> Calla
         if nqn_required:
             opts.append(click.option("-n", "--nqn", required=True, help="Subsystem NQN."))
         names = ["transport", "traddr", "trsvcid", "hostnqn", "hostid", "hdr_digest", "data_digest", "timeout",
-                 "dhchap_secret", "dhchap_ctrl_secret"] + (["nqn"] if nqn_required else [])
+                 "dhchap_secret", "dhchap_ctrl_secret", "tls", "tls_key", "tls_identity_version"] + (
+                     ["nqn"] if nqn_required else [])
 
         @functools.wraps(f)
         def collect(**kwargs):
@@ -80,7 +110,7 @@ def connection_options(default_port: int, *, nqn_required: bool = True) -> Calla
 
         for opt in reversed(opts):
             collect = opt(collect)
-        return output_format_options(dhchap_options(collect))
+        return output_format_options(dhchap_options(tls_options(collect)))
     return deco
 
 
@@ -109,7 +139,8 @@ async def _open(conn: dict, *, nr_io_queues: int = 1):
                                    hostnqn=conn["hostnqn"], hostid=conn["hostid"], transport=conn["transport"],
                                    hdr_digest=conn["hdr_digest"], data_digest=conn["data_digest"],
                                    timeout=conn["timeout"], nr_io_queues=nr_io_queues,
-                                   dhchap_secret=conn["dhchap_secret"], dhchap_ctrl_secret=conn["dhchap_ctrl_secret"])
+                                   dhchap_secret=conn["dhchap_secret"], dhchap_ctrl_secret=conn["dhchap_ctrl_secret"],
+                                   **tls_kwargs(conn["tls"], conn["tls_key"], conn["tls_identity_version"]))
 
 
 @click.command()
@@ -131,7 +162,8 @@ async def _discover(conn: dict) -> tuple[int, list]:
     ctrl = HostController(conn["traddr"], conn["trsvcid"], defaults.DISCOVERY_NQN, hostnqn=conn["hostnqn"],
                           hostid=conn["hostid"], transport=conn["transport"], nr_io_queues=0, kato=0,
                           hdr_digest=conn["hdr_digest"], data_digest=conn["data_digest"], timeout=conn["timeout"],
-                          dhchap_secret=conn["dhchap_secret"], dhchap_ctrl_secret=conn["dhchap_ctrl_secret"])
+                          dhchap_secret=conn["dhchap_secret"], dhchap_ctrl_secret=conn["dhchap_ctrl_secret"],
+                          **tls_kwargs(conn["tls"], conn["tls_key"], conn["tls_identity_version"]))
     await ctrl.open()
     try:
         return await read_discovery_log(ctrl)
@@ -457,6 +489,34 @@ def gen_dhchap_key(secret, key_length, nqn, hmac_id) -> None:
         raise click.UsageError(str(e)) from None
 
 
+@click.command("gen-tls-key")
+@click.option("-s", "--secret", help="Optional secret (in hexadecimal characters) to be used for the TLS key.")
+@click.option("-m", "--hmac", "hmac_id", type=click.IntRange(1, 2), default=1, show_default=True,
+              help="HMAC function of the PSK (1 = SHA-256: 32 bytes, 2 = SHA-384: 48 bytes).")
+@click.option("-q", "--hostnqn", help="With --subsysnqn: also print the PSK identity this host offers.")
+@click.option("-n", "--subsysnqn", help="With --hostnqn: also print the PSK identity this host offers.")
+@click.option("-I", "--identity", "version", type=click.IntRange(0, 1), default=defaults.TLS_IDENTITY_VERSION,
+              show_default=True, help="PSK identity version (0: NVMe0R, 1: NVMe1R with the PSK digest).")
+def gen_tls_key(secret, hmac_id, hostnqn, subsysnqn, version) -> None:
+    """Generate a TLS PSK in the NVMe interchange format (like `nvme gen-tls-key`): NVMeTLSkey-1:0N:...:"""
+    from nvmeof.tls.psk import TlsKey, generate_key
+
+    raw = None
+    if secret is not None:
+        try:
+            raw = bytes.fromhex(secret.strip())
+        except ValueError:
+            raise click.BadParameter("not an even number of hexadecimal characters", param_hint="'--secret'") from None
+    try:
+        key = generate_key(hmac_id=hmac_id, secret=raw)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    click.echo(key)
+    if hostnqn and subsysnqn:
+        click.echo(f"identity: {TlsKey.parse(key).identity(hostnqn, subsysnqn, version)}", err=True)
+
+
 def register(cli: click.Group) -> None:
-    for cmd in (discover, identify, read, write, get_log, get_feature, connect, disconnect, list_, gen_dhchap_key):
+    for cmd in (discover, identify, read, write, get_log, get_feature, connect, disconnect, list_, gen_dhchap_key,
+                gen_tls_key):
         cli.add_command(cmd)

@@ -646,23 +646,31 @@ def _dhchap_options(func: Callable) -> Callable:
     return func
 
 
-def _auth_summary(entry: dict[str, Any]) -> tuple[str, str, str, str]:
+def _auth_summary(entry: dict[str, Any]) -> tuple[str, str, str, str, str]:
     return (_yes(entry.get("dhchap_key", False)), _yes(entry.get("dhchap_ctrl_key", False)),
             ",".join(entry.get("dhchap_hash") or []) or "default",
-            ",".join(entry.get("dhchap_dhgroup") or []) or "default")
+            ",".join(entry.get("dhchap_dhgroup") or []) or "default", _yes(entry.get("tls_key", False)))
+
+
+def _tls_key_option(func: Callable) -> Callable:
+    return click.option("--tls-key", metavar="NVMeTLSkey-1:NN:...:",
+                        help="The host's NVMe/TCP TLS PSK on this subsystem (`nvme gen-tls-key` / `nvmeof "
+                             "gen-tls-key`), for listeners with --tls optional|required. Never printed back.")(func)
 
 
 @api_command(host, "allow")
 @click.argument("nqn")
 @click.argument("hostnqn")
 @_dhchap_options
+@_tls_key_option
 def host_allow(api: Api, as_json: bool, nqn: str, hostnqn: str, dhchap_key: str | None, dhchap_ctrl_key: str | None,
-               dhchap_hash: tuple[str, ...], dhchap_dhgroup: tuple[str, ...]) -> None:
+               dhchap_hash: tuple[str, ...], dhchap_dhgroup: tuple[str, ...], tls_key: str | None) -> None:
     """Let HOSTNQN connect to subsystem NQN (the subsystem must not allow any host); with --dhchap-key it
-    must authenticate (DH-HMAC-CHAP)."""
+    must authenticate (DH-HMAC-CHAP), with --tls-key it may connect over TLS."""
     body: dict[str, Any] = {"hostnqn": hostnqn}
     for key, value in (("dhchap_key", dhchap_key), ("dhchap_ctrl_key", dhchap_ctrl_key),
-                       ("dhchap_hash", _names(dhchap_hash)), ("dhchap_dhgroup", _names(dhchap_dhgroup))):
+                       ("dhchap_hash", _names(dhchap_hash)), ("dhchap_dhgroup", _names(dhchap_dhgroup)),
+                       ("tls_key", tls_key)):
         if value is not None:
             body[key] = value
     result = api.call("POST", f"/api/v1/subsystems/{_nqn(nqn)}/hosts", json_body=body)
@@ -670,7 +678,11 @@ def host_allow(api: Api, as_json: bool, nqn: str, hostnqn: str, dhchap_key: str 
         echo_json(result)
     else:
         how = " after DH-HMAC-CHAP authentication" if dhchap_key else ""
+        how += " (TLS PSK set)" if tls_key else ""
         click.echo(f"host {hostnqn} may connect to {nqn}{how}")
+
+
+host.add_command(host_allow, "add")   # `host add` as SPDK's nvmf_subsystem_add_host / the issue spell it
 
 
 @api_command(host, "set-key")
@@ -678,28 +690,35 @@ def host_allow(api: Api, as_json: bool, nqn: str, hostnqn: str, dhchap_key: str 
 @click.argument("hostnqn")
 @_dhchap_options
 @click.option("--no-dhchap-ctrl-key", is_flag=True, help="Remove the controller key (back to unidirectional).")
+@_tls_key_option
+@click.option("--no-tls-key", is_flag=True, help="Remove the host's TLS PSK.")
 def host_set_key(api: Api, as_json: bool, nqn: str, hostnqn: str, dhchap_key: str | None,
                  dhchap_ctrl_key: str | None, dhchap_hash: tuple[str, ...], dhchap_dhgroup: tuple[str, ...],
-                 no_dhchap_ctrl_key: bool) -> None:
+                 no_dhchap_ctrl_key: bool, tls_key: str | None, no_tls_key: bool) -> None:
     """Set or rotate the DH-HMAC-CHAP keys (and lists) of allowed host HOSTNQN on NQN; options not given stay
     as they are. Connected controllers keep running; the next authentication uses the new keys."""
     body: dict[str, Any] = {}
     for key, value in (("dhchap_key", dhchap_key), ("dhchap_ctrl_key", dhchap_ctrl_key),
-                       ("dhchap_hash", _names(dhchap_hash)), ("dhchap_dhgroup", _names(dhchap_dhgroup))):
+                       ("dhchap_hash", _names(dhchap_hash)), ("dhchap_dhgroup", _names(dhchap_dhgroup)),
+                       ("tls_key", tls_key)):
         if value is not None:
             body[key] = value
+    if no_tls_key:
+        if tls_key:
+            raise click.UsageError("give --tls-key or --no-tls-key, not both")
+        body["tls_key"] = None
     if no_dhchap_ctrl_key:
         if dhchap_ctrl_key:
             raise click.UsageError("give --dhchap-ctrl-key or --no-dhchap-ctrl-key, not both")
         body["dhchap_ctrl_key"] = None
     if not body:
         raise click.UsageError("nothing to change: give --dhchap-key, --dhchap-ctrl-key, --no-dhchap-ctrl-key, "
-                               "--dhchap-hash or --dhchap-dhgroup")
+                               "--dhchap-hash, --dhchap-dhgroup, --tls-key or --no-tls-key")
     result = api.call("PATCH", f"/api/v1/subsystems/{_nqn(nqn)}/hosts/{_nqn(hostnqn)}", json_body=body)
     if as_json:
         echo_json(result)
     else:
-        click.echo(f"DH-HMAC-CHAP settings of host {hostnqn} on {nqn} updated ({', '.join(sorted(body))}); "
+        click.echo(f"settings of host {hostnqn} on {nqn} updated ({', '.join(sorted(body))}); "
                    "connected controllers keep running, new authentications use them")
 
 
@@ -741,7 +760,7 @@ def host_list(api: Api, as_json: bool, nqn: str) -> None:
     else:
         entries = {e["hostnqn"]: e for e in result.get("entries") or []}
         rows = [(h, *_auth_summary(entries.get(h, {}))) for h in result["hosts"]]
-        click.echo(table(("HOSTNQN", "DHCHAP_KEY", "CTRL_KEY", "HASH", "DHGROUP"), rows))
+        click.echo(table(("HOSTNQN", "DHCHAP_KEY", "CTRL_KEY", "HASH", "DHGROUP", "TLS_KEY"), rows))
 
 
 # -- listeners and referrals ------------------------------------------------------------------------
@@ -791,10 +810,13 @@ def listener() -> None:
 @click.argument("address", metavar="[tcp|rdma://]ADDR[:PORT]", callback=_address(defaults.TCP_IO_PORT))
 @click.option("--discovery", is_flag=True, help="Serve the discovery subsystem here (usually port 8009).")
 @click.option("--portid", type=click.IntRange(1, PORTID_MAX), help="Port ID in the discovery log.")
-def listener_add(api: Api, as_json: bool, address, discovery: bool, portid: int | None) -> None:
+@click.option("--tls", "tls", type=click.Choice(list(defaults.TLS_MODES)), default="none", show_default=True,
+              help="NVMe/TCP over TLS 1.3 with PSKs (hosts' keys: host add --tls-key): required, optional "
+                   "(TLS or clear) or none.")
+def listener_add(api: Api, as_json: bool, address, discovery: bool, portid: int | None, tls: str) -> None:
     """Start listening on ADDRESS (default port 4420)."""
     body = {"trtype": address.trtype, "traddr": address.traddr, "trsvcid": address.trsvcid,
-            "discovery": discovery, "portid": portid}
+            "discovery": discovery, "portid": portid, "tls": tls}
     created = api.call("POST", "/api/v1/listeners", json_body=body)
     if as_json:
         echo_json(created)
@@ -821,7 +843,7 @@ def listener_list(api: Api, as_json: bool) -> None:
     if as_json:
         echo_json(items)
     else:
-        click.echo(_endpoint_table(items, ("discovery",)))
+        click.echo(_endpoint_table(items, ("discovery", "tls")))
 
 
 @api_command(listener, "set-ana")

@@ -62,6 +62,9 @@ def _api(value: str):
 @click.option("-d", "--discovery", multiple=True, metavar="[tcp://]ADDR[:PORT]",
               help=f"Discovery listener (repeatable). Default tcp://{defaults.LISTEN_ADDRESS}:"
                    f"{defaults.TCP_DISCOVERY_PORT}.")
+@click.option("--tls", "tls", type=click.Choice(list(defaults.TLS_MODES)), default="none", show_default=True,
+              help="NVMe/TCP TLS 1.3 (PSK) of the -l/-d listeners given here: required, optional (TLS or clear) "
+                   "or none; hosts' keys: `nvmeof host add ... --tls-key`.")
 @click.option("--api", "api", default=f"{defaults.LISTEN_ADDRESS}:{defaults.API_PORT}", show_default=True,
               metavar="ADDR:PORT|unix:PATH|none",
               help="REST API address, a Unix socket (created with mode 0600), or 'none' to disable it.")
@@ -204,6 +207,7 @@ def serve(**kw) -> None:
     fields["failback"] = kw["failback"]
     fields["ana_standby"] = kw["ana_standby"]
     fields["cntlid_range"] = _cntlid_range(kw["cntlid_range"])
+    fields["tls"] = kw["tls"]
     options = DaemonOptions(**fields)
 
     def ready(daemon) -> None:
