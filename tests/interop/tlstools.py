@@ -238,4 +238,6 @@ TLSHD_PID=$!
 sleep 0.5
 kill -0 $TLSHD_PID 2>/dev/null || {{ echo "guest_tlshd: tlshd exited:"; cat {q_log}; exit 1; }}
 echo "guest_tlshd: tlshd running, pid $TLSHD_PID"
+# its log on the console too (whole lines, prefixed), for the test's failure messages
+tail -n +1 -f {q_log} | sed -u 's/^/tlshd: /' &
 """
