@@ -48,7 +48,7 @@ def connect(traddr: str, trsvcid: int | str = defaults.TCP_IO_PORT,
             dhchap_secret: str | DhchapSecret | None = None,
             dhchap_ctrl_secret: str | DhchapSecret | None = None, engine: str = defaults.HOST_TCP_ENGINE,
             poll_us: int = defaults.POLL_US, tls: bool = False, tls_key: str | TlsKey | None = None,
-            tls_identity_version: int = defaults.TLS_IDENTITY_VERSION) -> _Connecting:
+            tls_identity_version: int = defaults.TLS_IDENTITY_VERSION, tls_compat: bool = False) -> _Connecting:
     """Connect to an NVMe-oF controller: ``ctrl = await connect(...)`` or ``async with connect(...) as ctrl``.
 
     With ``reconnect=True`` the result is a :class:`initiator.reconnect.ReconnectingController`.
@@ -69,7 +69,7 @@ def connect(traddr: str, trsvcid: int | str = defaults.TCP_IO_PORT,
         hdr_digest=hdr_digest, data_digest=data_digest, kato=kato, timeout=timeout, target=target,
         disable_sqflow=disable_sqflow, event_callback=event_callback, dhchap_secret=dhchap_secret,
         dhchap_ctrl_secret=dhchap_ctrl_secret, engine=engine, poll_us=poll_us, tls=tls,
-        tls_key=tls_key, tls_identity_version=tls_identity_version)
+        tls_key=tls_key, tls_identity_version=tls_identity_version, tls_compat=tls_compat)
     if reconnect:
         async def make_reconnecting() -> Any:
             rc = ReconnectingController(traddr, trsvcid, subnqn, max_delay=max_reconnect_delay,

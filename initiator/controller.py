@@ -173,7 +173,7 @@ class HostController(ReservationIo):
                  dhchap_ctrl_secret: str | DhchapSecret | None = None,
                  engine: str = defaults.HOST_TCP_ENGINE, poll_us: int = defaults.POLL_US,
                  tls: bool = False, tls_key: str | TlsKey | None = None,
-                 tls_identity_version: int = defaults.TLS_IDENTITY_VERSION) -> None:
+                 tls_identity_version: int = defaults.TLS_IDENTITY_VERSION, tls_compat: bool = False) -> None:
         if transport not in ("tcp", "loop", "rdma"):
             raise ValueError(f"transport {transport!r} is not supported by the Python host (tcp, rdma or loop)")
         if transport == "loop" and not callable(getattr(target, "connect_loop", None)):
@@ -208,6 +208,7 @@ class HostController(ReservationIo):
             if poll_us:
                 raise ValueError("poll_us needs the batch engine; TLS queues run on the stream engine")
         self.tls_identity_version = tls_identity_version
+        self.tls_compat = tls_compat   # derive as libnvme before 1.11 did (keys inserted by an older nvme-cli)
         # The batch engine owns a TCP socket; the loop transport has none, RDMA its own queue; TLS queues run
         # on the stream engine (their bytes go through the TLS session, initiator/queue.py).
         self.engine = engine if transport == "tcp" and not self.tls else "stream"
@@ -271,9 +272,10 @@ class HostController(ReservationIo):
         key = self._tls_key
         if key is None:
             return None
-        identity = key.identity(self.hostnqn, self.subnqn, self.tls_identity_version)
+        compat = self.tls_compat
+        identity = key.identity(self.hostnqn, self.subnqn, self.tls_identity_version, compat=compat)
         try:
-            return TlsSession(server=False, identity=str(identity).encode(), psk=key.tls_psk(identity),
+            return TlsSession(server=False, identity=str(identity).encode(), psk=key.tls_psk(identity, compat=compat),
                               cipher=key.cipher)
         except TlsError as exc:
             raise TransportError(self._queue_name(0), f"TLS unavailable: {exc}") from exc

@@ -101,6 +101,8 @@ NAMESPACE_KEYS: dict[str, str] = {
     "qos": _DICT,  # QoS limits (target/qos.py): {"rw_ios_per_second": N, ..., "hosts": {"<hostnqn>": {...}}}
     # and the settings of each backend kind (target.backends.BACKEND_OPTIONS, strings): _allowed_keys
 }
+# a listener's tls as nvmet's port addr_treq (with addr_tsas "tls1.3" for the two TLS modes)
+_NVMET_TREQ = {"none": "not specified", "optional": "not required", "required": "required"}
 LISTENER_KEYS: dict[str, str] = {
     "trtype": _STR,
     "adrfam": _STR,
@@ -562,6 +564,9 @@ def import_nvmetcli(data: Any) -> Converted:
                 "portid": int(port["portid"]),
                 "discovery": not port.get("subsystems"),
             }
+            # nvmet's addr_tsas "tls1.3" (TLS, required unless addr_treq says "not required")
+            if trtype == "tcp" and addr.get("tsas") == "tls1.3":
+                listener["tls"] = "optional" if addr.get("treq") == "not required" else "required"
         except (KeyError, TypeError, ValueError) as exc:
             warnings.append(f"{where}: incomplete address ({exc}), skipped")
             continue
@@ -848,9 +853,10 @@ def export_nvmetcli(config: dict[str, Any]) -> Converted:
                 "addr": {
                     "adrfam": lst.get("adrfam") or _adrfam(lst["traddr"]),
                     "traddr": lst["traddr"],
-                    "treq": "not specified",
+                    "treq": _NVMET_TREQ.get(lst.get("tls") or "none", "not specified"),
                     "trsvcid": str(lst["trsvcid"]),
                     "trtype": lst.get("trtype", "tcp"),
+                    **({"tsas": "tls1.3"} if lst.get("tls") in ("optional", "required") else {}),
                 },
                 "portid": portid,
                 # nvmet makes a port's groups other than 1 inaccessible until ana_groups/<g> exists:

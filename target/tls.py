@@ -49,7 +49,7 @@ def find_psk(subsystems: Mapping[str, Subsystem], raw_identity: bytes) -> tuple[
     why = "no configured key matches"
     for key in _unique(keys):
         try:
-            return identity, key.tls_psk(identity), key.cipher
+            return identity, key.tls_psk(identity, compat=None), key.cipher
         except ValueError as exc:
             why = str(exc)
     raise PskRefused(f"PSK identity of host {host} for {identity.subnqn}: {why}")

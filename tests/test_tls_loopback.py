@@ -183,3 +183,12 @@ def test_tls_needs_key_and_tcp() -> None:
     ctrl = HostController("127.0.0.1", 4420, SUBNQN, tls_key=KEY)
     assert ctrl.tls and ctrl.engine == "stream"
     assert defaults.TLS_MODES == ("none", "optional", "required")
+
+
+async def test_compat_host_is_recognised_by_its_digest() -> None:
+    tgt, port = await _serve("required")
+    try:
+        async with initiator.connect("127.0.0.1", port, SUBNQN, hostnqn=HOST, tls_key=KEY, tls_compat=True) as ctrl:
+            await _rw(ctrl)
+    finally:
+        await tgt.close()

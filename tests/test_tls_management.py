@@ -176,3 +176,18 @@ def test_cli_gen_tls_key_and_tls_options():
     assert res.exit_code == 2 and "TLS PSK" in res.output and bad.split(":")[2] not in res.output
     res = CliRunner().invoke(cli, ["bench", "-a", "127.0.0.1", "-s", "1", "-n", NQN, "--tls"])
     assert res.exit_code == 2 and "--tls needs --tls-key" in res.output
+
+
+def test_nvmetcli_round_trip_keeps_listener_tls():
+    from target import config as configmod
+
+    cfg = {"version": 1, "subsystems": [{"nqn": NQN, "allow_any_host": True, "namespaces": []}],
+           "listeners": [{"trtype": "tcp", "traddr": "127.0.0.1", "trsvcid": 4420, "portid": 1, "tls": "required"},
+                         {"trtype": "tcp", "traddr": "127.0.0.1", "trsvcid": 4421, "portid": 2, "tls": "optional"},
+                         {"trtype": "tcp", "traddr": "127.0.0.1", "trsvcid": 4422, "portid": 3}]}
+    exported = configmod.export_nvmetcli(cfg)
+    addrs = [p["addr"] for p in exported["ports"]]
+    assert [(a.get("tsas"), a["treq"]) for a in addrs] == [("tls1.3", "required"), ("tls1.3", "not required"),
+                                                           (None, "not specified")]
+    back = configmod.import_nvmetcli(exported)
+    assert [lst.get("tls") for lst in back["listeners"]] == ["required", "optional", None]

@@ -150,3 +150,15 @@ def test_generate_key() -> None:
 def test_identity_parse_refuses(text: str) -> None:
     with pytest.raises(ValueError):
         PskIdentity.parse(text)
+
+
+def test_target_tells_compat_derivation_from_the_digest() -> None:
+    """A version-1 identity made by libnvme < 1.11 (compat) gets the compat TLS PSK with compat=None."""
+    key = TlsKey(KEY32, HMAC_SHA256)
+    old = key.identity(HOST, SUB, 1, compat=True)
+    new = key.identity(HOST, SUB, 1)
+    assert old.digest != new.digest
+    assert key.tls_psk(old, compat=None) == key.tls_psk(old, compat=True) != key.tls_psk(new)
+    assert key.tls_psk(new, compat=None) == key.tls_psk(new)
+    with pytest.raises(ValueError, match="digest"):
+        key.tls_psk(old)   # compat=False insists on the current derivation

@@ -103,6 +103,7 @@ SSL_AD_UNKNOWN_PSK_IDENTITY = 115
 # the two-byte TLS 1.3 suite ids (RFC 8446 B.4) SSL_CIPHER_find takes
 _SUITE_IDS = {HMAC_SHA256: b"\x13\x01", HMAC_SHA384: b"\x13\x02"}
 READ_CHUNK = 256 * 1024
+MAX_RECORD = 16384 + 256 + 64   # a TLS 1.3 record's plaintext limit plus its overhead, with room
 
 
 class TlsError(Exception):
@@ -364,7 +365,12 @@ class TlsSession:
         else:
             lib.SSL_set_ciphersuites(ssl, CIPHER_SUITES[cipher].encode())
             lib.SSL_set_connect_state(ssl)
-        self._rbuf = ffi.new("unsigned char[]", READ_CHUNK)
+        # reused buffers, not zeroed on allocation (every byte read out was written by OpenSSL first)
+        self._alloc = ffi.new_allocator(should_clear_after_alloc=False)
+        self._rbuf = self._alloc("unsigned char[]", READ_CHUNK)
+        self._rsize = READ_CHUNK
+        self._wbuf = self._alloc("unsigned char[]", READ_CHUNK)
+        self._wsize = READ_CHUNK
         self._nbytes = ffi.new("size_t *")
 
     # -- handshake -----------------------------------------------------------------------------------------
@@ -396,8 +402,11 @@ class TlsSession:
         raise self._fail(f"TLS handshake failed (SSL error {err})")
 
     # -- data ----------------------------------------------------------------------------------------------
-    def receive(self, data: bytes | bytearray | memoryview) -> bytes:
-        """Feed ciphertext; returns the plaintext it completes (b"" while the handshake runs or mid-record)."""
+    def receive(self, data: bytes | bytearray | memoryview) -> bytes | memoryview:
+        """Feed ciphertext; returns the plaintext it completes (b"" while the handshake runs or mid-record).
+
+        The plaintext is a view of this session's receive buffer, valid until the next ``receive`` (the
+        contract of a socket receive buffer, which nvmeof.tcp's receive_data already follows)."""
         b = self._b
         lib, ffi = b.lib, b.ffi
         if data:
@@ -412,12 +421,23 @@ class TlsSession:
             self._handshake()
             if not self.handshake_done:
                 return b""
-        out = []
-        buf, nbytes = self._rbuf, self._nbytes
+        # every record that completed is decrypted back to back into one buffer (plaintext <= ciphertext)
+        # (OpenSSL may also hold the start of a record it read before: up to one record more than the BIO has)
+        need = lib.BIO_ctrl_pending(self._rbio) + MAX_RECORD
+        if need > self._rsize:
+            self._rsize = max(need, self._rsize * 2)
+            self._rbuf = self._alloc("unsigned char[]", self._rsize)
+        buf, nbytes, size = self._rbuf, self._nbytes, self._rsize
+        got = 0
         while True:
+            if got == size:   # not expected (see above); grow rather than lose plaintext
+                self._rsize = size * 2
+                self._rbuf = self._alloc("unsigned char[]", self._rsize)
+                ffi.memmove(self._rbuf, buf, got)
+                buf, size = self._rbuf, self._rsize
             lib.ERR_clear_error()
-            if lib.SSL_read_ex(self._ssl, buf, READ_CHUNK, nbytes) == 1:
-                out.append(ffi.buffer(buf, nbytes[0])[:])
+            if lib.SSL_read_ex(self._ssl, buf + got, size - got, nbytes) == 1:
+                got += nbytes[0]
                 continue
             err = lib.SSL_get_error(self._ssl, 0)
             if err == SSL_ERROR_WANT_READ or err == SSL_ERROR_WANT_WRITE:
@@ -426,7 +446,7 @@ class TlsSession:
                 self.closed = True
                 break
             raise self._fail(f"TLS read failed (SSL error {err})")
-        return out[0] if len(out) == 1 else b"".join(out)
+        return memoryview(ffi.buffer(buf, got)) if got else b""
 
     def send(self, data: bytes | bytearray | memoryview) -> None:
         """Encrypt plaintext (kept until the handshake is done)."""
@@ -449,9 +469,11 @@ class TlsSession:
         n = lib.BIO_ctrl_pending(self._wbio)
         if not n:
             return b""
-        out = ffi.new("unsigned char[]", n)
-        got = lib.BIO_read(self._wbio, out, n)
-        return ffi.buffer(out, max(got, 0))[:]
+        if n > self._wsize:
+            self._wsize = max(n, self._wsize * 2)
+            self._wbuf = self._alloc("unsigned char[]", self._wsize)
+        got = lib.BIO_read(self._wbio, self._wbuf, n)
+        return ffi.buffer(self._wbuf, max(got, 0))[:]
 
     def close_notify(self) -> None:
         """Queue a close_notify alert (best effort)."""

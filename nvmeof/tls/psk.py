@@ -191,24 +191,32 @@ class TlsKey:
             digest = psk_digest(self.cipher, self.retained(hostnqn, compat=compat), hostnqn, subnqn)
         return PskIdentity(version, False, self.cipher, hostnqn, subnqn, digest)
 
-    def tls_psk(self, identity: PskIdentity, *, compat: bool = False) -> bytes:
+    def tls_psk(self, identity: PskIdentity, *, compat: bool | None = False) -> bytes:
         """derive_tls_key: the PSK TLS uses for `identity` (which names the host and subsystem NQNs).
 
+        ``compat=None`` (a target answering any host): a version-1 identity's digest tells which derivation
+        made it, libnvme's current one or its pre-1.11 one (the digest is an HMAC under the retained PSK, which
+        differs between the two); a version-0 identity gets the current one.
         Raises ValueError when the identity cannot be this key's (another hash, a digest that does not match).
         """
         if identity.generated:
             raise ValueError("generated PSKs (secure channel concatenation) are not supported")
         if identity.cipher != self.cipher:
             raise ValueError(f"PSK identity hash {identity.cipher:02d} is not the key's ({self.cipher:02d})")
-        retained = self.retained(identity.hostnqn, compat=compat)
         if identity.version == 0:
+            retained = self.retained(identity.hostnqn, compat=bool(compat))
             context = str(identity).encode()
         else:
-            want = psk_digest(self.cipher, retained, identity.hostnqn, identity.subnqn)
-            if not _hmac.compare_digest(want.encode(), (identity.digest or "").encode()):
+            for mode in ((False, True) if compat is None else (compat,)):
+                retained = self.retained(identity.hostnqn, compat=mode)
+                want = psk_digest(self.cipher, retained, identity.hostnqn, identity.subnqn)
+                if _hmac.compare_digest(want.encode(), (identity.digest or "").encode()):
+                    compat = mode
+                    break
+            else:
                 raise ValueError("PSK identity digest does not match the configured key")
             context = f"{self.cipher:02d} {identity.digest}".encode()
-        return hkdf_expand_label(self.cipher, retained, "nvme-tls-psk", context, len(retained), compat=compat)
+        return hkdf_expand_label(self.cipher, retained, "nvme-tls-psk", context, len(retained), compat=bool(compat))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, TlsKey):

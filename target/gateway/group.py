@@ -268,7 +268,8 @@ class GatewayGroup:
         out = []
         for lst in self._io_listeners():
             out.append({"trtype": lst.trtype, "adrfam": lst.adrfam, "traddr": lst.traddr,
-                        "trsvcid": self.service.target.listening_port(lst), "portid": lst.portid})
+                        "trsvcid": self.service.target.listening_port(lst), "portid": lst.portid,
+                        **({"tls": lst.tls} if lst.tls != "none" else {})})   # discovery's TREQ/SECTYPE
         return out
 
     def _eligible_me(self) -> bool:
@@ -623,7 +624,8 @@ class GatewayGroup:
                     continue  # an address only that machine can resolve
                 try:
                     peers.append(Listener(trtype=entry["trtype"], adrfam=entry["adrfam"], traddr=entry["traddr"],
-                                          trsvcid=int(entry["trsvcid"]), portid=int(entry["portid"])))
+                                          trsvcid=int(entry["trsvcid"]), portid=int(entry["portid"]),
+                                          tls=tls if (tls := entry.get("tls")) in defaults.TLS_MODES else "none"))
                 except (KeyError, TypeError, ValueError):
                     continue
         self.service.target.set_peer_listeners(peers)

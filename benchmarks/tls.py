@@ -1,0 +1,119 @@
+#!/usr/bin/env python3
+"""What NVMe/TCP over TLS 1.3 costs per I/O: the same `nvmeof bench` rows over TLS and in the clear, one run.
+
+`nvmeof serve --tls optional` (a RAM disk; the host NQN below allowed with a TLS PSK): TLS queues (host:
+stream engine; target: its TLS path, the stream engine's) against clear queues on the stream engine on both
+sides (`serve --tcp-engine stream`: the same code without the TLS session, so the difference is TLS alone),
+and clear queues on the batch engines (the defaults, for reference). Variants alternate per round so each sees
+the same background. Figures: IOPS, MiB/s, mean latency, CPU µs per I/O on both sides, the TLS/clear-stream
+ratios (IOPS, and the extra CPU µs per I/O TLS costs on each side).
+
+    python3 benchmarks/tls.py                    # 2 rounds, 3 s per row
+    python3 benchmarks/tls.py --rounds 3 --runtime 5 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import harness
+from harness import DEFAULT_NQN, Row, machine, run_bench, serving, set_tree
+
+HOSTNQN = "nqn.2014-08.org.nvmexpress:uuid:7a5e0000-0000-4000-8000-000000000001"
+ROWS = (
+    Row("4k-randread-qd32", "randread", 4096, 32),
+    Row("4k-randwrite-qd32", "randwrite", 4096, 32),
+    Row("128k-read-qd8", "read", 131072, 8),
+    Row("128k-write-qd8", "write", 131072, 8),
+)
+VARIANTS = ("tls", "clear-stream", "clear-batch")
+
+
+def variant_args(variant: str, key: str) -> tuple[str, ...]:
+    args = ("--hostnqn", HOSTNQN)
+    if variant == "tls":
+        return (*args, "--tls-key", key)
+    return (*args, "--tcp-engine", "stream" if variant == "clear-stream" else "batch")
+
+
+def run_round(args: argparse.Namespace, key: str, cfg: Path, order: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """One target per engine: a TLS queue takes the target's stream path whatever the engine (the batch fast
+    path reads clear PDUs off the socket), so clear-stream runs against `serve --tcp-engine stream`."""
+    out: dict[str, dict[str, Any]] = {}
+    for engine in ("batch", "stream"):
+        variants = [v for v in order if (v == "clear-stream") == (engine == "stream")]
+        extra = ("--config", str(cfg), "--tls", "optional", "--tcp-engine", engine)
+        with serving(args.ramdisk_size, extra_args=extra) as (target, port):
+            for row in ROWS:
+                for variant in variants:
+                    out[f"{row.name}/{variant}"] = run_bench(row, port, target.pid, runtime=args.runtime,
+                                                             ramp=args.ramp, numjobs=1, nqn=DEFAULT_NQN,
+                                                             extra_args=variant_args(variant, key))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--runtime", "--seconds", type=float, default=3.0)
+    parser.add_argument("--ramp", type=float, default=0.5)
+    parser.add_argument("--ramdisk-size", default="256M")
+    parser.add_argument("--hmac", type=int, choices=(1, 2), default=1, help="PSK hash: 1 AES-128-GCM, 2 AES-256-GCM")
+    parser.add_argument("--tree", type=Path, help="measure this checkout's nvmeof (default: this one)")
+    parser.add_argument("--json", type=Path, help="write every measurement here")
+    args = parser.parse_args(argv)
+    set_tree(args.tree)
+    sys.path.insert(0, str(harness.TREE))
+    from nvmeof.tls.psk import generate_key
+
+    key = generate_key(hmac_id=args.hmac)
+    size = harness.parse_size(args.ramdisk_size)
+    runs: list[dict[str, dict[str, Any]]] = []
+    with tempfile.TemporaryDirectory(prefix="nvmeof-tls-bench-") as tmp:
+        cfg = Path(tmp) / "config.json"
+        for rnd in range(args.rounds):
+            # a fresh file each round: serve saves its state back into it
+            cfg.write_text(json.dumps({"version": 1, "subsystems": [{
+                "nqn": DEFAULT_NQN, "allow_any_host": False, "hosts": [{"nqn": HOSTNQN, "tls_key": key}],
+                "namespaces": [{"nsid": 1, "backend": "ram", "size": size}]}]}))
+            cfg.chmod(0o600)
+            order = VARIANTS if rnd % 2 == 0 else tuple(reversed(VARIANTS))
+            print(f"round {rnd + 1}: {', '.join(order)}", file=sys.stderr, flush=True)
+            runs.append(run_round(args, key, cfg, order))
+
+    def med(name: str, field: str) -> float:
+        vals = [r[name][field] for r in runs if r[name][field] is not None]
+        return statistics.median(vals) if vals else float("nan")
+
+    print(f"machine: {machine()}; tree {harness.TREE}; {args.rounds} round(s), {args.runtime:g} s + {args.ramp:g} s "
+          f"ramp per row, 1 job, 1 I/O queue, PSK hash {args.hmac}; medians")
+    print("| job | variant | IOPS | MiB/s | mean lat µs | target µs/IO | initiator µs/IO | TLS vs clear-stream |")
+    print("|---|---|---:|---:|---:|---:|---:|---|")
+    for row in ROWS:
+        clear = f"{row.name}/clear-stream"
+        for variant in VARIANTS:
+            name = f"{row.name}/{variant}"
+            note = ""
+            if variant == "tls":
+                note = (f"IOPS x{med(name, 'iops') / med(clear, 'iops'):.2f}, CPU +"
+                        f"{med(name, 'target_cpu_us_per_io') - med(clear, 'target_cpu_us_per_io'):.1f} µs target, +"
+                        f"{med(name, 'initiator_cpu_us_per_io') - med(clear, 'initiator_cpu_us_per_io'):.1f} µs host")
+            print(f"| {row.name} | {variant} | {med(name, 'iops'):.0f} | {med(name, 'bw_bytes') / 2**20:.1f} | "
+                  f"{med(name, 'mean_lat_ns') / 1000:.1f} | {med(name, 'target_cpu_us_per_io'):.1f} | "
+                  f"{med(name, 'initiator_cpu_us_per_io'):.1f} | {note} |")
+    if args.json:
+        args.json.write_text(json.dumps({"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()},
+                                         "runs": runs}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""nvmeof/tls/openssl.py's TlsSession alone: a client and a server session wired back to back, sans-IO."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from nvmeof.tls.openssl import TlsError, TlsSession
+from nvmeof.tls.psk import HMAC_SHA256, HMAC_SHA384, PskIdentity, TlsKey
+
+
+def _pair(key: TlsKey, offered: TlsKey | None = None) -> tuple[TlsSession, TlsSession]:
+    ident = (offered or key).identity("nqn.h", "nqn.s", 1)
+    client = TlsSession(server=False, identity=str(ident).encode(), psk=(offered or key).tls_psk(ident),
+                        cipher=key.cipher)
+    server = TlsSession(server=True, lookup=lambda raw: (key.tls_psk(PskIdentity.parse(raw)), key.cipher))
+    client.start()
+    for _ in range(4):
+        if out := client.data_to_send():
+            server.receive(out)
+        if out := server.data_to_send():
+            client.receive(out)
+    return client, server
+
+
+@pytest.mark.parametrize(("hmac_id", "suite"), [(HMAC_SHA256, "TLS_AES_128_GCM_SHA256"),
+                                                (HMAC_SHA384, "TLS_AES_256_GCM_SHA384")])
+def test_stream_survives_any_chunking(hmac_id: int, suite: str) -> None:
+    key = TlsKey(os.urandom(32 if hmac_id == 1 else 48), hmac_id)
+    client, server = _pair(key)
+    assert client.handshake_done and server.handshake_done
+    assert server.cipher_name == client.cipher_name == suite and server.version == "TLSv1.3"
+    payload = os.urandom(3 << 20)
+    for i in range(0, len(payload), 100_000):
+        server.send(payload[i:i + 100_000])
+    wire = server.data_to_send()
+    rng = random.Random(7)
+    got, pos = bytearray(), 0
+    while pos < len(wire):
+        n = rng.randint(1, 70_000)
+        got += bytes(client.receive(wire[pos:pos + n]))
+        pos += n
+    assert got == payload
+
+
+def test_wrong_psk_fails_the_handshake() -> None:
+    key = TlsKey(os.urandom(32), HMAC_SHA256)
+    other = TlsKey(os.urandom(32), HMAC_SHA256)
+    ident = key.identity("nqn.h", "nqn.s", 0)   # the same identity, another key behind it
+    wrong = other.tls_psk(other.identity("nqn.h", "nqn.s", 0))
+    client = TlsSession(server=False, identity=str(ident).encode(), psk=wrong, cipher=1)
+    server = TlsSession(server=True, lookup=lambda raw: (key.tls_psk(PskIdentity.parse(raw)), 1))
+    client.start()
+    with pytest.raises(TlsError):
+        server.receive(client.data_to_send())
+    alert = server.data_to_send()
+    with pytest.raises(TlsError):
+        client.receive(alert)
+    assert not client.handshake_done
