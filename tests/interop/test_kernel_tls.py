@@ -402,10 +402,11 @@ BLOCK = 512
 
 
 def _connect(run: TlsRun, *, port: int | None = None, key: str | None = None, version: int = 1,
-             nr_io_queues: int = 2, ident: Identity | None = None) -> Any:
+             nr_io_queues: int = 2, ident: Identity | None = None, compat: bool = False) -> Any:
     ident = ident or run.oi
     return initiator.connect("127.0.0.1", port or run.tls_port, KSUB, hostnqn=ident.hostnqn, hostid=ident.hostid,
-                             nr_io_queues=nr_io_queues, timeout=60, tls_key=key, tls_identity_version=version)
+                             nr_io_queues=nr_io_queues, timeout=60, tls_key=key, tls_identity_version=version,
+                             **({"tls_compat": True} if compat else {}))
 
 
 SHA384_TLSHD = pytest.mark.xfail(strict=True, reason=(
@@ -435,6 +436,18 @@ async def test_initiator_refused_with_nvme_cli_2_13_derived_keys(tls_run: TlsRun
     with pytest.raises(TransportError, match="qid 0"):
         async with _connect(tls_run, key=tls_run.oi_keys[hmac_id], version=version, nr_io_queues=1):
             pass
+
+
+@pytest.mark.parametrize(("hmac_id", "version"), [(1, 0), (1, 1), pytest.param(2, 0, marks=SHA384_TLSHD),
+                                                  pytest.param(2, 1, marks=SHA384_TLSHD)],
+                         ids=["sha256-NVMe0R", "sha256-NVMe1R", "sha384-NVMe0R", "sha384-NVMe1R"])
+async def test_initiator_tls_compat_with_nvme_cli_2_13_derived_keys(tls_run: TlsRun, hmac_id: int,
+                                                                    version: int) -> None:
+    """The same keys with ``tls_compat=True`` (libnvme's derivation without the length prefixes): connect through
+    tlshd, identify, write/read 1 MiB (sha256), flush."""
+    tls_run.report.assert_passed(*OI_KEY_CHECKS)
+    async with _connect(tls_run, key=tls_run.oi_keys[hmac_id], version=version, compat=True) as ctrl:
+        await _identify_and_rw(ctrl, 8 + (hmac_id - 1) * 2 + version)
 
 
 async def _identify_and_rw(ctrl: Any, slot: int) -> None:
@@ -494,10 +507,11 @@ def test_kernel_host_sha384_against_our_target(tls_run: TlsRun) -> None:
 def test_nvme_cli_2_13_derived_key_is_not_ours(tls_run: TlsRun) -> None:
     """What is, today (issue 23): Debian trixie's nvme-cli 2.13 / libnvme 1.13 derive the retained PSK (and from it
     the NVMe1R digest and the TLS PSK) with HKDF-Expand-Label *without* RFC 8446's length prefixes, the form
-    nvmeof.tls.psk calls ``compat``; our target and initiator use the RFC form only. So a kernel host whose key was
-    inserted by that nvme-cli is refused by our target, while the same configured key added as our derivation
-    (test_kernel_host_against_our_target_over_tls) works. When our side learns libnvme 1.13's form this test fails
-    and becomes a positive one."""
+    nvmeof.tls.psk calls ``compat``. Our target tells that form from an NVMe1R identity's digest, but Linux 6.12's
+    host offers NVMe0R identities only (no digest), for which it uses the RFC form: a kernel host whose key was
+    inserted by that nvme-cli is refused, while the same configured key added as our derivation
+    (test_kernel_host_against_our_target_over_tls) works. When our side learns to take both this test fails and
+    becomes a positive one."""
     tls_run.report.assert_passed("ours_nvmecli_key")
     result = tls_run.report.checks.get("ours_nvmecli_connect")
     assert result is not None and not result.ok, "the nvme-cli 2.13 key now works against our target: update this test"
