@@ -229,6 +229,21 @@ class Assets:
         common = self.modules_root / "lib" / "modules" / self.kernel_version / "kernel" / "drivers" / "nvme" / "common"
         return (common / "nvme-auth.ko").is_file()
 
+    @property
+    def has_nvme_tls(self) -> bool:
+        """Whether this kernel's NVMe/TCP host and target speak TLS (NVME_TCP_TLS, NVME_TARGET_TCP_TLS).
+
+        Both then call the net/handshake upcalls (tls_client_hello_psk, tls_server_hello_psk); Debian's 6.1
+        has neither (TLS came in Linux 6.7), its 6.12 has both.
+        """
+        nvme = self.modules_root / "lib" / "modules" / self.kernel_version / "kernel" / "drivers" / "nvme"
+        try:
+            host = (nvme / "host" / "nvme-tcp.ko").read_bytes()
+            target = (nvme / "target" / "nvmet-tcp.ko").read_bytes()
+        except OSError:
+            return False
+        return b"tls_client_hello_psk" in host and b"tls_server_hello_psk" in target
+
 
 def default_cache_dir() -> Path:
     env = os.environ.get("NVMEOF_VM_CACHE")
@@ -1311,6 +1326,7 @@ def guest_kernel_target_script(
     hosts: Sequence[KernelTargetHost] | None = None,
     namespaces: int = 1,
     resv_enable: bool = False,
+    tls_ports: Sequence[int] = (),
 ) -> str:
     """Shell fragment: configure the kernel target (nvmet) exposing brd RAM disks as nsid 1..`namespaces`
     (`size_mib` each; /dev/ram<nsid-1>).
@@ -1319,7 +1335,10 @@ def guest_kernel_target_script(
     serves discovery on it.  Any host may connect, unless `hosts` lists the allowed ones (with their
     DH-HMAC-CHAP keys: nvmet then authenticates them, NVME_TARGET_AUTH).  `resv_enable` turns on
     persistent reservations per namespace (configfs `resv_enable`, Linux 6.13+; it must be set before
-    the namespace is enabled).  Exits 1 with a message on failure.
+    the namespace is enabled).  `tls_ports` are the port ids that take NVMe/TCP over TLS 1.3 only (configfs
+    `addr_tsas` "tls1.3", set before the subsystem link enables the port; nvmet_addr_tsas_store then makes
+    `addr_treq` "required"; Linux 6.7+ with NVME_TARGET_TCP_TLS, and tlshd running for the handshakes).
+    Exits 1 with a message on failure.
     """
     if size_mib <= 0:
         raise ValueError(f"size_mib must be positive, got {size_mib}")
@@ -1352,6 +1371,7 @@ def guest_kernel_target_script(
             f"echo ipv4 > {p}/addr_adrfam",
             f"echo {shlex.quote(traddr)} > {p}/addr_traddr",
             f"echo {int(trsvcid)} > {p}/addr_trsvcid",
+            *([f"echo tls1.3 > {p}/addr_tsas"] if portid in tls_ports else []),
             f"ln -s {sub} {p}/subsystems/{q_nqn}",
         ]
     described += [(step, step) for step in steps]
