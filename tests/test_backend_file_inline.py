@@ -4,6 +4,7 @@ call took is counted (``io_counts``), never timed."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 
@@ -19,6 +20,13 @@ from target.backends.inline import InlinePolicy
 MiB = 1 << 20
 NOWAIT = getattr(os, "RWF_NOWAIT", None)
 needs_nowait = pytest.mark.skipif(NOWAIT is None, reason="this Python has no os.RWF_NOWAIT")
+
+
+@pytest.fixture(autouse=True)
+def _never_slow(monkeypatch):
+    """Backends made here keep writing inline however long a write takes on a loaded machine (which
+    path a call takes must not depend on timing); the tests of InlinePolicy give it a fake clock."""
+    monkeypatch.setattr(defaults, "FILE_INLINE_SLOW_US", 1 << 40)
 
 
 @pytest.fixture
@@ -273,14 +281,35 @@ class FakeClock:
 US, MS = 1000, 1_000_000
 
 
-def _policy(clock, pressure=None):
-    return InlinePolicy(slow_ns=300 * US, backoff_ns=100 * MS, backoff_max_ns=400 * MS, clock=clock, pressure=pressure)
+@dataclasses.dataclass(frozen=True)
+class _Snap:
+    ru_nvcsw: int
+    ru_nivcsw: int
 
 
-def _call(p: InlinePolicy, clock: FakeClock, took: int) -> None:
-    """An inline call that took ``took`` ns, told to the policy as it ends."""
+class Switches:
+    """A thread's context switch counts, as getrusage(RUSAGE_THREAD) gives them."""
+
+    def __init__(self) -> None:
+        self.ru_nvcsw = self.ru_nivcsw = 0
+
+    def __call__(self) -> _Snap:
+        return _Snap(self.ru_nvcsw, self.ru_nivcsw)
+
+
+def _policy(clock, pressure=None, switches=None):
+    return InlinePolicy(slow_ns=300 * US, backoff_ns=100 * MS, backoff_max_ns=400 * MS, clock=clock, pressure=pressure,
+                        switches=switches or Switches())
+
+
+def _call(p: InlinePolicy, clock: FakeClock, took: int, *, voluntary: int = 0, involuntary: int = 0) -> None:
+    """An inline call that took ``took`` ns (sleeping ``voluntary`` times, preempted ``involuntary``
+    times meanwhile), told to the policy as it ends."""
+    before = p.switches()
     clock.now += took
-    p.record(clock.now - took, clock.now)
+    p.switches.ru_nvcsw += voluntary
+    p.switches.ru_nivcsw += involuntary
+    p.record(clock.now - took, clock.now, before)
 
 
 def test_a_slow_call_backs_off_and_a_slow_retry_doubles_the_back_off():
@@ -313,6 +342,15 @@ def test_a_slow_call_backs_off_and_a_slow_retry_doubles_the_back_off():
     _call(p, clock, MS)
     clock.now += 100 * MS
     assert p.inline_now() and p.probes == 5 and p.worst_ns == 2 * MS and p.slow == 5
+
+
+def test_a_call_slow_only_because_the_thread_was_preempted_stays_inline():
+    clock = FakeClock()
+    p = _policy(clock)
+    _call(p, clock, 5 * MS, involuntary=1)              # waited for a CPU: a pool thread would too
+    assert p.inline_now() and p.slow == 1 and p.preempted == 1 and p.backoffs == 0
+    _call(p, clock, 5 * MS, voluntary=1, involuntary=1)  # it slept in the kernel too: back off
+    assert not p.inline_now() and p.backoffs == 1
 
 
 def test_dirty_page_pressure_sends_writes_to_the_pool():
@@ -426,7 +464,7 @@ async def test_a_sync_descriptor_never_writes_inline(tmp_path):
 async def test_write_errors_carry_their_errno_inline_and_on_the_pool(timed_file, monkeypatch, code, inline):
     f, _, clock = timed_file
     if not inline:
-        f._write_policy.record(clock.now, clock.now + 10 * MS)   # as after a slow write: on the pool
+        _call(f._write_policy, clock, 10 * MS)               # as after a slow write: on the pool
     _slow_pwritev(monkeypatch, clock, errno_=code)
     with pytest.raises(BackendError) as caught:
         await f.write(0, b"z" * 4096)

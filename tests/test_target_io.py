@@ -352,9 +352,11 @@ async def test_file_write_errors_map_to_nvme_status_inline_and_on_the_pool(targe
     # nvmet errno_to_nvme_status: ENOSPC is Capacity Exceeded with DNR, anything else Internal Error;
     # the same whether the write ran on the event loop (InlinePolicy) or on the thread pool.
     from target.backends.file import FileBackend
+    from target.backends.inline import InlinePolicy
 
     backend = FileBackend(tmp_path / "f.img", size=1 << 20, create=True)
-    backend._nowait_write = False   # as on ext4: plain buffered writes, inline while fast
+    backend._nowait_write = False   # as on ext4: plain buffered writes, inline while fast ...
+    backend._write_policy = InlinePolicy(slow_ns=1 << 50)   # ... however slow they are on a loaded machine
     if not inline:
         backend._inline_write_max = 0
     target.subsystems[SUBNQN].namespaces[6] = Namespace(6, backend)

@@ -618,13 +618,14 @@ class FileBackend(Backend):
         if length > self._inline_write_max or (offset | length) & (_PAGE - 1) or not policy.inline_now():
             return 0
         clock = policy.clock
+        switches = policy.switches()
         start = clock()
         try:
             _pwrite_all(fd, view, offset)
         except OSError as exc:
-            policy.record(start, clock())
+            policy.record(start, clock(), switches)
             raise BackendError(f"{self._name()}: write failed: {exc.strerror or exc}") from exc
-        policy.record(start, clock())
+        policy.record(start, clock(), switches)
         return length
 
     def read_nowait(self, offset: int, length: int) -> memoryview | None:

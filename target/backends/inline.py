@@ -7,7 +7,11 @@ a journal commit. Run on the event loop, such a sleep stalls every queue the loo
 thread pool, every write pays a thread hand-off (about 200 µs of CPU here against 5-10 µs inline).
 
 ``InlinePolicy`` serves such calls inline while they complete fast and moves them to the pool for a
-back-off period after one that did not (its duration measured with time.perf_counter_ns), or while
+back-off period after one that did not (its duration measured with time.perf_counter_ns), unless the
+thread was only preempted meanwhile (its context switches, getrusage(RUSAGE_THREAD): an involuntary
+switch and no voluntary one means it waited for a CPU, which the pool would not avoid; on a shared
+machine that is most slow calls, about one 4 KiB write in 3,000 here, while a call that slept in the
+kernel switches voluntarily), or while
 the page cache's dirty and writeback pages have reached the background writeback threshold (read
 from /proc/meminfo at most every ``PRESSURE_CHECK_NS``). After the back-off one call is tried inline
 again; if that one is slow too the back-off doubles, up to a cap. So at most one slow call per
@@ -21,8 +25,10 @@ from __future__ import annotations
 
 import fcntl
 import os
+import resource
 import time
 from collections.abc import Callable
+from typing import Any
 
 from nvmeof import defaults
 
@@ -72,6 +78,12 @@ def dirty_pressure() -> bool:
     return info.get(b"Dirty", 0) + info.get(b"Writeback", 0) >= background
 
 
+def thread_switches() -> Any:
+    """The calling thread's context switches so far: ``ru_nvcsw`` (voluntary: it slept) and
+    ``ru_nivcsw`` (involuntary: preempted)."""
+    return resource.getrusage(resource.RUSAGE_THREAD)
+
+
 def _cached_pressure(now_ns: int) -> bool:
     # one reading shared by every file of the process: the page cache is global
     global _pressure_checked_ns, _pressure
@@ -85,13 +97,14 @@ class InlinePolicy:
     """Inline or thread pool, for one file's calls that may block: see the module docstring.
 
     ``inline_now()`` is asked before each call (cheap while inline: one attribute test), and
-    ``record(start_ns, end_ns)`` is told how long each inline call took, on ``clock``'s scale
-    (time.perf_counter_ns; tests give a fake clock). Counters: ``slow`` calls seen, ``backoffs``
-    entered (slow calls and dirty-page pressure), ``probes`` (first calls after a back-off).
+    ``record(start_ns, end_ns, switches)`` is told how long each inline call took, on ``clock``'s scale
+    (time.perf_counter_ns; tests give a fake clock), with ``switches()`` as it was before the call.
+    Counters: ``slow`` calls seen, ``preempted`` (slow ones only waiting for a CPU, no back-off),
+    ``backoffs`` entered (slow calls and dirty-page pressure), ``probes`` (first calls after a back-off).
     """
 
     __slots__ = ("_backoff", "_checked_ns", "_probing", "_until", "backoff_max_ns", "backoff_ns", "backoffs",
-                 "clock", "pressure", "probes", "slow", "slow_ns", "worst_ns")
+                 "clock", "preempted", "pressure", "probes", "slow", "slow_ns", "switches", "worst_ns")
 
     def __init__(
         self,
@@ -100,6 +113,7 @@ class InlinePolicy:
         backoff_max_ns: int | None = None,
         clock: Callable[[], int] = time.perf_counter_ns,
         pressure: Callable[[int], bool] | None = _cached_pressure,
+        switches: Callable[[], Any] = thread_switches,
     ) -> None:
         self.slow_ns = defaults.FILE_INLINE_SLOW_US * 1000 if slow_ns is None else slow_ns
         self.backoff_ns = defaults.FILE_INLINE_BACKOFF_MS * 1_000_000 if backoff_ns is None else backoff_ns
@@ -107,11 +121,12 @@ class InlinePolicy:
                                else backoff_max_ns)
         self.clock = clock
         self.pressure = pressure
+        self.switches = switches
         self._until = 0           # clock value before which calls go to the pool; 0: inline
         self._backoff = self.backoff_ns
         self._probing = False     # the next inline call is the first after a back-off
         self._checked_ns = clock()
-        self.slow = self.backoffs = self.probes = 0
+        self.slow = self.preempted = self.backoffs = self.probes = 0
         self.worst_ns = 0         # the longest inline call seen
 
     def inline_now(self) -> bool:
@@ -124,12 +139,16 @@ class InlinePolicy:
         self.probes += 1
         return True
 
-    def record(self, start_ns: int, end_ns: int) -> None:
+    def record(self, start_ns: int, end_ns: int, before: Any) -> None:
         elapsed = end_ns - start_ns
         if elapsed > self.worst_ns:
             self.worst_ns = elapsed
         if elapsed > self.slow_ns:
             self.slow += 1
+            after = self.switches()
+            if after.ru_nvcsw == before.ru_nvcsw and after.ru_nivcsw != before.ru_nivcsw:
+                self.preempted += 1   # it only waited for a CPU: so would a pool thread
+                return
             # a slow probe: the condition lasted the whole back-off, so wait longer next time
             self._backoff = min(self._backoff * 2, self.backoff_max_ns) if self._probing else self.backoff_ns
             self._enter_backoff(end_ns)
@@ -149,7 +168,7 @@ class InlinePolicy:
         self._until = (now_ns + self._backoff) or 1
 
     def counts(self) -> dict[str, int]:
-        return {"slow": self.slow, "backoffs": self.backoffs, "probes": self.probes,
+        return {"slow": self.slow, "preempted": self.preempted, "backoffs": self.backoffs, "probes": self.probes,
                 "worst_inline_us": self.worst_ns // 1000, "on_pool": int(bool(self._until))}
 
 
