@@ -23,6 +23,10 @@ it from outside the code under test, so both trees of an A/B are measured the sa
   those 100 ms, and the worst own part), ``n`` (probes), ``over_1ms`` and ``over_2ms`` (how many
   were later than that), ``own_over_1ms`` and ``own_over_2ms``.
 
+Each line also carries ``files``: the summed ``io_counts()`` of the process's file backends (calls
+served inline and on the thread pool, the write policy's back-offs where the tree has one), found
+by wrapping ``FileBackend._init_io`` where the tree has it.
+
 The probe's own cost: about a thousand wake-ups a second of the loop, the same for every tree.
 benchmarks/run.py starts its targets through this script and reports each row's worst lag
 (``loop_lag_window``).
@@ -37,11 +41,41 @@ import runpy
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Coroutine
 from typing import Any
 
 INTERVAL_S = 0.001
 REPORT_NS = 100_000_000
+FILES: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def file_counts() -> dict[str, int]:
+    total: dict[str, int] = {}
+    for backend in list(FILES):
+        try:
+            counts = backend.io_counts()
+        except Exception:   # a backend closing meanwhile
+            continue
+        for key, value in counts.items():
+            total[key] = total.get(key, 0) + value
+    return total
+
+
+def _register_file_backends() -> None:
+    try:
+        from target.backends.file import FileBackend
+    except ImportError:
+        return
+    init_io = getattr(FileBackend, "_init_io", None)
+    if init_io is None:
+        return
+
+    def registering(self: Any) -> None:
+        init_io(self)
+        FILES.add(self)
+
+    FileBackend._init_io = registering  # type: ignore[method-assign]
 
 
 class Probe:
@@ -89,7 +123,8 @@ class Probe:
                                           "over_1ms": sum(1 for v in walls if v > 1_000_000),
                                           "over_2ms": sum(1 for v in walls if v > 2_000_000),
                                           "own_over_1ms": sum(1 for v in owns if v > 1_000_000),
-                                          "own_over_2ms": sum(1 for v in owns if v > 2_000_000)}) + "\n")
+                                          "own_over_2ms": sum(1 for v in owns if v > 2_000_000),
+                                          "files": file_counts()}) + "\n")
 
 
 def _wrap(run: Any, out: str, interval: float) -> Any:
@@ -121,6 +156,7 @@ def main(argv: list[str]) -> None:
         pass
     else:
         uvloop.run = _wrap(uvloop.run, out, interval)
+    _register_file_backends()
     sys.argv = ["nvmeof", *rest]
     runpy.run_module("nvmeof.cli", run_name="__main__", alter_sys=True)
 

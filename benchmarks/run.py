@@ -284,11 +284,15 @@ def measure(jobs: list[Job], args: argparse.Namespace) -> list[dict[str, Any]]:
                              nsid=job.nsid, extra_args=extra)
             lag_file = lag_files[job.poll]
             if lag_file is not None:
-                # the target's event loop while this row's bench ran (connect and ramp included), from the
-                # probe's 100 ms reports (benchmarks/lagprobe.py)
+                # the target's event loop from the probe's 100 ms reports (benchmarks/lagprobe.py): over the
+                # last --runtime seconds before the bench exited (about its measured window; the process start,
+                # connect and ramp come before), and over the whole bench run
+                ended = time.monotonic_ns()
                 time.sleep(0.15)   # the report covering the row's last 100 ms
-                lag = lagprobe.window(str(lag_file), started, time.monotonic_ns() - 50_000_000)
-                ours.update(loop_lag_max_us=lag["max_us"], loop_lag_own_us=lag["max_own_us"], loop_lag=lag)
+                lag = lagprobe.window(str(lag_file), ended - int(args.runtime * 1e9), ended + 100_000_000)
+                whole = lagprobe.window(str(lag_file), started, ended + 100_000_000)
+                ours.update(loop_lag_max_us=lag["max_us"], loop_lag_own_us=lag["max_own_us"], loop_lag=lag,
+                            loop_lag_whole_run=whole)
             entry.update(nvmeof=ours, baseline=base,
                          throughput_ratio=_ratio(ours["bw_bytes"], base and base["bw_bytes"]),
                          latency_ratio=_ratio(ours["mean_lat_ns"], base and base["mean_lat_ns"]))

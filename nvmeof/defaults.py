@@ -108,7 +108,7 @@ FILE_INLINE_WRITE_MAX = 128 * 1024    # where pwritev2(RWF_NOWAIT) is unsupporte
                                       # writes): page-aligned writes up to this size run on the event loop while
                                       # they stay fast (target/backends/inline.py); 0 sends them all to the thread
                                       # pool, as nvmet_file_execute_rw queues buffered writes on its workqueue
-FILE_INLINE_SLOW_US = 300             # an inline write taking longer moves the file's writes to the thread pool ...
+FILE_INLINE_SLOW_US = 1000            # an inline write taking longer moves the file's writes to the thread pool ...
 FILE_INLINE_BACKOFF_MS = 100          # ... for this long, then one is tried inline again; a slow retry doubles it
 FILE_INLINE_BACKOFF_MAX_MS = 5000     # ... up to this
 HOST_TCP_ENGINE = "batch"             # connect(engine=): "batch" (initiator/engine.py) or "stream" (asyncio protocol)
