@@ -21,7 +21,8 @@ it from outside the code under test, so both trees of an A/B are measured the sa
 * every 100 ms the probe appends one JSON line to OUT: ``t`` (time.monotonic_ns, CLOCK_MONOTONIC,
   comparable across processes), ``max_ns`` and ``max_own_ns`` (the worst lateness that landed in
   those 100 ms, and the worst own part), ``n`` (probes), ``over_1ms`` and ``over_2ms`` (how many
-  were later than that), ``own_over_1ms`` and ``own_over_2ms``.
+  were later than that), ``own_over_1ms`` and ``own_over_2ms``, ``gc_max_ns`` (the longest garbage
+  collection pause in those 100 ms: one cause of lateness that is no call's fault).
 
 Each line also carries ``files``: the summed ``io_counts()`` of the process's file backends (calls
 served inline and on the thread pool, the write policy's back-offs where the tree has one), found
@@ -35,6 +36,7 @@ benchmarks/run.py starts its targets through this script and reports each row's 
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import runpy
@@ -84,6 +86,8 @@ class Probe:
         self.out = out
         self.interval = interval
         self.lags: list[tuple[int, int]] = []
+        self.gc_started = 0
+        self.gc_worst = 0     # the longest garbage collection pause since the last report (any thread)
         try:   # the loop's own thread: the constructor runs on it
             self.schedstat: int | None = os.open(f"/proc/self/task/{threading.get_native_id()}/schedstat", os.O_RDONLY)
         except OSError:
@@ -92,7 +96,14 @@ class Probe:
         self.thread = threading.Thread(target=self._run, name="loop-lag-probe", daemon=True)
 
     def start(self) -> None:
+        gc.callbacks.append(self._gc)
         self.thread.start()
+
+    def _gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self.gc_started = time.perf_counter_ns()
+        elif self.gc_started:
+            self.gc_worst = max(self.gc_worst, time.perf_counter_ns() - self.gc_started)
 
     def run_delay(self) -> int:
         """ns the loop's thread has waited on a run queue so far (0 without schedstat)."""
@@ -117,6 +128,7 @@ class Probe:
                 if now >= next_report:
                     next_report = now + REPORT_NS
                     lags, self.lags = self.lags, []
+                    gc_worst, self.gc_worst = self.gc_worst, 0
                     walls, owns = [w for w, _ in lags], [o for _, o in lags]
                     out.write(json.dumps({"t": now, "max_ns": max(walls, default=0), "n": len(lags),
                                           "max_own_ns": max(owns, default=0),
@@ -124,7 +136,7 @@ class Probe:
                                           "over_2ms": sum(1 for v in walls if v > 2_000_000),
                                           "own_over_1ms": sum(1 for v in owns if v > 1_000_000),
                                           "own_over_2ms": sum(1 for v in owns if v > 2_000_000),
-                                          "files": file_counts()}) + "\n")
+                                          "gc_max_ns": gc_worst, "files": file_counts()}) + "\n")
 
 
 def _wrap(run: Any, out: str, interval: float) -> Any:

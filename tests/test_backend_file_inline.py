@@ -366,9 +366,11 @@ def test_dirty_page_pressure_sends_writes_to_the_pool():
     clock.now += 100 * MS
     _call(p, clock, 10 * US)
     assert not p.inline_now() and p.backoffs == 1 and p.slow == 0
+    clock.now += 100 * MS                                # still under pressure when the back-off ends:
+    assert not p.inline_now() and p.backoffs == 2 and p.probes == 0   # another one, no write tried
     clock.now += 100 * MS
     pressure[0] = False
-    assert p.inline_now()
+    assert p.inline_now() and p.probes == 1
 
 
 def test_dirty_pressure_reads_the_kernel_thresholds(monkeypatch):

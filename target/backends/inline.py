@@ -132,7 +132,14 @@ class InlinePolicy:
     def inline_now(self) -> bool:
         if not self._until:
             return True
-        if self.clock() < self._until:
+        now = self.clock()
+        if now < self._until:
+            return False
+        pressure = self.pressure
+        if pressure is not None and pressure(time.monotonic_ns()):
+            # still past the writeback threshold: another back-off, without a write stalling the loop to learn it
+            self._checked_ns = now
+            self._enter_backoff(now)
             return False
         self._until = 0
         self._probing = True
