@@ -148,8 +148,9 @@ def _backend_failed(ns: Namespace, what: str, exc: Exception) -> NvmeError:
         return NvmeError(Status.NS_NOT_READY, f"{what} failed, storage unreachable: {exc}", dnr=False)
     cause = exc if isinstance(exc, OSError) else exc.__cause__
     if isinstance(cause, OSError) and cause.errno in _NO_SPACE:
-        # nvmet errno_to_nvme_status: -ENOSPC is Capacity Exceeded with DNR (the file system or the
-        # quota is full: retrying the same write cannot succeed), everything else Internal Error.
+        # nvmet errno_to_nvme_status: -ENOSPC is Capacity Exceeded with DNR (the file system is full:
+        # retrying the same write cannot succeed), everything else Internal Error. A full disk quota
+        # (EDQUOT) is the same condition to the host, so it gets the same answer here.
         log.warning("namespace %d: %s failed, no space in the %s backend: %s", ns.nsid, what, ns.backend.kind, exc)
         return NvmeError(Status.CAP_EXCEEDED, f"{what} failed: {exc}", dnr=True, logged=True)
     log.error("namespace %d: %s failed in the %s backend: %s", ns.nsid, what, ns.backend.kind, exc)

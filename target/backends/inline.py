@@ -7,15 +7,14 @@ a journal commit. Run on the event loop, such a sleep stalls every queue the loo
 thread pool, every write pays a thread hand-off (about 200 µs of CPU here against 5-10 µs inline).
 
 ``InlinePolicy`` serves such calls inline while they complete fast and moves them to the pool for a
-back-off period after one that did not (its duration measured with time.perf_counter_ns), unless the
-thread was only preempted meanwhile (its context switches, getrusage(RUSAGE_THREAD): an involuntary
-switch and no voluntary one means it waited for a CPU, which the pool would not avoid; on a shared
-machine that is most slow calls, about one 4 KiB write in 3,000 here, while a call that slept in the
-kernel switches voluntarily), or while
-the page cache's dirty and writeback pages have reached the background writeback threshold (read
-from /proc/meminfo at most every ``PRESSURE_CHECK_NS``). After the back-off one call is tried inline
-again; if that one is slow too the back-off doubles, up to a cap. So at most one slow call per
-back-off period stalls the loop, and a file whose writes keep blocking ends up on the pool.
+back-off period after one that did not (its duration measured with time.perf_counter_ns) and slept
+in the kernel meanwhile, or while the page cache's dirty and writeback pages have reached the
+background writeback threshold (read from /proc/meminfo at most every ``PRESSURE_CHECK_NS``). A slow
+call whose thread was only preempted (getrusage(RUSAGE_THREAD): an involuntary context switch and no
+voluntary one) does not count: it waited for a CPU, and a pool thread would too; on a shared machine
+that is most slow calls (one 4 KiB write in 700-3,000 here). After the back-off one call is tried
+inline again; if that one is slow too the back-off doubles, up to a cap. So at most one call that
+sleeps per back-off period stalls the loop, and a file whose writes keep blocking ends up on the pool.
 
 It is the write counterpart of the read path's RWF_NOWAIT probe (target/backends/file.py), where the
 kernel itself refuses to wait; there nothing needs timing.
