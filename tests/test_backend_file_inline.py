@@ -4,11 +4,9 @@ call took is counted (``io_counts``), never timed."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import errno
 import os
-import threading
 
 import pytest
 
@@ -436,34 +434,6 @@ async def test_a_slow_inline_write_moves_the_file_to_the_pool_and_back(timed_fil
     want = b"\x01" * 4096 + b"\x02" * 4096 + b"\x03" * 8192 + b"\x04" * 4096 + b"\x05" * 4096
     assert bytes(await f.read(0, len(want))) == want
     assert path.read_bytes()[:len(want)] == want
-
-
-async def test_back_from_a_back_off_only_once_the_pool_writes_are_done(timed_file, monkeypatch):
-    f, path, clock = timed_file
-    stuck = _slow_pwritev(monkeypatch, clock, slow_ns=5 * MS)
-    assert f.write_nowait(0, b"\x01" * 4096)             # slow: on the pool for 100 ms
-    stuck["slow_ns"] = 0
-    release = threading.Event()
-    real = os.pwritev
-
-    def held(fd, buffers, offset, flags=0):
-        release.wait(10)
-        return real(fd, buffers, offset, flags)
-
-    monkeypatch.setattr(os, "pwritev", held)
-    pending = asyncio.ensure_future(f.write(4096, b"\x02" * 4096))
-    for _ in range(100):
-        await asyncio.sleep(0)
-        if f._pool_writes:
-            break
-    assert f._pool_writes == 1
-    clock.now += 200 * MS                                 # the back-off is over, a pool write is not
-    assert not f.write_nowait(8192, b"\x03" * 4096) and f._write_policy.probes == 0
-    release.set()
-    await pending
-    monkeypatch.setattr(os, "pwritev", real)
-    assert f.write_nowait(8192, b"\x03" * 4096) and f._write_policy.probes == 1
-    assert path.read_bytes()[:12288] == b"\x01" * 4096 + b"\x02" * 4096 + b"\x03" * 4096
 
 
 async def test_fua_and_flush_never_run_inline(timed_file, monkeypatch):

@@ -418,7 +418,6 @@ class FileBackend(Backend):
         self._nowait_read = self._nowait_write = _RWF_NOWAIT is not None
         self._inline_write_max = defaults.FILE_INLINE_WRITE_MAX
         self._write_policy = InlinePolicy()   # when plain buffered writes run inline (target/backends/inline.py)
-        self._pool_writes = 0                 # buffered writes on the thread pool now
         self.inline_ops = 0   # reads/writes completed on the event loop
         self.thread_ops = 0   # calls handed to the thread pool (cold reads, FUA, flush, fallocate, ...)
 
@@ -616,8 +615,7 @@ class FileBackend(Backend):
                     raise BackendError(f"{self._name()}: write failed: {exc.strerror or exc}") from exc
                 self._nowait_write = False  # ext4, tmpfs: buffered writes never take RWF_NOWAIT
         policy = self._write_policy
-        if length > self._inline_write_max or (offset | length) & (_PAGE - 1) or \
-                not policy.inline_now(self._pool_writes):
+        if length > self._inline_write_max or (offset | length) & (_PAGE - 1) or not policy.inline_now():
             return 0
         clock = policy.clock
         switches = policy.switches()
@@ -691,13 +689,7 @@ class FileBackend(Backend):
             if done == len(view):
                 self.inline_ops += 1
                 return
-            # counted: back from a back-off, the first write is tried inline only once these are done
-            # (their completions would contend with it for the GIL and make it look slow)
-            self._pool_writes += 1
-            try:
-                await self._run("write", _pwrite_all, view[done:], offset + done)
-            finally:
-                self._pool_writes -= 1
+            await self._run("write", _pwrite_all, view[done:], offset + done)
             return
         if self._rwf_dsync:
             try:

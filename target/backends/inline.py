@@ -128,13 +128,11 @@ class InlinePolicy:
         self.slow = self.preempted = self.backoffs = self.probes = 0
         self.worst_ns = 0         # the longest inline call seen
 
-    def inline_now(self, busy: int = 0) -> bool:
-        """Whether the next call runs inline. ``busy``: calls of the same kind still on the pool; a
-        back-off that has ended is left only once they are done."""
+    def inline_now(self) -> bool:
         if not self._until:
             return True
         now = self.clock()
-        if now < self._until or busy:
+        if now < self._until:
             return False
         pressure = self.pressure
         if pressure is not None and pressure(time.monotonic_ns()):
