@@ -176,6 +176,8 @@ def main(argv: list[str]) -> None:
 def window(path: str, start_ns: int, end_ns: int) -> dict[str, Any]:
     """The worst lag among the reports written between ``start_ns`` and ``end_ns`` (monotonic_ns)."""
     worst = worst_own = probes = over_1ms = over_2ms = own_over_2ms = 0
+    first: dict[str, int] | None = None
+    last: dict[str, int] = {}
     try:
         with open(path) as f:
             lines = f.readlines()
@@ -193,8 +195,15 @@ def window(path: str, start_ns: int, end_ns: int) -> dict[str, Any]:
             over_1ms += rec["over_1ms"]
             over_2ms += rec["over_2ms"]
             own_over_2ms += rec.get("own_over_2ms", 0)
+            last = rec.get("files") or {}
+            if first is None:
+                first = last
+    # what the file backends did in the span (counters as differences; a "worst" or "on" figure as last seen)
+    files = {k: v - (first or {}).get(k, 0) if not k.startswith(("write_worst", "write_on")) else v
+             for k, v in last.items()}
     return {"max_us": worst / 1000 if probes else None, "max_own_us": worst_own / 1000 if probes else None,
-            "probes": probes, "over_1ms": over_1ms, "over_2ms": over_2ms, "own_over_2ms": own_over_2ms}
+            "probes": probes, "over_1ms": over_1ms, "over_2ms": over_2ms, "own_over_2ms": own_over_2ms,
+            "files": files}
 
 
 if __name__ == "__main__":
