@@ -31,7 +31,9 @@ from harness import machine, set_tree
 RUN = Path(__file__).resolve().parent / "run.py"
 FIGURES = (("iops", "IOPS", ".0f", 1.0), ("mean_lat_ns", "mean lat µs", ".1f", 1e3),
            ("target_cpu_us_per_io", "target µs/IO", ".1f", 1.0),
-           ("initiator_cpu_us_per_io", "initiator µs/IO", ".1f", 1.0))
+           ("initiator_cpu_us_per_io", "initiator µs/IO", ".1f", 1.0),
+           ("loop_lag_max_us", "max loop lag µs", ".0f", 1.0),
+           ("loop_lag_own_us", "own loop lag µs", ".0f", 1.0))
 
 
 def row_names() -> list[str]:
@@ -72,10 +74,11 @@ def summarize(name: str, a: list[dict[str, Any]], b: list[dict[str, Any]]) -> di
     done_a = [r for r in a if not r.get("skipped")]
     done_b = [r for r in b if not r.get("skipped")]
     for key, *_ in FIGURES:
-        ma = _median([r["nvmeof"][key] for r in done_a])
-        mb = _median([r["nvmeof"][key] for r in done_b])
+        each_a = [r["nvmeof"].get(key) for r in done_a]
+        each_b = [r["nvmeof"].get(key) for r in done_b]
+        ma, mb = _median(each_a), _median(each_b)
         out[key] = {"a": ma, "b": mb, "b/a": mb / ma if ma and mb is not None else None,
-                    "a_each": [r["nvmeof"][key] for r in done_a], "b_each": [r["nvmeof"][key] for r in done_b]}
+                    "a_each": each_a, "b_each": each_b}
     ra, rb = _median([_base_ratio(r) for r in done_a]), _median([_base_ratio(r) for r in done_b])
     qd1 = any(r.get("iodepth") == 1 for r in a + b)
     out["vs_baseline"] = {"a": ra, "b": rb, "kind": "latency" if qd1 else "throughput"}
@@ -98,6 +101,12 @@ def print_summary(rows: list[dict[str, Any]]) -> None:
         cells.append(f"{_fmt(vb['a'], '.2f')} → {_fmt(vb['b'], '.2f')} ({vb['kind']})")
         print(f"| {r['name']} | " + " | ".join(cells) + " |")
     for r in rows:
+        worst = {(key, side): max((v for v in r[key][f"{side}_each"] if v is not None), default=None)
+                 for key in ("loop_lag_max_us", "loop_lag_own_us") for side in ("a", "b")}
+        if any(v is not None for v in worst.values()):
+            print(f"{r['name']}: worst loop lag over all rounds (own part) A "
+                  f"{_fmt(worst['loop_lag_max_us', 'a'], '.0f')} ({_fmt(worst['loop_lag_own_us', 'a'], '.0f')}) µs, "
+                  f"B {_fmt(worst['loop_lag_max_us', 'b'], '.0f')} ({_fmt(worst['loop_lag_own_us', 'b'], '.0f')}) µs")
         for side in ("a", "b"):
             if r.get(f"{side}_skipped"):
                 print(f"{r['name']}: skipped in {side.upper()}: {r[f'{side}_skipped']}")

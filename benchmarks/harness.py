@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # this one unless ``set_tree`` names another (benchmarks/ab.py runs the same matrix on two trees).
 TREE = ROOT
 DEFAULT_NQN = "nqn.2026-11.io.nvmeof-toolkit:ramdisk0"   # nvmeof/defaults.py DEFAULT_SUBSYSTEM_NQN
+LAGPROBE = Path(__file__).resolve().parent / "lagprobe.py"
 
 
 def set_tree(tree: str | os.PathLike[str] | None) -> None:
@@ -170,13 +171,16 @@ def fill_file(path: Path, size: int) -> None:
 
 @contextmanager
 def serving(ramdisk_size: str, *, workers: int | None = None, log_level: str | None = None,
-            file_ns: bool = False, extra_args: tuple[str, ...] = ()) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+            file_ns: bool = False, extra_args: tuple[str, ...] = (),
+            lag_file: Path | None = None) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
     """`nvmeof serve --api none` with a RAM disk (nsid 1) on free loopback ports: yields the process
     and its I/O port once it listens, and stops it (SIGINT, as Ctrl-C) on the way out. ``file_ns``:
     also a file of the same size, written just before (so in the page cache), as nsid 2 of the same
-    subsystem. ``extra_args`` go to `nvmeof serve` as given (--poll-us N, --tcp-engine ...)."""
+    subsystem. ``extra_args`` go to `nvmeof serve` as given (--poll-us N, --tcp-engine ...). ``lag_file``:
+    started through benchmarks/lagprobe.py, which appends the event loop's lateness there."""
     io_port, disc_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "nvmeof.cli", *(["--log-level", log_level] if log_level else []),
+    launcher = ["-m", "nvmeof.cli"] if lag_file is None else [str(LAGPROBE), str(lag_file)]
+    cmd = [sys.executable, *launcher, *(["--log-level", log_level] if log_level else []),
            "serve", "--api", "none", "--listen", f"tcp://127.0.0.1:{io_port}",
            "--discovery", f"tcp://127.0.0.1:{disc_port}", "--ramdisk-size", ramdisk_size, *extra_args]
     what = "nvmeof serve" + "".join(f" {a}" for a in extra_args)

@@ -20,6 +20,8 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -29,6 +31,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import harness
+import lagprobe
 from harness import (
     Row,
     cli_supports,
@@ -123,11 +126,12 @@ def _f(value: float | None, fmt: str = ".1f", scale: float = 1.0) -> str:
 
 def print_table(results: list[dict[str, Any]]) -> None:
     headers = ("job", "IOPS", "MiB/s", "lat us", "tgt us/IO", "ini us/IO", "baseline", "base IOPS", "base MiB/s",
-               "base lat us", "base srv us/IO", "base cli us/IO", "tput ratio", "lat ratio")
+               "base lat us", "base srv us/IO", "base cli us/IO", "tput ratio", "lat ratio", "max loop lag us",
+               "own lag us")
     rows = []
     for r in results:
         if r.get("skipped"):
-            rows.append((r["name"], *("-" * 5), "skipped", *("-" * 7)))
+            rows.append((r["name"], *("-" * 5), "skipped", *("-" * 9)))
             continue
         b, n = r["baseline"] or {}, r["nvmeof"]
         rows.append((
@@ -137,7 +141,8 @@ def print_table(results: list[dict[str, Any]]) -> None:
             _f(b.get("mean_lat_ns"), scale=1e3),
             _f(b.get("server_cpu_us_per_io", b.get("target_cpu_us_per_io"))),
             _f(b.get("client_cpu_us_per_io", b.get("initiator_cpu_us_per_io"))),
-            _f(r["throughput_ratio"], ".2f"), _f(r["latency_ratio"], ".2f"),
+            _f(r["throughput_ratio"], ".2f"), _f(r["latency_ratio"], ".2f"), _f(n.get("loop_lag_max_us"), ".0f"),
+            _f(n.get("loop_lag_own_us"), ".0f"),
         ))
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
     print("  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True)))
@@ -229,16 +234,20 @@ def measure(jobs: list[Job], args: argparse.Namespace) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
     by_name: dict[str, dict[str, Any]] = {}
     with ExitStack() as stack:
+        lag_dir = None if args.no_loop_lag else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="lag-")))
+        lag_files = {False: None, True: None} if lag_dir is None else {False: lag_dir / "serve.jsonl",
+                                                                       True: lag_dir / "serve-poll.jsonl"}
         plain = [j for j in jobs if not j.poll]
         target = io_port = None
         if plain:
             target, io_port = stack.enter_context(serving(args.ramdisk_size, log_level="warning",
                                                           file_ns=any(j.nsid == 2 for j in plain),
-                                                          extra_args=serve_args))
+                                                          extra_args=serve_args, lag_file=lag_files[False]))
         poll_target = poll_port = None
         if poll_skip is None and any(j.poll for j in jobs):
             poll_target, poll_port = stack.enter_context(serving(
-                args.ramdisk_size, log_level="warning", extra_args=(*serve_args, "--poll-us", str(args.poll_us))))
+                args.ramdisk_size, log_level="warning", extra_args=(*serve_args, "--poll-us", str(args.poll_us)),
+                lag_file=lag_files[True]))
         raw: dict[Any, tuple[subprocess.Popen[bytes], int]] = {}
 
         def raw_server(poll_us: int | None) -> tuple[subprocess.Popen[bytes], int]:
@@ -270,8 +279,20 @@ def measure(jobs: list[Job], args: argparse.Namespace) -> list[dict[str, Any]]:
                 base = ram["nvmeof"] if ram and not ram.get("skipped") else None
             pid, port = (poll_target.pid, poll_port) if job.poll else (target.pid, io_port)  # type: ignore[union-attr]
             extra = (*bench_args, *(("--poll-us", str(args.poll_us)) if job.poll else ()))
+            started = time.monotonic_ns()
             ours = run_bench(row, port, pid, runtime=args.runtime, ramp=args.ramp, numjobs=args.numjobs,
                              nsid=job.nsid, extra_args=extra)
+            lag_file = lag_files[job.poll]
+            if lag_file is not None:
+                # the target's event loop from the probe's 100 ms reports (benchmarks/lagprobe.py): over the
+                # last --runtime seconds before the bench exited (about its measured window; the process start,
+                # connect and ramp come before), and over the whole bench run
+                ended = time.monotonic_ns()
+                time.sleep(0.15)   # the report covering the row's last 100 ms
+                lag = lagprobe.window(str(lag_file), ended - int(args.runtime * 1e9), ended + 100_000_000)
+                whole = lagprobe.window(str(lag_file), started, ended + 100_000_000)
+                ours.update(loop_lag_max_us=lag["max_us"], loop_lag_own_us=lag["max_own_us"], loop_lag=lag,
+                            loop_lag_whole_run=whole)
             entry.update(nvmeof=ours, baseline=base,
                          throughput_ratio=_ratio(ours["bw_bytes"], base and base["bw_bytes"]),
                          latency_ratio=_ratio(ours["mean_lat_ns"], base and base["mean_lat_ns"]))
@@ -307,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bench-arg", action="append", metavar="ARG", help="extra argument for every nvmeof bench")
     ap.add_argument("--only", action="append", metavar="NAME",
                     help=f"run only these rows (repeatable): {', '.join(j.name for j in MATRIX)}")
+    ap.add_argument("--no-loop-lag", action="store_true",
+                    help="start the targets without the loop-lag probe (benchmarks/lagprobe.py); by default each "
+                         "row reports the worst lateness of the target's event loop while it ran")
     ap.add_argument("--json", type=Path, metavar="FILE", help="write all results as JSON to FILE")
     args = ap.parse_args(argv)
     if args.poll_us <= 0:

@@ -106,11 +106,13 @@ UI_HISTORY = 300                      # seconds of samples the dashboard's chart
 # File backend data path (target/backends/file.py, issue 12)
 FILE_BUFFER_SIZE = 128 * 1024         # bytes per pooled read buffer of a file namespace; longer reads get a one-off
 FILE_BUFFERS = 64                     # pooled read buffers per file backend (per process), made on first use
-FILE_INLINE_WRITE_MAX = 0             # where pwritev2(RWF_NOWAIT) is unsupported (ext4, tmpfs, NFS, FUSE buffered
-                                      # writes): page-aligned writes up to this size run on the event loop. 0 (the
-                                      # default) sends them to the thread pool, as nvmet_file_execute_rw queues
-                                      # buffered writes on its workqueue: a plain pwrite may sleep in dirty-page
-                                      # throttling or a journal commit, and would stall every queue of the loop
+FILE_INLINE_WRITE_MAX = 128 * 1024    # where pwritev2(RWF_NOWAIT) is unsupported (ext4, tmpfs, NFS, FUSE buffered
+                                      # writes): page-aligned writes up to this size run on the event loop while
+                                      # they stay fast (target/backends/inline.py); 0 sends them all to the thread
+                                      # pool, as nvmet_file_execute_rw queues buffered writes on its workqueue
+FILE_INLINE_SLOW_US = 1000            # an inline write taking longer moves the file's writes to the thread pool ...
+FILE_INLINE_BACKOFF_MS = 100          # ... for this long, then one is tried inline again; a slow retry doubles it
+FILE_INLINE_BACKOFF_MAX_MS = 5000     # ... up to this
 HOST_TCP_ENGINE = "batch"             # connect(engine=): "batch" (initiator/engine.py) or "stream" (asyncio protocol)
 
 # NVMe/TCP batch engine (target/transports/tcp_batch.py, issue 12)

@@ -6,6 +6,7 @@ the namespace, checks access, the LBA range and the transfer size; execute calls
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 _perf_ns = time.perf_counter_ns
 _READ, _WRITE, _FLUSH = IoOpcode.READ.value, IoOpcode.WRITE.value, IoOpcode.FLUSH.value
 _COMPARE, _WZ, _DSM = IoOpcode.COMPARE.value, IoOpcode.WRITE_ZEROES.value, IoOpcode.DATASET_MANAGEMENT.value
+_NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})   # backend errnos answered Capacity Exceeded
 DSM_DATA_MAX = 256 * DSM_RANGE_SIZE   # 256 ranges (NR is 8 bits); longer transfers are refused
 _RESV_OPS = frozenset(int(op) for op in pr.RESV_OPCODES)
 
@@ -144,6 +146,13 @@ def _backend_failed(ns: Namespace, what: str, exc: Exception) -> NvmeError:
         # gateway in front of the same cluster would fail alike. SPDK's bdev_rbd also answers
         # without DNR (an Internal Error).
         return NvmeError(Status.NS_NOT_READY, f"{what} failed, storage unreachable: {exc}", dnr=False)
+    cause = exc if isinstance(exc, OSError) else exc.__cause__
+    if isinstance(cause, OSError) and cause.errno in _NO_SPACE:
+        # nvmet errno_to_nvme_status: -ENOSPC is Capacity Exceeded with DNR (the file system is full:
+        # retrying the same write cannot succeed), everything else Internal Error. A full disk quota
+        # (EDQUOT) is the same condition to the host, so it gets the same answer here.
+        log.warning("namespace %d: %s failed, no space in the %s backend: %s", ns.nsid, what, ns.backend.kind, exc)
+        return NvmeError(Status.CAP_EXCEEDED, f"{what} failed: {exc}", dnr=True, logged=True)
     log.error("namespace %d: %s failed in the %s backend: %s", ns.nsid, what, ns.backend.kind, exc)
     return NvmeError(Status.INTERNAL, f"{what} failed: {exc}")
 

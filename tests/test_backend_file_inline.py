@@ -4,19 +4,29 @@ call took is counted (``io_counts``), never timed."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 
 import pytest
 
 from nvmeof import defaults
-from target.backends import FileBackend
+from target.backends import BackendError, FileBackend
 from target.backends import file as filemod
+from target.backends import inline as inlinemod
 from target.backends.buffers import BufferPool
+from target.backends.inline import InlinePolicy
 
 MiB = 1 << 20
 NOWAIT = getattr(os, "RWF_NOWAIT", None)
 needs_nowait = pytest.mark.skipif(NOWAIT is None, reason="this Python has no os.RWF_NOWAIT")
+
+
+@pytest.fixture(autouse=True)
+def _never_slow(monkeypatch):
+    """Backends made here keep writing inline however long a write takes on a loaded machine (which
+    path a call takes must not depend on timing); the tests of InlinePolicy give it a fake clock."""
+    monkeypatch.setattr(defaults, "FILE_INLINE_SLOW_US", 1 << 40)
 
 
 @pytest.fixture
@@ -192,18 +202,19 @@ async def test_an_unsupported_nowait_read_is_remembered(disk, monkeypatch):
 # --- writes ------------------------------------------------------------------------------------------
 
 
-async def test_buffered_writes_go_to_the_thread_pool_by_default(tmp_path, monkeypatch):
-    """ext4/tmpfs refuse RWF_NOWAIT for buffered writes; a plain pwrite there may sleep (dirty-page
-    throttling, a journal commit), so by default it runs on the thread pool, as nvmet queues buffered
-    writes on a workqueue, and the event loop never waits for it."""
+async def test_buffered_writes_run_inline_by_default_while_fast(tmp_path):
+    """ext4/tmpfs refuse RWF_NOWAIT for buffered writes; a plain page-aligned pwrite then runs on the
+    event loop while it stays fast (InlinePolicy), unaligned ones (a partial page may need a read
+    first) on the thread pool."""
     path = tmp_path / "d.img"
     f = FileBackend(path, size=MiB, create=True)
     try:
         f._nowait_write = False   # as on ext4
-        assert not f.write_nowait(4096, b"\x44" * 4096)
+        assert f.write_nowait(4096, b"\x44" * 4096)
         await f.write(8192, b"\x55" * 4096)
-        assert f.io_counts()["inline"] == 0 and f.io_counts()["thread"] == 1
-        assert path.read_bytes()[4096:12288] == b"\0" * 4096 + b"\x55" * 4096
+        await f.write(100, b"\x66" * 512)
+        assert f.io_counts()["inline"] == 2 and f.io_counts()["thread"] == 1
+        assert path.read_bytes()[:12288] == bytes(100) + b"\x66" * 512 + bytes(3484) + b"\x44" * 4096 + b"\x55" * 4096
     finally:
         f.close()
 
@@ -244,8 +255,6 @@ async def test_a_nowait_write_that_would_block_goes_to_the_thread_pool(tmp_path,
 
 
 async def test_nowait_calls_check_ranges_read_only_and_closed(tmp_path):
-    from target.backends import BackendError
-
     path = tmp_path / "ro.img"
     path.write_bytes(bytes(8192))
     f = FileBackend(path, read_only=True)
@@ -256,3 +265,210 @@ async def test_nowait_calls_check_ranges_read_only_and_closed(tmp_path):
     f.close()
     with pytest.raises(BackendError, match="closed"):
         f.read_nowait(0, 1)
+
+
+# --- the adaptive inline write policy ----------------------------------------------------------------
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1_000_000_000
+
+    def __call__(self) -> int:
+        return self.now
+
+
+US, MS = 1000, 1_000_000
+
+
+@dataclasses.dataclass(frozen=True)
+class _Snap:
+    ru_nvcsw: int
+    ru_nivcsw: int
+
+
+class Switches:
+    """A thread's context switch counts, as getrusage(RUSAGE_THREAD) gives them."""
+
+    def __init__(self) -> None:
+        self.ru_nvcsw = self.ru_nivcsw = 0
+
+    def __call__(self) -> _Snap:
+        return _Snap(self.ru_nvcsw, self.ru_nivcsw)
+
+
+def _policy(clock, pressure=None, switches=None):
+    return InlinePolicy(slow_ns=300 * US, backoff_ns=100 * MS, backoff_max_ns=400 * MS, clock=clock, pressure=pressure,
+                        switches=switches or Switches())
+
+
+def _call(p: InlinePolicy, clock: FakeClock, took: int, *, voluntary: int = 0, involuntary: int = 0) -> None:
+    """An inline call that took ``took`` ns (sleeping ``voluntary`` times, preempted ``involuntary``
+    times meanwhile), told to the policy as it ends."""
+    before = p.switches()
+    clock.now += took
+    p.switches.ru_nvcsw += voluntary
+    p.switches.ru_nivcsw += involuntary
+    p.record(clock.now - took, clock.now, before)
+
+
+def test_a_slow_call_backs_off_and_a_slow_retry_doubles_the_back_off():
+    clock = FakeClock()
+    p = _policy(clock)
+    assert p.inline_now()
+    _call(p, clock, 20 * US)                            # fast: stays inline
+    assert p.inline_now() and p.backoffs == 0
+    _call(p, clock, 2 * MS)                             # 2 ms: the file goes to the pool for 100 ms
+    assert not p.inline_now() and p.slow == 1 and p.backoffs == 1
+    clock.now += 100 * MS - 1
+    assert not p.inline_now()
+    clock.now += 1
+    assert p.inline_now() and p.probes == 1             # back-off over: one call tried inline
+    _call(p, clock, MS)                                 # slow again: twice as long
+    clock.now += 200 * MS - 1
+    assert not p.inline_now()
+    clock.now += 1
+    assert p.inline_now()
+    _call(p, clock, MS)                                 # 400 ms (the cap) ...
+    clock.now += 400 * MS - 1
+    assert not p.inline_now()
+    clock.now += 1
+    assert p.inline_now()
+    _call(p, clock, MS)                                 # ... and no longer
+    clock.now += 400 * MS
+    assert p.inline_now()
+    _call(p, clock, 10 * US)                            # a fast retry: inline again, back-off reset
+    assert p.inline_now() and p.counts()["on_pool"] == 0
+    _call(p, clock, MS)
+    clock.now += 100 * MS
+    assert p.inline_now() and p.probes == 5 and p.worst_ns == 2 * MS and p.slow == 5
+
+
+def test_a_call_slow_only_because_the_thread_was_preempted_stays_inline():
+    clock = FakeClock()
+    p = _policy(clock)
+    _call(p, clock, 5 * MS, involuntary=1)              # waited for a CPU: a pool thread would too
+    assert p.inline_now() and p.slow == 1 and p.preempted == 1 and p.backoffs == 0
+    _call(p, clock, 5 * MS, voluntary=1, involuntary=1)  # it slept in the kernel too: back off
+    assert not p.inline_now() and p.backoffs == 1
+
+
+def test_dirty_page_pressure_sends_writes_to_the_pool():
+    clock = FakeClock()
+    pressure = [False]
+    p = _policy(clock, lambda now: pressure[0])
+    clock.now += 200 * MS
+    _call(p, clock, 10 * US)
+    assert p.inline_now()
+    pressure[0] = True
+    _call(p, clock, 10 * US)                            # checked at most every 100 ms: not yet
+    assert p.inline_now()
+    clock.now += 100 * MS
+    _call(p, clock, 10 * US)
+    assert not p.inline_now() and p.backoffs == 1 and p.slow == 0
+    clock.now += 100 * MS                                # still under pressure when the back-off ends:
+    assert not p.inline_now() and p.backoffs == 2 and p.probes == 0   # another one, no write tried
+    clock.now += 100 * MS
+    pressure[0] = False
+    assert p.inline_now() and p.probes == 1
+
+
+def test_dirty_pressure_reads_the_kernel_thresholds(monkeypatch):
+    files = {"/proc/meminfo": b"MemTotal: 2000000 kB\nMemFree: 900000 kB\nActive(file): 50000 kB\n"
+                              b"Inactive(file): 50000 kB\nDirty: 99000 kB\nWriteback: 0 kB\n",
+             "/proc/sys/vm/dirty_ratio": b"20\n", "/proc/sys/vm/dirty_background_ratio": b"10\n",
+             "/proc/sys/vm/dirty_bytes": b"0\n", "/proc/sys/vm/dirty_background_bytes": b"0\n"}
+    monkeypatch.setattr(inlinemod, "_read_file", lambda path: files[path])
+    assert not inlinemod.dirty_pressure()               # 99 MB dirty, background threshold 100 MB
+    files["/proc/meminfo"] = files["/proc/meminfo"].replace(b"Writeback: 0", b"Writeback: 1000")
+    assert inlinemod.dirty_pressure()
+    files["/proc/sys/vm/dirty_background_bytes"] = b"200000000\n"
+    assert not inlinemod.dirty_pressure()
+    files["/proc/sys/vm/dirty_bytes"] = b"150000000\n"  # background above the hard limit: half of it
+    assert inlinemod.dirty_pressure()
+
+
+def _slow_pwritev(monkeypatch, clock, *, slow_ns=0, errno_=None):
+    """os.pwritev that advances the fake clock by ``slow_ns`` (a write stuck in the kernel) or fails
+    with ``errno_``; both can be changed later through the returned dict."""
+    real = os.pwritev
+    state = {"slow_ns": slow_ns, "errno": errno_, "calls": []}
+
+    def pwritev(fd, buffers, offset, flags=0):
+        state["calls"].append(flags)
+        clock.now += state["slow_ns"]
+        if state["errno"] is not None:
+            raise OSError(state["errno"], os.strerror(state["errno"]))
+        return real(fd, buffers, offset, flags)
+
+    monkeypatch.setattr(os, "pwritev", pwritev)
+    return state
+
+
+@pytest.fixture
+def timed_file(tmp_path):
+    """A 1 MiB file served as on ext4 (no RWF_NOWAIT writes), its write policy on a fake clock."""
+    path = tmp_path / "t.img"
+    f = FileBackend(path, size=MiB, create=True)
+    f._nowait_write = False
+    clock = FakeClock()
+    f._write_policy = _policy(clock)
+    yield f, path, clock
+    f.close()
+
+
+async def test_a_slow_inline_write_moves_the_file_to_the_pool_and_back(timed_file, monkeypatch):
+    f, path, clock = timed_file
+    stuck = _slow_pwritev(monkeypatch, clock, slow_ns=5 * MS)
+    assert f.write_nowait(0, b"\x01" * 4096)            # inline, but it took 5 ms
+    assert not f.write_nowait(4096, b"\x02" * 4096)     # the batch engine's call says "not now" ...
+    await f.write(4096, b"\x02" * 4096)                 # ... and write() runs it on the pool
+    await f.write(8192, b"\x03" * 8192)
+    assert f.io_counts()["inline"] == 1 and f.io_counts()["thread"] == 2
+    assert f.io_counts()["write_backoffs"] == 1 and f.io_counts()["write_on_pool"] == 1
+    stuck["slow_ns"] = 0                                 # writes are fast again
+    clock.now += 100 * MS                                # the back-off is over
+    assert f.write_nowait(16384, b"\x04" * 4096)
+    await f.write(20480, b"\x05" * 4096)
+    assert f.io_counts()["inline"] == 3 and f.io_counts()["thread"] == 2
+    want = b"\x01" * 4096 + b"\x02" * 4096 + b"\x03" * 8192 + b"\x04" * 4096 + b"\x05" * 4096
+    assert bytes(await f.read(0, len(want))) == want
+    assert path.read_bytes()[:len(want)] == want
+
+
+async def test_fua_and_flush_never_run_inline(timed_file, monkeypatch):
+    f, _, clock = timed_file
+    calls = _slow_pwritev(monkeypatch, clock)["calls"]
+    assert not f.write_nowait(0, b"x" * 4096, fua=True)
+    await f.write(0, b"y" * 4096, fua=True)
+    await f.flush()
+    assert f.io_counts()["inline"] == 0 and f.io_counts()["thread"] >= 2
+    assert all(flags != 0 for flags in calls) or not hasattr(os, "RWF_DSYNC")
+
+
+async def test_a_sync_descriptor_never_writes_inline(tmp_path):
+    path = tmp_path / "s.img"
+    path.write_bytes(bytes(MiB))
+    fd = os.open(path, os.O_RDWR | os.O_DSYNC)
+    f = FileBackend.from_fd(fd, str(path), MiB)
+    try:
+        f._nowait_write = False
+        assert not f.write_nowait(0, b"\x09" * 4096)
+        await f.write(0, b"\x09" * 4096)
+        assert f.io_counts()["inline"] == 0 and f.io_counts()["thread"] == 1
+        assert path.read_bytes()[:4096] == b"\x09" * 4096
+    finally:
+        f.close()
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])
+@pytest.mark.parametrize("inline", [True, False])
+async def test_write_errors_carry_their_errno_inline_and_on_the_pool(timed_file, monkeypatch, code, inline):
+    f, _, clock = timed_file
+    if not inline:
+        _call(f._write_policy, clock, 10 * MS)               # as after a slow write: on the pool
+    _slow_pwritev(monkeypatch, clock, errno_=code)
+    with pytest.raises(BackendError) as caught:
+        await f.write(0, b"z" * 4096)
+    assert isinstance(caught.value.__cause__, OSError) and caught.value.__cause__.errno == code
+    assert f.io_counts()["thread"] == (0 if inline else 1)

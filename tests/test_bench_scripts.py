@@ -3,6 +3,7 @@ measuring anything long: the figures here are made up or come from a fraction of
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ sys.path.insert(0, str(BENCH))
 
 import ab  # noqa: E402
 import harness  # noqa: E402
+import lagprobe  # noqa: E402
 import run  # noqa: E402
 
 
@@ -130,3 +132,36 @@ def test_pinning_reads_two_cpu_lists_and_refuses_cpus_not_available() -> None:
     with pytest.raises(SystemExit, match=r"--pin: CPU\(s\) \[4096\] are not available"):
         harness.set_pinning({4096}, None)
     assert harness.PIN == {}
+
+
+def test_loop_lag_window_takes_the_reports_of_its_time_span(tmp_path: Path) -> None:
+    out = tmp_path / "lag.jsonl"
+    lines = [{"t": t, "max_ns": lag, "max_own_ns": own, "n": 90, "over_1ms": o1, "over_2ms": o2, "own_over_2ms": o2,
+              "files": {"inline": t * t // 1000, "thread": t // 20, "write_worst_inline_us": 3 * t}}
+             for t, lag, own, o1, o2 in ((100, 9_000_000, 8_000_000, 3, 2), (200, 1_500_000, 700_000, 1, 0),
+                                         (300, 2_500_000, 2_100_000, 2, 1), (400, 50_000_000, 1, 9, 9))]
+    out.write_text("".join(json.dumps(rec) + "\n" for rec in lines) + '{"t": 5')   # the last line half written
+    got = lagprobe.window(str(out), 150, 350)
+    assert got == {"max_us": 2500.0, "max_own_us": 2100.0, "probes": 180, "over_1ms": 3, "over_2ms": 1,
+                   "own_over_2ms": 1, "files": {"inline": 50, "thread": 5, "write_worst_inline_us": 900}}
+    assert lagprobe.window(str(out), 500, 600)["max_us"] is None
+    assert lagprobe.window(str(tmp_path / "none.jsonl"), 0, 1)["probes"] == 0
+
+
+def test_the_loop_lag_probe_sees_a_stalled_loop(tmp_path: Path) -> None:
+    """The probe, wrapped around asyncio.run as lagprobe.py does for `nvmeof serve`, reports a loop
+    that blocks for 300 ms in one callback (a lower bound: any probe sent during the stall waits)."""
+    import asyncio
+    import time
+
+    out = tmp_path / "lag.jsonl"
+
+    async def stalls() -> None:
+        await asyncio.sleep(0.05)
+        time.sleep(0.3)          # the loop's thread blocked, as in a slow pwrite
+        await asyncio.sleep(0.25)
+
+    lagprobe._wrap(asyncio.run, str(out), 0.001)(stalls())
+    reports = [json.loads(line) for line in out.read_text().splitlines()]
+    assert reports and max(r["max_ns"] for r in reports) >= 100_000_000
+    assert sum(r["over_2ms"] for r in reports) >= 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 
 import pytest
@@ -341,3 +342,41 @@ async def test_flood_of_commands_pauses_reading(target, monkeypatch):
     results = await asyncio.wait_for(asyncio.gather(*futs), 5)
     assert all(r.status == 0 for r in results)
     assert not conn._read_paused
+
+
+@pytest.mark.parametrize(("code", "status"), [(errno.ENOSPC, Status.CAP_EXCEEDED), (errno.EDQUOT, Status.CAP_EXCEEDED),
+                                              (errno.EIO, Status.INTERNAL)])
+@pytest.mark.parametrize("inline", [True, False])
+async def test_file_write_errors_map_to_nvme_status_inline_and_on_the_pool(target, tmp_path, monkeypatch, code, status,
+                                                                           inline):
+    # nvmet errno_to_nvme_status: ENOSPC is Capacity Exceeded with DNR, anything else Internal Error;
+    # the same whether the write ran on the event loop (InlinePolicy) or on the thread pool.
+    from target.backends.file import FileBackend
+    from target.backends.inline import InlinePolicy
+
+    backend = FileBackend(tmp_path / "f.img", size=1 << 20, create=True)
+    backend._nowait_write = False   # as on ext4: plain buffered writes, inline while fast ...
+    backend._write_policy = InlinePolicy(slow_ns=1 << 50)   # ... however slow they are on a loaded machine
+    if not inline:
+        backend._inline_write_max = 0
+    target.subsystems[SUBNQN].namespaces[6] = Namespace(6, backend)
+    _, io = await session(target)
+    try:
+        assert (await write(io, 0, b"\x5a" * 4096, nsid=6)).status == 0
+        real = os.pwritev
+
+        def failing(fd, buffers, offset, flags=0):
+            if fd == backend.fileno():
+                raise OSError(code, os.strerror(code))
+            return real(fd, buffers, offset, flags)
+
+        monkeypatch.setattr(os, "pwritev", failing)
+        res = await write(io, 8, b"\xa5" * 4096, nsid=6)
+        assert res.status == status and res.cqe.dnr
+        counts = backend.io_counts()
+        assert (counts["inline"], counts["thread"]) == ((1, 0) if inline else (0, 2))
+        monkeypatch.setattr(os, "pwritev", real)
+        res = await read(io, 0, 16, nsid=6)
+        assert res.status == 0 and res.data == b"\x5a" * 4096 + bytes(4096)
+    finally:
+        backend.close()

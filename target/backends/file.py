@@ -5,7 +5,9 @@ RWF_NOWAIT (mm/filemap.c filemap_read gives up with EAGAIN, or a short count, in
 for the device), into a buffer from the backend's pool (target/backends/buffers.py), and only what
 is not cached goes to a small dedicated thread pool; a write tries pwritev2 with RWF_NOWAIT the
 same way, and where the file system does not support that for buffered writes (ext4 answers
-EOPNOTSUPP) small page-aligned writes still run inline and longer ones on the pool. FUA writes,
+EOPNOTSUPP) page-aligned writes up to FILE_INLINE_WRITE_MAX still run inline while they stay fast
+(InlinePolicy, target/backends/inline.py: a slow one sends the file's writes to the pool for a
+back-off period, as does dirty-page pressure) and the others on the pool. FUA writes,
 Flush, Write Zeroes and Deallocate wait for the device or the journal: always the thread pool,
 so the event loop keeps serving other queues. Write Zeroes and Deallocate use fallocate(2) (zero
 range, punch hole) so they cost no data transfer where the file system or device supports them,
@@ -35,6 +37,7 @@ from typing import Any, TypeVar
 from nvmeof import defaults
 from target.backends.base import Backend, BackendError, BackendSpec, one_fd
 from target.backends.buffers import BufferPool
+from target.backends.inline import InlinePolicy, sync_flags
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -346,6 +349,7 @@ class FileBackend(Backend):
                 policy.check_opened(self._fd, self.path, st)
                 os.set_blocking(self._fd, True)
             self._size = self._initial_size(size, create)
+            self._follow_open_flags()
         except BaseException:
             self._discard_failed_open()
             raise
@@ -401,6 +405,7 @@ class FileBackend(Backend):
         self.created, self.grown_from = False, None
         self.block_device = stat.S_ISBLK(os.fstat(fd).st_mode)
         self._size = self._positive_size(size)
+        self._follow_open_flags()
         return self
 
     def fileno(self) -> int:
@@ -412,12 +417,19 @@ class FileBackend(Backend):
         self._pool = BufferPool(defaults.FILE_BUFFER_SIZE, defaults.FILE_BUFFERS)
         self._nowait_read = self._nowait_write = _RWF_NOWAIT is not None
         self._inline_write_max = defaults.FILE_INLINE_WRITE_MAX
+        self._write_policy = InlinePolicy()   # when plain buffered writes run inline (target/backends/inline.py)
         self.inline_ops = 0   # reads/writes completed on the event loop
         self.thread_ops = 0   # calls handed to the thread pool (cold reads, FUA, flush, fallocate, ...)
 
+    def _follow_open_flags(self) -> None:
+        # A descriptor opened O_DIRECT / O_SYNC / O_DSYNC (one handed over by whoever opened it) waits
+        # for the device on every write: never inline.
+        if sync_flags(self._fd):
+            self._inline_write_max = 0
+
     def io_counts(self) -> dict[str, int]:
         return {"inline": self.inline_ops, "thread": self.thread_ops, "pool_buffers": len(self._pool),
-                "pool_misses": self._pool.misses}
+                "pool_misses": self._pool.misses, **{f"write_{k}": v for k, v in self._write_policy.counts().items()}}
 
     def _open(self, flags: int) -> int:
         try:
@@ -590,7 +602,8 @@ class FileBackend(Backend):
         """Bytes at the start of ``view`` written on the event loop: pwritev2 with RWF_NOWAIT where
         the file system allows it for buffered writes (XFS, btrfs), else, for a page-aligned write up
         to FILE_INLINE_WRITE_MAX, a plain pwritev (it copies into the page cache and needs no read
-        of a partial page first); 0 means the caller goes to the thread pool."""
+        of a partial page first) while the write policy says inline, timed for it; 0 means the caller
+        goes to the thread pool."""
         fd, length = self._fd, len(view)
         if self._nowait_write:
             try:
@@ -601,12 +614,18 @@ class FileBackend(Backend):
                 if exc.errno not in _UNSUPPORTED:
                     raise BackendError(f"{self._name()}: write failed: {exc.strerror or exc}") from exc
                 self._nowait_write = False  # ext4, tmpfs: buffered writes never take RWF_NOWAIT
-        if length > self._inline_write_max or (offset | length) & (_PAGE - 1):
+        policy = self._write_policy
+        if length > self._inline_write_max or (offset | length) & (_PAGE - 1) or not policy.inline_now():
             return 0
+        clock = policy.clock
+        switches = policy.switches()
+        start = clock()
         try:
             _pwrite_all(fd, view, offset)
         except OSError as exc:
+            policy.record(start, clock(), switches)
             raise BackendError(f"{self._name()}: write failed: {exc.strerror or exc}") from exc
+        policy.record(start, clock(), switches)
         return length
 
     def read_nowait(self, offset: int, length: int) -> memoryview | None:
