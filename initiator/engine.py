@@ -657,6 +657,45 @@ class BatchQueue(HostQueue):
             self._closed_future.set_result(None)
 
 
+    # ---- awaitable commands: the library API (HostController.read/write/compare) ----------------
+
+    def start_awaitable(self, opcode: int, nsid: int, slba: int, nlb: int, buf: memoryview,
+                        write: bool) -> asyncio.Future[None] | None:
+        """:meth:`start` with a Future as its completion, for one ``await``: no Task, dict entry, closure or
+        Command object per command, and the fast PDU parsing of slot commands. The Future gets None, the
+        NvmeError of a failed status or the TransportError of a broken queue (the checks are start()'s).
+
+        Commands started in one loop iteration (many tasks each awaiting one) leave in one ``sendmsg`` at
+        the next iteration; a command alone in flight leaves at once (then polls, with poll_us), as
+        HostQueue._flush_soon does for submit(). None when no cid is free or submit() callers already
+        wait for one: the caller then takes submit(), which waits its turn."""
+        if not self._free_cids or self._cid_waiters:
+            if self._error is not None:
+                raise self._error
+            return None
+        loop = self._loop
+        assert loop is not None
+        fut = loop.create_future()
+        self.start(opcode, nsid, slba, nlb, buf, write, _settle, fut)
+        if not self._flush_scheduled:
+            if len(self._free_cids) >= len(self._cb) - 1:
+                self.kick()
+            else:
+                self._flush_scheduled = True
+                loop.call_soon(self._scheduled_flush)
+        return fut
+
+
+def _settle(fut: asyncio.Future[None], err: BaseException | None) -> None:
+    """The completion callback of :meth:`BatchQueue.start_awaitable` (the Future is its token)."""
+    if fut.done():
+        return   # the caller was cancelled; its cid was kept until now, when the controller is done with it
+    if err is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(err)
+
+
 async def open_batch_queue(queue: BatchQueue, host: str, port: int, timeout: float | None) -> BatchQueue:
     """Connect ``queue`` to ``host:port`` over its own socket and run the IC exchange."""
     loop = asyncio.get_running_loop()
