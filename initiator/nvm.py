@@ -107,10 +107,9 @@ class NvmIo:
         (``BatchQueue.start_awaitable``: one Future, no Task, dict entry or Command object, the engine's fast
         PDU parsing, sends of one loop iteration batched); None where it cannot go that way (not a batch
         queue, above MDTS, no cid free right now): the caller takes :meth:`_transfer`."""
-        if nlb > MAX_NLB or (self.mdts_bytes and len(view) > self.mdts_bytes):
-            return None
-        queue = self._io_queue()
-        if not isinstance(queue, BatchQueue):
+        queues = self.io_queues
+        queue = queues[0] if len(queues) == 1 else self._io_queue()
+        if not isinstance(queue, BatchQueue) or nlb > MAX_NLB or (self.mdts_bytes and len(view) > self.mdts_bytes):
             return None
         return queue.start_awaitable(opcode, nsid, slba, nlb, view, write)
 
@@ -149,7 +148,7 @@ class NvmIo:
             out = bytearray(total)
             view = memoryview(out)
         else:
-            view = _byte_view(buf)
+            view = memoryview(buf) if type(buf) is bytearray else _byte_view(buf)
             if view.readonly:
                 raise ValueError("buf must be writable (bytearray or writable memoryview)")
             if len(view) != total:
@@ -174,7 +173,7 @@ class NvmIo:
             view, bs, nlb = await self._data_blocks(nsid, data)
         else:
             # The cached geometry spares a coroutine per I/O; the checks are _data_blocks' own.
-            view = _byte_view(data)
+            view = memoryview(data) if type(data) is bytes or type(data) is bytearray else _byte_view(data)
             bs = geo.block_size
             nlb = _whole_blocks(view, nsid, bs)
         if not 0 <= slba < 1 << 64:
