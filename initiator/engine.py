@@ -698,13 +698,14 @@ class BatchQueue(HostQueue):
 
     def _settle(self, fut: asyncio.Future[None], err: BaseException | None) -> None:
         """The completion callback of :meth:`start_awaitable` (the Future is its token)."""
-        if fut.done():
-            return   # the caller was cancelled; its cid was kept until now, when the controller is done with it
         self._awoken = True
-        if err is None:
-            fut.set_result(None)
-        else:
-            fut.set_exception(err)
+        try:
+            if err is None:
+                fut.set_result(None)
+            else:
+                fut.set_exception(err)
+        except asyncio.InvalidStateError:
+            pass   # the caller was cancelled; its cid was kept until now, when the controller is done with it
 
     def _flush_after_wakeups(self) -> None:
         """Queue one flush behind the task wake-ups the Futures just completed queued (call_soon runs in

@@ -155,7 +155,13 @@ class NvmIo:
                 if len(view) < total:
                     raise ValueError(f"buf holds {len(view)} bytes; {nlb} blocks of {bs} need {total}")
                 view = view[:total]
-        fut = self._start_one(_READ, nsid, slba, nlb, view, False)
+        # _start_one, inlined for one batch queue (the commonest case, once per I/O)
+        queues = self.io_queues
+        queue = queues[0] if len(queues) == 1 else None
+        if isinstance(queue, BatchQueue) and nlb <= MAX_NLB and (total <= self.mdts_bytes or not self.mdts_bytes):
+            fut = queue.start_awaitable(_READ, nsid, slba, nlb, view, False)
+        else:
+            fut = self._start_one(_READ, nsid, slba, nlb, view, False)
         if fut is not None:
             await fut
         else:
