@@ -130,3 +130,34 @@ def test_pinning_reads_two_cpu_lists_and_refuses_cpus_not_available() -> None:
     with pytest.raises(SystemExit, match=r"--pin: CPU\(s\) \[4096\] are not available"):
         harness.set_pinning({4096}, None)
     assert harness.PIN == {}
+
+
+def test_libapi_goal_is_the_median_ratio() -> None:
+    import libapi
+
+    assert libapi.goal_line([{"ratio": 1.2}, {"ratio": 1.9}, {"ratio": 1.4}]).startswith(
+        "[met] library API initiator CPU per I/O <= 1.5x the bench's: median ratio 1.40 (rounds: 1.20, 1.90, 1.40)")
+    assert libapi.goal_line([{"ratio": 1.6}, {"ratio": 1.4}, {"ratio": 1.7}]).startswith("[MISSED]")
+    assert libapi.goal_line([{"ratio": 1.0}, {"ratio": None}]).startswith("[MISSED]")
+
+
+async def test_libapi_client_reads_through_host_controller() -> None:
+    """The library client of benchmarks/libapi.py, a fraction of a second against an in-process target."""
+    import libapi
+
+    from target.core import Target
+    from target.service import TargetService
+    from tests.ports import free_port
+
+    target = Target()
+    service = TargetService(target)
+    nqn = "nqn.2026-11.io.nvmeof-toolkit:libapi-test"
+    await service.add_subsystem(nqn)
+    await service.add_namespace(nqn, backend="ram", size=4 << 20, block_size=512, nsid=1)
+    port = free_port()
+    await service.add_listener("tcp", "127.0.0.1", port)
+    try:
+        out = await libapi.library_client("127.0.0.1", port, nqn, 1, 4096, 4, 0.2, 0.05, 1)
+    finally:
+        await target.close()
+    assert out["ios"] > 0 and out["initiator_cpu_us_per_io"] > 0 and out["iops"] > 0
