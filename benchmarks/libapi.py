@@ -4,7 +4,8 @@
 For each round: start one ``nvmeof serve --api none`` with a RAM disk, then against that same target
 run (a) ``nvmeof bench`` 4K random read at QD32 (the batch engine's callback path) and (b) this
 script's ``client``: one ``HostController`` (``initiator.connect``), 32 asyncio tasks each looping
-``await ctrl.read(nsid, slba, nlb, buf=...)`` at random 4K-aligned LBAs, for the same ramp and
+``await ctrl.read(nsid, slba, nlb, buf=...)`` (``--rw randwrite``: ``ctrl.write`` and a bench of random
+writes) at random 4K-aligned LBAs, for the same ramp and
 runtime. Both report process CPU (getrusage) over the measured window divided by the I/Os completed
 in it. The order of (a) and (b) alternates round after round. Goal: (b) / (a) <= 1.5.
 
@@ -34,7 +35,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 GOAL_RATIO = 1.5
-ROW_NAME = "4k-randread-qd32"
 
 
 # ---- (b): the library client, run in its own process ------------------------------------------------
@@ -45,7 +45,7 @@ def _cpu() -> float:
 
 
 async def library_client(host: str, port: int, nqn: str | None, nsid: int, bs: int, tasks: int,
-                         runtime: float, ramp: float, seed: int) -> dict[str, Any]:
+                         runtime: float, ramp: float, seed: int, write: bool = False) -> dict[str, Any]:
     import initiator
 
     kwargs: dict[str, Any] = {"subnqn": nqn} if nqn else {}
@@ -70,13 +70,17 @@ async def library_client(host: str, port: int, nqn: str | None, nsid: int, bs: i
         async def worker() -> None:
             buf = bytearray(bs)
             read, rand = ctrl.read, rng.random
+            write_ = ctrl.write
             n = 0
             lat = 0
             while True:
                 t0 = clock()
                 if t0 >= deadline:
                     break
-                await read(nsid, int(rand() * units) * nlb, nlb, buf=buf)
+                if write:
+                    await write_(nsid, int(rand() * units) * nlb, buf)
+                else:
+                    await read(nsid, int(rand() * units) * nlb, nlb, buf=buf)
                 if t0 >= mstart:
                     t1 = clock()
                     n += 1
@@ -102,7 +106,7 @@ async def library_client(host: str, port: int, nqn: str | None, nsid: int, bs: i
 
 def client_main(args: argparse.Namespace) -> int:
     coro = library_client(args.host, args.port, args.nqn, args.nsid, args.bs, args.tasks, args.runtime,
-                          args.ramp, args.seed)
+                          args.ramp, args.seed, args.rw == "randwrite")
     try:
         import uvloop  # the loop `nvmeof bench` runs on when installed (nvmeof/cli/commands/common.py)
         runner: Any = uvloop.run
@@ -128,7 +132,7 @@ def run_client(port: int, args: argparse.Namespace) -> dict[str, Any]:
     from harness import run_json
 
     cmd = [sys.executable, str(Path(__file__).resolve()), "client", "--port", str(port), "--runtime",
-           str(args.runtime), "--ramp", str(args.ramp), "--tasks", str(args.tasks)]
+           str(args.runtime), "--ramp", str(args.ramp), "--tasks", str(args.tasks), "--rw", args.rw]
     return run_json(cmd, "library client failed", args.runtime * 4 + 60)
 
 
@@ -154,7 +158,7 @@ def compare_main(args: argparse.Namespace) -> int:
 
         server, client = parse_pin(args.pin, argparse.ArgumentParser(prog="libapi.py"))
         set_pinning(server, client)
-    row = Row(ROW_NAME, "randread", 4096, args.tasks)
+    row = Row(f"4k-{args.rw}-qd{args.tasks}", args.rw, 4096, args.tasks)
     rounds = []
     for i in range(args.rounds):
         with serving(args.ramdisk_size) as (target, port):
@@ -178,7 +182,8 @@ def compare_main(args: argparse.Namespace) -> int:
     print(f"machine: {info['cpus']} CPUs, {info['cpu_model']}, Python {info['python']} ({info['event_loop']}); "
           f"tree {info['tree']}; {args.runtime:g} s + ramp {args.ramp:g} s"
           + (f"; pinned {args.pin}" if args.pin else ""))
-    for key, label in (("bench", "nvmeof bench (callback path)"), ("library", f"{args.tasks} tasks x ctrl.read")):
+    call = "write" if args.rw == "randwrite" else "read"
+    for key, label in (("bench", "nvmeof bench (callback path)"), ("library", f"{args.tasks} tasks x ctrl.{call}")):
         iops = statistics.median(r[key]["iops"] for r in rounds)
         cpu = statistics.median(r[key]["initiator_cpu_us_per_io"] or 0.0 for r in rounds)
         print(f"  {label:32} {iops:>10,.0f} IOPS  {cpu:6.1f} µs/IO initiator (medians)")
@@ -198,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         cp.add_argument("--nqn")
         cp.add_argument("--nsid", type=int, default=1)
         cp.add_argument("--bs", type=int, default=4096)
+        cp.add_argument("--rw", choices=["randread", "randwrite"], default="randread")
         cp.add_argument("--tasks", type=int, default=32)
         cp.add_argument("--runtime", type=float, default=3.0)
         cp.add_argument("--ramp", type=float, default=0.5)
@@ -209,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runtime", "--seconds", type=float, default=3.0, help="measured seconds (default 3)")
     ap.add_argument("--ramp", type=float, default=0.5, help="unmeasured warm-up seconds (default 0.5)")
     ap.add_argument("--tasks", type=int, default=32, help="tasks of the library client = bench iodepth (32)")
+    ap.add_argument("--rw", choices=["randread", "randwrite"], default="randread",
+                    help="4K random reads (default) or writes, for both (a) and (b)")
     ap.add_argument("--ramdisk-size", default="256M")
     ap.add_argument("--tree", type=Path, help="measure this checkout (default: the one holding this script)")
     ap.add_argument("--pin", metavar="SERVER_CPUS:CLIENT_CPUS", help="e.g. 0:1 (default: not pinned)")
