@@ -664,7 +664,6 @@ class BatchQueue(HostQueue):
         if self._closed_future is not None and not self._closed_future.done():
             self._closed_future.set_result(None)
 
-
     # ---- awaitable commands: the library API (HostController.read/write/compare) ----------------
 
     def start_awaitable(self, opcode: int, nsid: int, slba: int, nlb: int, buf: memoryview,
