@@ -135,6 +135,10 @@ class BatchQueue(HostQueue):
         self._tick = 0
         self._tick_due: float | None = None   # loop time of the next slot-timeout tick (None: idle)
         self._pdu = [bytearray(_CMD_HLEN) for _ in range(depth)]
+        # start_awaitable: one bound method as every Future's completion callback, and whether this wake-up
+        # completed any (then one flush is queued behind their tasks: see _flush_after_wakeups)
+        self._settle_cb: Callback = self._settle
+        self._awoken = False
 
     # ---- opening -------------------------------------------------------------------------------
 
@@ -239,6 +243,8 @@ class BatchQueue(HostQueue):
         self._flush()
         if self.poll_us:
             self._poll()
+        if self._awoken:
+            self._flush_after_wakeups()
 
     def _retire_slot(self, cid: int) -> tuple[Callback, Any]:
         cb, tok = self._cb[cid], self._tok[cid]
@@ -269,6 +275,8 @@ class BatchQueue(HostQueue):
                 self._process()
                 if self.poll_us and self._error is None:
                     self._poll()
+                if self._awoken:
+                    self._flush_after_wakeups()
         except Exception as exc:
             # A bug here (or in a slot callback) must not leave the commands in flight hanging.
             log.exception("%s: batch engine failure", self.name)
@@ -655,6 +663,57 @@ class BatchQueue(HostQueue):
             sock.close()
         if self._closed_future is not None and not self._closed_future.done():
             self._closed_future.set_result(None)
+
+    # ---- awaitable commands: the library API (HostController.read/write/compare) ----------------
+
+    def start_awaitable(self, opcode: int, nsid: int, slba: int, nlb: int, buf: memoryview,
+                        write: bool) -> asyncio.Future[None] | None:
+        """:meth:`start` with a Future as its completion, for one ``await``: no Task, dict entry, closure or
+        Command object per command, and the fast PDU parsing of slot commands. The Future gets None, the
+        NvmeError of a failed status or the TransportError of a broken queue (the checks are start()'s).
+
+        Sends are batched per loop iteration, not per command: a wake-up that completes Futures queues one
+        flush (call_soon) behind the tasks it woke, so the commands those tasks start next leave together in
+        one ``sendmsg``, as the bench's callbacks' do inside the wake-up; a command started otherwise queues
+        that flush itself, and one alone in flight leaves at once (then polls, with poll_us), as
+        HostQueue._flush_soon does for submit(). None when no cid is free or submit() callers already wait
+        for one: the caller then takes submit(), which waits its turn."""
+        free = self._free_cids
+        if not free or self._cid_waiters:
+            if self._error is not None:
+                raise self._error
+            return None
+        loop = self._loop
+        assert loop is not None
+        fut = loop.create_future()
+        self.start(opcode, nsid, slba, nlb, buf, write, self._settle_cb, fut)
+        if not self._flush_scheduled:
+            if len(free) >= len(self._cb) - 1:
+                self.kick()
+            else:
+                self._flush_scheduled = True
+                loop.call_soon(self._scheduled_flush)
+        return fut
+
+    def _settle(self, fut: asyncio.Future[None], err: BaseException | None) -> None:
+        """The completion callback of :meth:`start_awaitable` (the Future is its token)."""
+        self._awoken = True
+        try:
+            if err is None:
+                fut.set_result(None)
+            else:
+                fut.set_exception(err)
+        except asyncio.InvalidStateError:
+            pass   # the caller was cancelled; its cid was kept until now, when the controller is done with it
+
+    def _flush_after_wakeups(self) -> None:
+        """Queue one flush behind the task wake-ups the Futures just completed queued (call_soon runs in
+        order), so the commands of every task this wake-up woke leave in one ``sendmsg``."""
+        self._awoken = False
+        if not self._flush_scheduled and self._error is None:
+            assert self._loop is not None
+            self._flush_scheduled = True
+            self._loop.call_soon(self._scheduled_flush)
 
 
 async def open_batch_queue(queue: BatchQueue, host: str, port: int, timeout: float | None) -> BatchQueue:

@@ -165,3 +165,34 @@ def test_the_loop_lag_probe_sees_a_stalled_loop(tmp_path: Path) -> None:
     reports = [json.loads(line) for line in out.read_text().splitlines()]
     assert reports and max(r["max_ns"] for r in reports) >= 100_000_000
     assert sum(r["over_2ms"] for r in reports) >= 1
+
+
+def test_libapi_goal_is_the_median_ratio() -> None:
+    import libapi
+
+    assert libapi.goal_line([{"ratio": 1.2}, {"ratio": 1.9}, {"ratio": 1.4}]).startswith(
+        "[met] library API initiator CPU per I/O <= 1.5x the bench's: median ratio 1.40 (rounds: 1.20, 1.90, 1.40)")
+    assert libapi.goal_line([{"ratio": 1.6}, {"ratio": 1.4}, {"ratio": 1.7}]).startswith("[MISSED]")
+    assert libapi.goal_line([{"ratio": 1.0}, {"ratio": None}]).startswith("[MISSED]")
+
+
+async def test_libapi_client_reads_through_host_controller() -> None:
+    """The library client of benchmarks/libapi.py, a fraction of a second against an in-process target."""
+    import libapi
+
+    from target.core import Target
+    from target.service import TargetService
+    from tests.ports import free_port
+
+    target = Target()
+    service = TargetService(target)
+    nqn = "nqn.2026-11.io.nvmeof-toolkit:libapi-test"
+    await service.add_subsystem(nqn)
+    await service.add_namespace(nqn, backend="ram", size=4 << 20, block_size=512, nsid=1)
+    port = free_port()
+    await service.add_listener("tcp", "127.0.0.1", port)
+    try:
+        out = await libapi.library_client("127.0.0.1", port, nqn, 1, 4096, 4, 0.2, 0.05, 1)
+    finally:
+        await target.close()
+    assert out["ios"] > 0 and out["initiator_cpu_us_per_io"] > 0 and out["iops"] > 0
