@@ -599,10 +599,13 @@ class TargetService:
             old = sub.allow_any_host
             sub.allow_any_host = allow
             dropped = masking.drop_unadmitted(sub)
+            qos_undo = self._drop_unadmitted_qos(sub)
 
             async def undo() -> None:
                 sub.allow_any_host = old
                 _restore_hosts(dropped)
+                for step in qos_undo:
+                    await step()
 
             await self._commit(True, undo)
             disconnected = await self._revoke(nqn)
@@ -646,12 +649,15 @@ class TargetService:
             sub.hosts.discard(hostnqn)
             auth = sub.host_auth.pop(hostnqn, None)
             dropped = masking.drop_unadmitted(sub)
+            qos_undo = self._drop_unadmitted_qos(sub)
 
             async def undo() -> None:
                 sub.hosts.add(hostnqn)
                 if auth is not None:
                     sub.host_auth[hostnqn] = auth
                 _restore_hosts(dropped)
+                for step in qos_undo:
+                    await step()
 
             await self._commit(True, undo)
             disconnected = await self._revoke(subnqn)
@@ -1125,6 +1131,23 @@ class TargetService:
                      _qos_words(hosts.get(host, qosmod.UNLIMITED) if host else ns_limits))
             await self._settle()
             return ns
+
+    def _drop_unadmitted_qos(self, sub: Subsystem) -> list[Undo]:
+        """The per-host QoS limits of hosts ``sub`` no longer admits go with them (as their namespace
+        visibility does, masking.drop_unadmitted): a host allowed again later starts unlimited, and the saved
+        configuration names no host the subsystem refuses. Their commands waiting are let go (the host's
+        connections are being disconnected). Returns the undo steps."""
+        undo = []
+        for ns in sub.namespaces.values():
+            if ns.qos is None or not ns.qos.host_limits:
+                continue
+            limits, hosts = _current_qos(ns)
+            kept = {h: lim for h, lim in hosts.items() if sub.host_allowed(h)}
+            if len(kept) != len(hosts):
+                log.info("namespace %d of %s: QoS limits of host(s) %s dropped (no longer allowed)", ns.nsid,
+                         sub.nqn, ", ".join(sorted(set(hosts) - set(kept))))
+                undo.append(self._qos_step(ns, limits, kept))
+        return undo
 
     def _qos_step(self, ns: Namespace, limits: qosmod.QosLimits, hosts: Mapping[str, qosmod.QosLimits]) -> Undo:
         """Apply limits live (the throttles stay where a limit stays, so queued commands keep their place)."""
