@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -62,19 +63,28 @@ def measure(args: argparse.Namespace, name: str, limit: dict[str, int], row: Row
             def bench(nsid: int) -> dict[str, Any]:
                 return run_bench(row, port, proc.pid, runtime=args.seconds, ramp=args.ramp, numjobs=1, nsid=nsid)
 
-            alone = bench(2)
+            load_before = os.getloadavg()[0]
+            alone_1 = bench(2)
             limited_alone = bench(1)
             with ThreadPoolExecutor(2) as pool:
                 limited_f, beside_f = pool.submit(bench, 1), pool.submit(bench, 2)
                 limited, beside = limited_f.result(), beside_f.result()
+            alone_2 = bench(2)
+            load_after = os.getloadavg()[0]
     got, want, unit = _limit_value(limit, limited)
     got_alone = _limit_value(limit, limited_alone)[0]
+    # nsid 2 alone before and after the run beside nsid 1: the mean of both takes out a drift of the load
+    alone = (alone_1["iops"] + alone_2["iops"]) / 2
     return {"case": name, "limit": want, "unit": unit, "limited": got, "limited_over_limit": got / want,
             "limited_alone_over_limit": got_alone / want,
-            "unlimited_alone_iops": alone["iops"], "unlimited_beside_iops": beside["iops"],
-            "unlimited_beside_over_alone": beside["iops"] / alone["iops"],
-            "unlimited_alone_cpu_us_per_io": alone["target_cpu_us_per_io"],
-            "limited_mean_lat_us": limited["mean_lat_ns"] / 1e3}
+            "unlimited_alone_iops": alone, "unlimited_alone_iops_each": [alone_1["iops"], alone_2["iops"]],
+            "unlimited_beside_iops": beside["iops"],
+            "unlimited_beside_over_alone": beside["iops"] / alone,
+            "unlimited_alone_cpu_us_per_io": alone_1["target_cpu_us_per_io"],
+            # while nsid 1 runs alone, the target's CPU is all its: what one limited I/O costs the target
+            "limited_target_cpu_us_per_io": limited_alone["target_cpu_us_per_io"],
+            "limited_initiator_cpu_us_per_io": limited_alone["initiator_cpu_us_per_io"],
+            "limited_mean_lat_us": limited["mean_lat_ns"] / 1e3, "load_average": [load_before, load_after]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,8 +108,14 @@ def main(argv: list[str] | None = None) -> int:
     runs = [measure(args, name, limit, row) for _ in range(args.rounds) for name, limit, row in cases]
     print(f"machine: {machine()}; {args.rounds} round(s), {args.seconds:g} s + {args.ramp:g} s ramp per bench; "
           "medians")
+    for r in runs:
+        print(f"  round {r['case']:<10} got/limit {r['limited_over_limit']:.3f} "
+              f"(alone {r['limited_alone_over_limit']:.3f})"
+              f"  nsid2 beside/alone {r['unlimited_beside_over_alone']:.3f} ({r['unlimited_beside_iops']:.0f} / "
+              f"{'+'.join(f'{x:.0f}' for x in r['unlimited_alone_iops_each'])})  target us per limited I/O "
+              f"{r['limited_target_cpu_us_per_io']:.1f}  load {r['load_average'][0]:.2f}-{r['load_average'][1]:.2f}")
     print(f"{'case':<10} {'limit':>12} {'alone/limit':>11} {'limited got':>12} {'got/limit':>9} {'nsid2 alone':>12} "
-          f"{'nsid2 beside':>12} {'beside/alone':>12}")
+          f"{'nsid2 beside':>12} {'beside/alone':>12} {'tgt us/lim IO':>13}")
     summary = []
     for name, _limit, _row in cases:
         mine = [r for r in runs if r["case"] == name]
@@ -110,12 +126,14 @@ def main(argv: list[str] | None = None) -> int:
         line = {"case": name, "limit": mine[0]["limit"], "unit": mine[0]["unit"],
                 **{k: med(k) for k in ("limited", "limited_over_limit", "limited_alone_over_limit",
                                        "unlimited_alone_iops",
-                                       "unlimited_beside_iops", "unlimited_beside_over_alone")}}
+                                       "unlimited_beside_iops", "unlimited_beside_over_alone",
+                                       "limited_target_cpu_us_per_io", "limited_initiator_cpu_us_per_io")}}
         summary.append(line)
         print(f"{name:<10} {line['limit']:>6g} {line['unit']:<5} {line['limited_alone_over_limit']:>11.3f} "
               f"{line['limited']:>12.1f} "
               f"{line['limited_over_limit']:>9.3f} {line['unlimited_alone_iops']:>12.0f} "
-              f"{line['unlimited_beside_iops']:>12.0f} {line['unlimited_beside_over_alone']:>12.3f}")
+              f"{line['unlimited_beside_iops']:>12.0f} {line['unlimited_beside_over_alone']:>12.3f} "
+              f"{line['limited_target_cpu_us_per_io']:>13.1f}")
     if args.json:
         args.json.write_text(json.dumps({"machine": machine(), "runs": runs, "summary": summary}, indent=2) + "\n")
     return 0
