@@ -240,8 +240,10 @@ class Throttle:
                     self._released_at = now
                     self.releases += 1
                 # The head's turn, or the end of the release interval if that is later: the tokens of the
-                # interval accrue meanwhile (the bucket holds up to its catch-up while commands wait).
-                wait = max(wait, self._released_at + defaults.QOS_RELEASE_SECONDS - now)
+                # interval accrue meanwhile (the bucket holds up to its catch-up while commands wait). Never
+                # less than QOS_TIMER_MIN_SECONDS: uvloop (libuv) rounds a delay to whole milliseconds, so a
+                # shorter one fires at once, and re-arming for the rest spun the loop until the turn came.
+                wait = max(wait, self._released_at + defaults.QOS_RELEASE_SECONDS - now, defaults.QOS_TIMER_MIN_SECONDS)
                 self._timer = asyncio.get_running_loop().call_later(wait, self._pump)
                 return
             waiters.popleft()

@@ -261,6 +261,21 @@ async def test_a_first_waiter_after_a_quiet_spell_waits_only_for_its_turn() -> N
     await fut
 
 
+async def test_the_timer_is_never_armed_shorter_than_the_loop_can_wait() -> None:
+    """uvloop rounds a delay to whole milliseconds: a turn 0.1 ms away would fire at once, again and again,
+    spinning the loop until it came. The pump waits at least QOS_TIMER_MIN_SECONDS instead."""
+    clock = Clock()
+    t = Throttle(QosLimits(rw_ios_per_second=10_000), clock=clock)   # a turn every 0.1 ms
+    while t.try_take(True, 512):
+        pass
+    before = asyncio.get_running_loop().time()
+    fut = asyncio.ensure_future(t.take(True, 512))
+    await asyncio.sleep(0)
+    assert t._timer is not None and t._timer.when() >= before + defaults.QOS_TIMER_MIN_SECONDS
+    t.close()
+    await fut
+
+
 # --- a limited namespace on the target ---------------------------------------------------------------
 
 
