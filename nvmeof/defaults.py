@@ -147,6 +147,9 @@ POLL_US_MAX = TCP_POLL_SLICE_US       # largest `--poll-us`: one wake-up polls a
 # -- QoS (target/qos.py): per-namespace and per-host rate limits, as SPDK bdev_set_qos_limit --------
 QOS_BURST_SECONDS = 0.02              # a bucket holds this much of its rate: the burst a limit lets through
 QOS_CATCHUP_SECONDS = 0.25            # how late waiting commands may still be let go on time (a stalled loop)
+QOS_RELEASE_SECONDS = 0.01            # a throttle lets waiting commands go at most this often, together (one
+                                      # write for their replies); a waiting command may go this much late
+QOS_TIMER_MIN_SECONDS = 0.001         # the shortest wait a throttle's timer is armed for (libuv's resolution)
 QOS_IOS_MAX = 10_000_000              # rw_ios_per_second above this is refused as a typing error
 QOS_MBYTES_MAX = 1_000_000            # *_mbytes_per_second above this (~1 TiB/s) likewise; 1 MB = 2**20 B (SPDK)
 QOS_HOSTS_MAX = 1024                  # per-host limits on one namespace

@@ -108,6 +108,8 @@ def _throttled(execute, is_read: bool):
             ctrl = req.queue.ctrl
             waited = await qos.take(ctrl.hostnqn, is_read, req.data_len)
             if waited:
+                # let go by a release with others (Throttle._pump): the transport sends their replies together
+                req.coalesce = True
                 for stats in (ns.stats, ctrl.host_stats):
                     stats.throttled += 1
                     stats.throttled_ns += waited

@@ -22,6 +22,20 @@ back leave together; over any interval that contains the stall the rate still ho
 more than ``rate * (T + QOS_BURST_SECONDS + QOS_CATCHUP_SECONDS)`` plus one command. Tokens a waiting queue
 did not use are dropped back to the burst once it is empty.
 
+Commands let go together answer together: a throttle wakes at most every QOS_RELEASE_SECONDS (one timer
+per throttle, never one per command) and lets go every waiting command whose turn came by then; the tokens of
+that interval stay in the bucket (it may hold up to the catch-up while commands wait), so the rate holds, and a
+waiting command goes at most that much later than its turn. Each of them is marked (``Request.coalesce``) and
+the TCP transports send the replies of one release in one write at the end of the loop iteration that runs
+them, instead of one ``sendmsg`` each: a host at a limit then sees its replies, and sends its next commands, in
+batches, and a limited namespace's I/O stops costing the target what a QD1 I/O does (which took the CPU an
+unlimited namespace beside it needed). SPDK's QoS releases its queued I/O once per 1 ms timeslice the same way
+(bdev_qos_reset_timeslice, then bdev_qos_io_submit).
+
+A raised limit takes effect at once: the debt a bucket ran up at the old, lower rate is forgiven (a command
+larger than the burst must not keep a namespace at its old rate for seconds after the operator raised it); a
+lowered one keeps its debt, paid at the new rate.
+
 Waiting commands queue in arrival order per bucket set (a small command does not overtake a large one
 that waits, so none starves). Like SPDK, only Read, Write (and Compare, a read) are limited; Flush,
 Write Zeroes and Dataset Management are not. Buckets are pure and take ``now`` from the caller, so
@@ -134,11 +148,14 @@ class Throttle:
         # [future, is_read, nbytes]; a cancelled waiter's future is done and is skipped
         self.waiters: collections.deque[list[Any]] = collections.deque()
         self._timer: asyncio.TimerHandle | None = None
+        self._released_at = -defaults.QOS_RELEASE_SECONDS   # clock time of the last release (the pump's pace)
+        self.releases = 0                                   # pump runs that let commands go (tests, diagnostics)
         self.set_limits(limits)
 
     def set_limits(self, limits: QosLimits) -> None:
-        """Change the rates live: a bucket kept keeps its tokens (or debt, now paid at the new rate), a new one
-        starts full; the commands waiting are re-timed at once (released when the limit is gone)."""
+        """Change the rates live: a bucket kept keeps its tokens (a lowered one its debt, now paid at the new
+        rate; a raised one forgets its debt), a new one starts full; the commands waiting are re-timed at once
+        (released when the limit is gone)."""
         now = self.clock()
         old = {"_ios": self._ios, "_rw": self._rw, "_r": self._r, "_w": self._w}
         rates = {"_ios": limits.rw_ios_per_second, "_rw": limits.rw_mbytes_per_second * MIB,
@@ -148,9 +165,13 @@ class Throttle:
             if not rate:
                 setattr(self, name, None)
                 continue
+            tokens = None
             if prev is not None:
                 prev.refill(now)
-            setattr(self, name, Bucket(rate * self.share, now, None if prev is None else prev.tokens))
+                tokens = prev.tokens
+                if rate * self.share > prev.rate and tokens < 0:
+                    tokens = 0.0   # raised: the debt run up at the lower rate is forgiven, the new rate applies now
+            setattr(self, name, Bucket(rate * self.share, now, tokens))
         self.limits = limits
         if self.waiters:
             self._pump()
@@ -200,23 +221,38 @@ class Throttle:
             raise
 
     def _pump(self) -> None:
-        """Let the head waiters go while the buckets allow; arm one timer for the next."""
+        """Let the head waiters go while the buckets allow, all in this one call (their replies leave
+        together); arm one timer for the next, no sooner than QOS_RELEASE_SECONDS after this release."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         waiters = self.waiters
+        now = self.clock()
+        released = False
         while waiters:
             fut, is_read, nbytes = waiters[0]
             if fut.done():
                 waiters.popleft()
                 continue
-            wait = self.delay(is_read, nbytes, self.clock(), waiting=True)
+            wait = self.delay(is_read, nbytes, now, waiting=True)
             if wait:
+                if released:
+                    self._released_at = now
+                    self.releases += 1
+                # The head's turn, or the end of the release interval if that is later: the tokens of the
+                # interval accrue meanwhile (the bucket holds up to its catch-up while commands wait). Never
+                # less than QOS_TIMER_MIN_SECONDS: uvloop (libuv) rounds a delay to whole milliseconds, so a
+                # shorter one fires at once, and re-arming for the rest spun the loop until the turn came.
+                wait = max(wait, self._released_at + defaults.QOS_RELEASE_SECONDS - now, defaults.QOS_TIMER_MIN_SECONDS)
                 self._timer = asyncio.get_running_loop().call_later(wait, self._pump)
                 return
             waiters.popleft()
             self.charge(is_read, nbytes)
             fut.set_result(None)
+            released = True
+        if released:
+            self._released_at = now
+            self.releases += 1
         for bucket in (self._ios, self._rw, self._r, self._w):
             if bucket is not None:
                 bucket.settle()

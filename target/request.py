@@ -82,7 +82,7 @@ Execute = Callable[["Request"], Awaitable[None]]
 class Request:
     """One command: what parse decided, the payloads, and the result dwords."""
 
-    __slots__ = ("cmd", "data", "data_len", "direction", "dw0", "dw1", "execute", "ns", "queue", "reply",
+    __slots__ = ("cmd", "coalesce", "data", "data_len", "direction", "dw0", "dw1", "execute", "ns", "queue", "reply",
                  "start_ns")
 
     def __init__(self, queue: TargetQueue, cmd: Command) -> None:
@@ -97,6 +97,9 @@ class Request:
         self.dw1 = 0
         self.ns: Namespace | None = None
         self.start_ns = 0
+        # Its reply may wait for the end of this loop iteration, to leave in one write with the others that
+        # finish in it (a QoS release: target/qos.py); a transport that does not batch ignores it.
+        self.coalesce = False
 
     def expect(self, direction: Direction, length: int, execute: Execute) -> None:
         """Called by parse: the command moves ``length`` bytes in ``direction`` and runs ``execute``."""

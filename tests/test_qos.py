@@ -97,16 +97,37 @@ def test_bytes_and_ios_both_apply() -> None:
     assert 80 <= done <= 80 + 2
 
 
-def test_live_change_keeps_debt_and_applies_the_new_rate() -> None:
+def test_live_change_lowered_keeps_debt_at_the_new_rate_raised_forgives_it() -> None:
     clock = Clock()
-    t = Throttle(QosLimits(rw_ios_per_second=10), clock=clock)
-    for _ in range(5):
-        t.charge(True, 512)          # deep in debt: 5 - 1 (capacity) = 4 commands
+    t = Throttle(QosLimits(rw_ios_per_second=100), clock=clock)
+    for _ in range(6):
+        t.charge(True, 512)          # deep in debt: 6 - 2 (capacity) = 4 commands
+    assert t.delay(True, 512, clock.now) == pytest.approx(0.04)
+    t.set_limits(QosLimits(rw_ios_per_second=10))
+    assert t.delay(True, 512, clock.now) == pytest.approx(0.4)    # lowered: the same debt, paid 10 times slower
+    t.set_limits(QosLimits(rw_ios_per_second=10, rw_mbytes_per_second=1))   # the IOPS rate stays: debt stays
     assert t.delay(True, 512, clock.now) == pytest.approx(0.4)
-    t.set_limits(QosLimits(rw_ios_per_second=100))
-    assert t.delay(True, 512, clock.now) == pytest.approx(0.04)   # the same debt, paid 10 times faster
-    t.set_limits(QosLimits(rw_mbytes_per_second=1))                # the IOPS bucket is gone, a byte one starts full
+    t.set_limits(QosLimits(rw_ios_per_second=1000, rw_mbytes_per_second=1))
+    assert t.delay(True, 512, clock.now) == 0                      # raised: effective at once, the debt is gone
+    assert t.try_take(True, 512)
+    assert not t.try_take(True, 512)                               # from an empty bucket, not a full one
+    for _ in range(10):
+        t.charge(True, 4 << 20)                                    # 40 MiB of debt at 1 MiB/s
+    t.set_limits(QosLimits(rw_mbytes_per_second=2))                # the IOPS bucket is gone; bytes raised
     assert t.delay(True, 512, clock.now) == 0
+
+
+async def test_raised_limit_releases_waiting_commands_at_once() -> None:
+    clock = Clock()   # frozen: without the raise nobody could go
+    t = Throttle(QosLimits(rw_mbytes_per_second=1), clock=clock)
+    t.charge(False, 8 << 20)             # a command far larger than the burst: 8 s of debt at 1 MiB/s
+    waiting = asyncio.ensure_future(t.take(False, 4096))
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    t.set_limits(QosLimits(rw_mbytes_per_second=100))   # 80 ms of debt at the new rate if it were kept
+    await asyncio.sleep(0)
+    assert waiting.done()
+    t.close()
 
 
 def test_refund_undoes_a_charge() -> None:
@@ -198,6 +219,61 @@ async def test_cancelled_waiter_does_not_block_the_queue() -> None:
     t.set_limits(QosLimits(rw_ios_per_second=1))   # re-time: enough tokens for one
     await asyncio.wait_for(second, 5)
     assert first.cancelled()
+
+
+async def test_due_commands_go_in_one_release_and_the_next_waits_the_release_interval() -> None:
+    """One pump lets every command whose turn came go at once; the one timer it arms is never sooner than
+    QOS_RELEASE_SECONDS after that release (not one wake-up per command at the rate's spacing)."""
+    clock = Clock()
+    rate = 2000                                         # a turn every 0.5 ms
+    t = Throttle(QosLimits(rw_ios_per_second=rate), clock=clock)
+    while t.try_take(True, 512):
+        pass
+    futs = [asyncio.ensure_future(t.take(True, 512)) for _ in range(40)]
+    await asyncio.sleep(0)
+    assert t._timer is not None and len(t.waiters) == 40
+    clock.now += 0.005                                  # 10 turns came
+    before = asyncio.get_running_loop().time()
+    t._pump()
+    assert len(t.waiters) == 40 - 10 and t.releases == 1
+    await asyncio.sleep(0)
+    assert sum(f.done() for f in futs) == 10            # woken together, in one loop iteration
+    # the next head is due in 0.5 ms, but the timer waits for the interval: its tokens accrue meanwhile
+    assert t._timer is not None and t._timer.when() >= before + defaults.QOS_RELEASE_SECONDS
+    clock.now += defaults.QOS_RELEASE_SECONDS
+    t._pump()
+    assert len(t.waiters) == 30 - rate * defaults.QOS_RELEASE_SECONDS and t.releases == 2
+    t.close()
+    await asyncio.gather(*futs)
+
+
+async def test_a_first_waiter_after_a_quiet_spell_waits_only_for_its_turn() -> None:
+    clock = Clock()
+    t = Throttle(QosLimits(rw_ios_per_second=1000), clock=clock)
+    while t.try_take(True, 512):
+        pass
+    before = asyncio.get_running_loop().time()
+    fut = asyncio.ensure_future(t.take(True, 512))
+    await asyncio.sleep(0)
+    # no release happened lately: the timer is the command's turn (1 ms), not the release interval
+    assert t._timer is not None and t._timer.when() < before + defaults.QOS_RELEASE_SECONDS
+    t.close()
+    await fut
+
+
+async def test_the_timer_is_never_armed_shorter_than_the_loop_can_wait() -> None:
+    """uvloop rounds a delay to whole milliseconds: a turn 0.1 ms away would fire at once, again and again,
+    spinning the loop until it came. The pump waits at least QOS_TIMER_MIN_SECONDS instead."""
+    clock = Clock()
+    t = Throttle(QosLimits(rw_ios_per_second=10_000), clock=clock)   # a turn every 0.1 ms
+    while t.try_take(True, 512):
+        pass
+    before = asyncio.get_running_loop().time()
+    fut = asyncio.ensure_future(t.take(True, 512))
+    await asyncio.sleep(0)
+    assert t._timer is not None and t._timer.when() >= before + defaults.QOS_TIMER_MIN_SECONDS
+    t.close()
+    await fut
 
 
 # --- a limited namespace on the target ---------------------------------------------------------------
@@ -300,3 +376,75 @@ async def test_a_stalled_loop_does_not_cost_waiting_commands_their_turn() -> Non
     t.set_limits(QosLimits(rw_ios_per_second=rate))
     clock.now += 10.0
     assert sum(t.try_take(True, 512) for _ in range(100)) == max(rate * defaults.QOS_BURST_SECONDS, 1) + 1
+
+
+@ENGINES
+async def test_commands_released_together_answer_in_one_write(engine: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The replies of the commands one QoS release lets go leave in one write, not one each (the host then
+    sends its next commands together too)."""
+    tgt, admin, rec = await _limited_target(QosLimits(rw_ios_per_second=1), engine, monkeypatch)
+    ns1 = tgt.subsystems[SUBNQN].namespaces[1]
+    assert ns1.qos is not None and ns1.qos.namespace is not None
+    for _ in range(600):
+        ns1.qos.namespace.charge(True, 512)   # every command below waits
+    data = os.urandom(512)
+    rec.hold = True
+    futs = [rec.send(*_rd(i, 1)[:1], read_len=512) for i in range(12)]
+    futs += [rec.send(*_wr(100 + i, data)[:2]) for i in range(4)]
+    rec.hold = False
+    rec.flush()
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert len(ns1.qos.namespace.waiters) == 16 and not any(f.done() for f in futs)
+    writes: list[int] = []
+    deliver = rec.data_received
+
+    def counting(chunk: bytes) -> None:
+        writes.append(len(chunk))
+        deliver(chunk)
+
+    monkeypatch.setattr(rec, "data_received", counting)
+    ns1.qos.namespace.close()   # the limit removed: one release lets all 16 go
+    results = await asyncio.wait_for(asyncio.gather(*futs), 5)
+    assert [r.status for r in results] == [0] * 16
+    assert len(writes) == 1, f"the target answered the released commands in {len(writes)} writes"
+    assert ns1.stats.throttled == 16
+    await _close(tgt, admin, rec)
+
+
+async def test_batch_fast_path_takes_the_tokens_before_reading(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read the limit delays is not read by the fast path first (and again when it goes)."""
+    calls: list[int] = []
+
+    class CountingRam(RamBackend):
+        def memory_view(self) -> memoryview | None:
+            return None   # not the RAM disk's hot lane: the fast path calls read_nowait
+
+        def read_nowait(self, offset: int, length: int) -> memoryview:
+            calls.append(offset)
+            return super().read_nowait(offset, length)
+
+    test_tcp_batch._use_batch(monkeypatch)
+    tgt = make_target()
+    sub = tgt.subsystems[SUBNQN]
+    sub.namespaces[1] = Namespace(1, CountingRam(1 << 20))
+    sub.namespaces[1].qos = NamespaceQos(QosLimits(rw_ios_per_second=1))
+    admin, cntlid = await admin_session(tgt, SUBNQN)
+    rec = await _io_recording(tgt, cntlid, sqflow_off=False)
+    ns1 = sub.namespaces[1]
+    assert ns1.qos is not None and ns1.qos.namespace is not None
+    for _ in range(2):
+        ns1.qos.namespace.charge(True, 512)   # the bucket (1) is spent and in debt: every read waits
+    rec.hold = True
+    futs = [rec.send(*_rd(i, 1)[:1], read_len=512) for i in range(8)]
+    rec.hold = False
+    rec.flush()
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert len(ns1.qos.namespace.waiters) == 8
+    assert calls == [], "the fast path read data for commands the limit then delayed"
+    ns1.qos.close()
+    ns1.qos = None
+    results = await asyncio.wait_for(asyncio.gather(*futs), 5)
+    assert [r.status for r in results] == [0] * 8
+    await _close(tgt, admin, rec)

@@ -112,6 +112,49 @@ async def test_reload_changes_limits_live(tmp_path: Path) -> None:
             configmod.validate_config(config)
 
 
+async def test_a_denied_host_loses_its_limits(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    other = "nqn.2026-01.com.example:host-b"
+    async with _served(path) as svc:
+        await svc.allow_host(SUB, other)
+        await svc.set_namespace_qos(SUB, 1, {"rw_ios_per_second": 500})
+        await svc.set_namespace_qos(SUB, 1, {"rw_ios_per_second": 10}, host=HOST)
+        await svc.set_namespace_qos(SUB, 1, {"r_mbytes_per_second": 5}, host=other)
+        await svc.set_namespace_qos(SUB, 2, {"rw_ios_per_second": 20}, host=HOST)
+        await svc.deny_host(SUB, HOST)
+        ns1, ns2 = svc.get_namespace(SUB, 1), svc.get_namespace(SUB, 2)
+        assert ns1.qos is not None and ns1.qos.host_limits == {other: QosLimits(r_mbytes_per_second=5)}
+        assert HOST not in ns1.qos.hosts and ns1.qos.limits == QosLimits(rw_ios_per_second=500)
+        assert ns2.qos is None   # its only limit was the denied host's
+        saved = json.loads(path.read_text())["subsystems"][0]["namespaces"]
+        assert saved[0]["qos"] == {"rw_ios_per_second": 500, "hosts": {other: {"r_mbytes_per_second": 5}}}
+        assert "qos" not in saved[1]
+        # allowed again: it starts unlimited
+        await svc.allow_host(SUB, HOST)
+        assert HOST not in ns1.qos.host_limits
+        # allow_any_host off keeps only the listed hosts' limits; with it on every host is admitted
+        await svc.deny_host(SUB, HOST)
+        await svc.deny_host(SUB, other)
+        await svc.set_allow_any_host(SUB, True)
+        await svc.set_namespace_qos(SUB, 1, {"rw_ios_per_second": 10}, host=HOST)
+        await svc.set_allow_any_host(SUB, False)
+        assert ns1.qos is not None and ns1.qos.host_limits == {}
+
+
+async def test_a_failed_deny_puts_the_limits_back(tmp_path: Path) -> None:
+    async with _served(tmp_path / "config.json") as svc:
+        await svc.set_namespace_qos(SUB, 1, {"rw_ios_per_second": 10}, host=HOST)
+
+        async def refused() -> None:
+            raise ServiceError(503, "the store is out of reach")
+
+        svc.set_change_hook(refused)
+        with pytest.raises(ServiceError):
+            await svc.deny_host(SUB, HOST)
+        ns1 = svc.get_namespace(SUB, 1)
+        assert ns1.qos is not None and ns1.qos.host_limits == {HOST: QosLimits(rw_ios_per_second=10)}
+
+
 def test_nvmetcli_export_says_the_limits_are_left_out(tmp_path: Path) -> None:
     disk = tmp_path / "d.img"
     disk.write_bytes(bytes(1 << 16))

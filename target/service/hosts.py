@@ -56,12 +56,15 @@ class HostsMixin(ServiceBase):
             sub.hosts.discard(hostnqn)
             auth = sub.host_auth.pop(hostnqn, None)
             dropped = masking.drop_unadmitted(sub)
+            qos_undo = self._drop_unadmitted_qos(sub)
 
             async def undo() -> None:
                 sub.hosts.add(hostnqn)
                 if auth is not None:
                     sub.host_auth[hostnqn] = auth
                 _restore_hosts(dropped)
+                for step in qos_undo:
+                    await step()
 
             await self._commit(True, undo)
             disconnected = await self._revoke(subnqn)

@@ -16,7 +16,7 @@ from nvmeof import defaults
 from target import masking, pr
 from target import qos as qosmod
 from target.backends import BackendError
-from target.model import Namespace
+from target.model import Namespace, Subsystem
 from target.service.base import ServiceBase
 from target.service.checks import ServiceError, _bad, _bool, _int, _masking, _nqn
 from target.transaction import Undo
@@ -129,6 +129,23 @@ class NamespaceSettingsMixin(ServiceBase):
                      _qos_words(hosts.get(host, qosmod.UNLIMITED) if host else ns_limits))
             await self._settle()
             return ns
+
+    def _drop_unadmitted_qos(self, sub: Subsystem) -> list[Undo]:
+        """The per-host QoS limits of hosts ``sub`` no longer admits go with them (as their namespace
+        visibility does, masking.drop_unadmitted): a host allowed again later starts unlimited, and the saved
+        configuration names no host the subsystem refuses. Their commands waiting are let go (the host's
+        connections are being disconnected). Returns the undo steps."""
+        undo = []
+        for ns in sub.namespaces.values():
+            if ns.qos is None or not ns.qos.host_limits:
+                continue
+            limits, hosts = _current_qos(ns)
+            kept = {h: lim for h, lim in hosts.items() if sub.host_allowed(h)}
+            if len(kept) != len(hosts):
+                log.info("namespace %d of %s: QoS limits of host(s) %s dropped (no longer allowed)", ns.nsid,
+                         sub.nqn, ", ".join(sorted(set(hosts) - set(kept))))
+                undo.append(self._qos_step(ns, limits, kept))
+        return undo
 
     def _qos_step(self, ns: Namespace, limits: qosmod.QosLimits, hosts: Mapping[str, qosmod.QosLimits]) -> Undo:
         """Apply limits live (the throttles stay where a limit stays, so queued commands keep their place)."""

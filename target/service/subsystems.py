@@ -140,10 +140,13 @@ class SubsystemsMixin(ServiceBase):
             old = sub.allow_any_host
             sub.allow_any_host = allow
             dropped = masking.drop_unadmitted(sub)
+            qos_undo = self._drop_unadmitted_qos(sub)
 
             async def undo() -> None:
                 sub.allow_any_host = old
                 _restore_hosts(dropped)
+                for step in qos_undo:
+                    await step()
 
             await self._commit(True, undo)
             disconnected = await self._revoke(nqn)

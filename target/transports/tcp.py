@@ -398,6 +398,9 @@ class TargetConnection(asyncio.BufferedProtocol):
         self._read_paused = False
         # Set while data_received handles one batch of PDUs: what they queue goes out in one write.
         self._batching = False
+        # A flush is due at the end of this loop iteration: replies of commands a QoS release let go together
+        # (Request.coalesce) wait for it, so they leave in one write (_flush_coalesced).
+        self._flush_due = False
         self._linger: asyncio.TimerHandle | None = None   # aborts a graceful close that never finishes
         # NVMe/TCP over TLS (TP 8011): the listener's mode; the first bytes decide (a TLS record starts 0x16)
         self.tls_mode = listener.tls if listener is not None else "none"
@@ -789,9 +792,16 @@ class TargetConnection(asyncio.BufferedProtocol):
             if req.queue.sqflow_disabled and not req.dw0 and not req.dw1:
                 # The SUCCESS flag stands in for the CapsuleResp (nvmet/SPDK do this only without SQ flow control)
                 self.conn.send_c2h_data(req.cmd.cid, 0, data, last=True, success=True)
-                self._flush()
+                if req.coalesce:
+                    self._flush_soon()
+                else:
+                    self._flush()
                 return
             self.conn.send_c2h_data(req.cmd.cid, 0, data, last=True, success=False)
+        if req.coalesce and not self._closed:
+            self.conn.send_response(cqe)
+            self._flush_soon()
+            return
         self._send_cqe(cqe)
 
     def _send_cqe(self, cqe: bytes) -> None:
@@ -799,6 +809,20 @@ class TargetConnection(asyncio.BufferedProtocol):
             return
         self.conn.send_response(cqe)
         self._flush()
+
+    def _flush_soon(self) -> None:
+        """A reply of a command a QoS release let go with others, which all run in this loop iteration: one
+        write at its end carries all their replies (the Tasks the release woke were queued before this
+        call_soon, so they run first)."""
+        if self._batching or self._flush_due:
+            return   # the batch's own flush, or the one already due, takes it along
+        self._flush_due = True
+        asyncio.get_running_loop().call_soon(self._flush_coalesced)
+
+    def _flush_coalesced(self) -> None:
+        self._flush_due = False
+        if not self._closed:
+            self._flush()
 
     def _incapsule_data(self, req: Request, data: bytes | None, digest_ok: bool) -> memoryview:
         if req.cmd.sgl_id == SGL_ID_INCAPSULE:

@@ -399,6 +399,9 @@ class BatchMixin:
             # A QoS-limited namespace: a command runs inline only while its buckets allow it now; else it
             # leaves the fast path, and io.parse's gate makes it wait in its own Task (the loop goes on).
             if opcode == _READ:
+                # The tokens first: a read the limit delays is not read now (and again when it goes).
+                if qos is not None and not qos.try_take(hostnqn, True, length):
+                    break
                 if disk is not None:
                     offset = slba << shift
                     data = disk[offset:offset + length]   # in range: checked against NSZE above
@@ -406,11 +409,11 @@ class BatchMixin:
                     try:
                         data = read_nowait(slba << shift, length)
                     except Exception:   # the stream path runs it again and reports the error
-                        break
+                        data = None
                     if data is None or len(data) != length:
+                        if qos is not None:
+                            qos.refund(hostnqn, True, length)   # the stream path charges it again
                         break
-                if qos is not None and not qos.try_take(hostnqn, True, length):
-                    break
                 reads += 1
                 read_bytes += length
             else:
