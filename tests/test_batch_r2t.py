@@ -79,18 +79,23 @@ async def test_large_writes_take_the_fast_path_and_land(served, size, cut):
     admin, peer, conn = await _io_peer(served)
     tasks = conn._tasks
     before = conn.fast_commands
-    data = os.urandom(size)
-    await peer.send(rw_capsule(IoOpcode.WRITE, 3, 64, size))
-    r2t = await _r2t(peer, 3)
-    assert (r2t["offset"], r2t["length"]) == (0, size)   # one R2T for all of it (MAXR2T 0)
-    assert type(conn._h2c[r2t["ttag"]]) is tcp_batch._FastWrite and not tasks
-    pdus = b"".join(h2c_data(3, r2t["ttag"], off, data[off:off + MAXH2C], last=off + MAXH2C >= size)
-                    for off in range(0, size, MAXH2C))
-    await peer.send(pdus, [1, 7, 23, 1000, 17000, 40000, 5] * 30 if cut else None)
-    assert await peer.wait_for(lambda o: o.done(3), 5)
-    assert peer.out.cqe(3).status_code == 0
-    assert conn.fast_commands == before + 1 and not conn._h2c and conn._h2c_bytes == 0
-    assert await _read_back(peer, 4, 64, size) == data
+    blocks = size // 512
+    written = []
+    for i, cid in enumerate((3, 5, 7)):   # the later writes reuse the first ones' buffers
+        data = os.urandom(size)
+        written.append(data)
+        await peer.send(rw_capsule(IoOpcode.WRITE, cid, 64 + i * blocks, size))
+        r2t = await _r2t(peer, cid)
+        assert (r2t["offset"], r2t["length"]) == (0, size)   # one R2T for all of it (MAXR2T 0)
+        assert type(conn._h2c[r2t["ttag"]]) is tcp_batch._FastWrite and not tasks
+        pdus = b"".join(h2c_data(cid, r2t["ttag"], off, data[off:off + MAXH2C], last=off + MAXH2C >= size)
+                        for off in range(0, size, MAXH2C))
+        await peer.send(pdus, [1, 7, 23, 1000, 17000, 40000, 5] * 30 if cut else None)
+        assert await peer.wait_for(lambda o, cid=cid: o.done(cid), 5)
+        assert peer.out.cqe(cid).status_code == 0
+    assert conn.fast_commands == before + 3 and not conn._h2c and conn._h2c_bytes == 0
+    for i, data in enumerate(written):
+        assert await _read_back(peer, 10 + i, 64 + i * blocks, size) == data
     assert not peer.out.errors
     admin.close()
     await peer.close()

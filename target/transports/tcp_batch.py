@@ -122,6 +122,7 @@ _MAX_TRANSFER = defaults.MAX_TRANSFER
 # a slot each, ~737 bytes apiece, one queue would hold ~48 MB. Only so many CIDs keep theirs.
 _MAX_SLOTS = defaults.TCP_BATCH_REPLY_SLOTS
 _HIGH_WATER = defaults.TCP_WRITE_HIGH_WATER
+_WRITE_POOL = defaults.TCP_BATCH_WRITE_POOL
 _SQHD_DISABLED = 0xFFFF
 _NO_OFFSET = bytes(8)
 _perf_ns = time.perf_counter_ns
@@ -167,7 +168,9 @@ class _FastWrite:
         self.fua = fua
         self.qos = qos          # the namespace's QoS limits the R2T was charged to (None: none)
         self.sqe = sqe          # the 64-byte SQE, for the lifecycle if the backend cannot take it inline
-        self.buf = bytearray(length)   # the write's own buffer: H2CData is placed here, never in the disk
+        # The write's own buffer (H2CData goes here, never into the disk), taken at its first H2CData that
+        # does not carry the whole write: one that does is written from where it was received.
+        self.buf: bytearray | None = None
         self.received = 0
 
 
@@ -213,6 +216,8 @@ class BatchMixin:
         self.fast_commands = 0                # commands the fast path completed (tests, diagnostics)
         self._fast_full = False               # the last _fast stopped at its bound of queued reply bytes
         self._held = False                    # the carry is the rest of a read waiting for the socket to drain
+        self._wbufs: dict[int, list[bytearray]] = {}   # length -> R2T write buffers free for reuse
+        self._wbuf_bytes = 0                  # ... their bytes (at most TCP_BATCH_WRITE_POOL)
 
     # --- BufferedProtocol -----------------------------------------------------------------------
 
@@ -542,23 +547,48 @@ class BatchMixin:
 
     # --- R2T writes of the fast path ---------------------------------------------------------------
 
+    def _take_wbuf(self, length: int) -> bytearray:
+        free = self._wbufs.get(length)
+        if free:
+            self._wbuf_bytes -= length
+            return free.pop()
+        return bytearray(length)
+
+    def _place(self, cccid: int, ttag: int, datao: int, datal: int) -> memoryview | None:
+        """The sans-IO ``place`` hook: a large H2CData payload of a fast-path write goes straight into the
+        write's buffer (the sans-IO connection checked the PDU against our R2T first)."""
+        pending = self._h2c.get(ttag)
+        if type(pending) is not _FastWrite:
+            return super()._place(cccid, ttag, datao, datal)   # type: ignore[misc]
+        if datao != pending.received:
+            return None
+        if pending.buf is None:
+            pending.buf = self._take_wbuf(pending.length)
+        return memoryview(pending.buf)[datao:datao + datal]
+
     def _on_h2c_data(self, event: Any) -> None:
         """H2CData the sans-IO connection checked against our R2T (ttag, cccid, offset, length, MAXH2CDATA):
-        a fast-path write's goes into its buffer (placed there already when it was large); the rest is the
-        stream engine's."""
+        a fast-path write's goes into its buffer (placed there already when it was large), or, carrying the
+        whole write, to the backend from the receive buffer; the rest is the stream engine's."""
         pending = self._h2c.get(event.ttag)
         if type(pending) is not _FastWrite:
             super()._on_h2c_data(event)   # type: ignore[misc]
             return
         data = event.data
-        end = pending.received + len(data)
-        if not event.placed:
-            pending.buf[pending.received:end] = data
+        start = pending.received
+        end = start + len(data)
         pending.received = end
+        if not start and end == pending.length and not event.placed:
+            self._fast_write_done(pending, data)   # the whole write in one PDU: no copy to its buffer
+            return
+        if not event.placed:
+            if pending.buf is None:
+                pending.buf = self._take_wbuf(pending.length)
+            pending.buf[start:end] = data
         if end == pending.length:
-            self._fast_write_done(pending)
+            self._fast_write_done(pending, pending.buf)
 
-    def _fast_write_done(self, fw: _FastWrite) -> None:
+    def _fast_write_done(self, fw: _FastWrite, data: Any) -> None:
         """All of a fast-path write's data is in: the backend takes it inline (one copy out of the write's
         buffer, as nvmet's backends copy out of its pages) and the CapsuleResp is queued; a backend that
         would wait, a namespace that changed meanwhile or an error hands it to the lifecycle."""
@@ -571,12 +601,17 @@ class BatchMixin:
         done = False
         if ctrl is not None and ns.enabled and not ns.pr.registrants and ns.backend is fw.backend:
             try:
-                done = fw.backend.write_nowait(fw.offset, fw.buf, fua=fw.fua)
+                done = fw.backend.write_nowait(fw.offset, data, fua=fw.fua)
             except Exception:   # the lifecycle runs it again and reports the error
                 done = False
         if not done:
-            self._fast_write_fallback(fw)
+            self._fast_write_fallback(fw, data)
             return
+        buf = fw.buf
+        if buf is not None and self._wbuf_bytes + fw.length <= _WRITE_POOL:
+            # the backend copied it (write_nowait returned True): the buffer serves the next write
+            self._wbufs.setdefault(fw.length, []).append(buf)
+            self._wbuf_bytes += fw.length
         self._release_h2c(fw.length)
         self._count(ns, 0, 0, 1, fw.length, start)
         self.fast_commands += 1
@@ -591,7 +626,7 @@ class BatchMixin:
         self.conn.send_response(pack_cqe(fw.cid, 0, 0, 0, sqhd, queue.qid))
         self._flush()   # inside a receive batch, _handle sends everything at its end
 
-    def _fast_write_fallback(self, fw: _FastWrite) -> None:
+    def _fast_write_fallback(self, fw: _FastWrite, data: Any) -> None:
         """Run a fast-path write whose data is in through the command lifecycle: parsed again (what
         changed since its R2T is judged as on the stream path), its data handed over by fetch_data."""
         queue = self.queue
@@ -600,7 +635,8 @@ class BatchMixin:
         req = _FetchedRequest(queue, Command.from_bytes(fw.sqe))
         req.incapsule = None
         req.digest_ok = True
-        req.fetched = memoryview(fw.buf)
+        # the lifecycle keeps the data past this receive batch: a view of the receive buffer is copied
+        req.fetched = memoryview(fw.buf if fw.buf is not None else bytearray(data))
         length = fw.length
         task = start_command(self.target, self, req)
         if task is None:
