@@ -142,6 +142,8 @@ GATEWAY_BLOCKLIST_EXPIRE = 3600       # seconds a dead gateway's Ceph clients st
 # NVMe/TCP batch engine bounds (target/transports/tcp_batch.py)
 TCP_BATCH_REPLY_SLOTS = 4096          # CIDs of one queue with a cached reply slot (~3 MB); Linux hosts
                                       # use 16 generations x the queue depth of CIDs (nvme_cid), SPDK the depth
+TCP_BATCH_WRITE_POOL = 1 << 20        # bytes of R2T write buffers one batch-engine queue keeps for its next writes
+                                      # (no allocation, zeroing or page faults per write)
 POLL_US_MAX = TCP_POLL_SLICE_US       # largest `--poll-us`: one wake-up polls at most TCP_POLL_SLICE_US anyway
 
 # -- QoS (target/qos.py): per-namespace and per-host rate limits, as SPDK bdev_set_qos_limit --------

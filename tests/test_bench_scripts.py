@@ -59,6 +59,20 @@ def test_goals_say_met_missed_info_and_skipped_with_their_figures() -> None:
     assert file_row["status"] == "info" and "= 0.50x" in file_row["figures"]
 
 
+def test_large_write_goals_compare_with_the_reads_and_the_raw_baseline() -> None:
+    raw = {"iops": 100.0, "bw_bytes": 100.0 * 4096, "mean_lat_ns": 50e3, "server_cpu_us_per_io": 8.0,
+           "client_cpu_us_per_io": 10.0}
+    read = _entry("128k-read-qd8", _ours(95, 300, 50.0, 50.0), raw)
+    for iops, cpu, status in ((85, 54.0, "met"), (75, 54.0, "MISSED"), (85, 56.0, "MISSED")):
+        write = _entry("128k-write-qd8", _ours(iops, 300, cpu, 50.0), raw)
+        by_goal = {g["goal"]: g for g in run.goals({r["name"]: r for r in (read, write)})}
+        tput = by_goal["128K seq write >= 80% of raw TCP throughput"]
+        per_byte = by_goal["128K seq write target CPU per byte <= 1.1x the 128K reads'"]
+        assert f"= {iops} %" in tput["figures"] and f"{cpu:.1f} vs 50.0 us/IO" in per_byte["figures"]
+        assert "MISSED" not in (tput["status"], per_byte["status"]) if status == "met" else \
+            "MISSED" in (tput["status"], per_byte["status"])
+
+
 def test_goals_of_a_polled_row_compare_with_the_same_polling() -> None:
     ping = {"iops": 1.0, "bw_bytes": 4096.0, "mean_lat_ns": 20e3, "server_cpu_us_per_io": 20.0,
             "client_cpu_us_per_io": 20.0}

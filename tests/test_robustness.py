@@ -151,7 +151,8 @@ async def test_host_vanishing_mid_write_leaves_nothing(served, how):
     peer = await _start_partial_write(s.port, cntlid)
     conn = next(c for c in s.server.connections if c.queue.qid == 1 and c.queue.ctrl
                 and c.queue.ctrl.cntlid == cntlid)
-    await wait_until(lambda: conn._tasks and conn._h2c, what="the write to wait for its data")
+    # the write waits for its data: a Task on the stream engine, a fast-path entry on the batch engine
+    await wait_until(lambda: conn._h2c, what="the write to wait for its data")
     # The host vanishes: both its sockets go at once.
     await peer.close(abort=how == "abort")
     if how == "abort":

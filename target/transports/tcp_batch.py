@@ -69,10 +69,13 @@ from nvmeof.spec.nvme import (
     SGL_ID_TRANSPORT,
     SQE_FLAGS_PSDT_MASK,
     SQE_FLAGS_PSDT_SGL,
+    Command,
     IoOpcode,
+    pack_cqe,
 )
+from target.lifecycle import start_command
 from target.model import LATENCY_SHIFT
-from target.transports.tcp import RECV_BUFFER_MAX, RECV_BUFFER_MIN, TargetConnection, TcpListener
+from target.transports.tcp import RECV_BUFFER_MAX, RECV_BUFFER_MIN, TargetConnection, TcpListener, TcpRequest
 
 if TYPE_CHECKING:
     from target.model import Listener
@@ -119,6 +122,7 @@ _MAX_TRANSFER = defaults.MAX_TRANSFER
 # a slot each, ~737 bytes apiece, one queue would hold ~48 MB. Only so many CIDs keep theirs.
 _MAX_SLOTS = defaults.TCP_BATCH_REPLY_SLOTS
 _HIGH_WATER = defaults.TCP_WRITE_HIGH_WATER
+_WRITE_POOL = defaults.TCP_BATCH_WRITE_POOL
 _SQHD_DISABLED = 0xFFFF
 _NO_OFFSET = bytes(8)
 _perf_ns = time.perf_counter_ns
@@ -147,6 +151,38 @@ class _Slot:
         self.length = length
 
 
+class _FastWrite:
+    """A Write the fast path sent its R2T for: what its H2CData completes (the stream engine's
+    ``_PendingH2C`` fields ``buf``/``received``, which its ``_place`` hook reads, plus the command)."""
+
+    __slots__ = ("backend", "buf", "cid", "fua", "length", "ns", "offset", "qos", "received", "sqe", "ttag")
+
+    def __init__(self, cid: int, ttag: int, ns: Any, offset: int, length: int, fua: bool, qos: Any,
+                 sqe: bytes) -> None:
+        self.cid = cid
+        self.ttag = ttag
+        self.ns = ns
+        self.backend = ns.backend
+        self.offset = offset
+        self.length = length
+        self.fua = fua
+        self.qos = qos          # the namespace's QoS limits the R2T was charged to (None: none)
+        self.sqe = sqe          # the 64-byte SQE, for the lifecycle if the backend cannot take it inline
+        # The write's own buffer (H2CData goes here, never into the disk), taken at its first H2CData that
+        # does not carry the whole write: one that does is written from where it was received.
+        self.buf: bytearray | None = None
+        self.received = 0
+
+
+class _FetchedRequest(TcpRequest):
+    """A fast-path R2T Write whose data is in but which the backend could not take inline: the
+    lifecycle runs it from its parse on, with the data already fetched (``fetch_data`` hands it over)."""
+
+    __slots__ = ("fetched",)
+
+    fetched: memoryview
+
+
 class BatchMixin:
     """The batch fast path in front of a TargetConnection (see the module docstring); mixed into the
     connection classes of this process, of ``--workers`` (main and worker processes) and of tests."""
@@ -161,6 +197,18 @@ class BatchMixin:
     _deadline: Any
     _write_paused: bool
     _tls: Any
+    # ... and for the R2T writes: the transfer tags, the H2C budgets, the tasks (stream engine's methods too)
+    target: Any
+    _h2c: dict[int, Any]
+    _h2c_bytes: int
+    _h2c_waiters: Any
+    _port: Any
+    _tasks: set[Any]
+    _h2c_fits: Any
+    _alloc_ttag: Any
+    _release_h2c: Any
+    _task_done: Any
+    _flush: Any
 
     def _batch_init(self) -> None:
         self._carry = 0                       # bytes of a partial CapsuleCmd kept at the start of _recv
@@ -169,6 +217,8 @@ class BatchMixin:
         self.fast_commands = 0                # commands the fast path completed (tests, diagnostics)
         self._fast_full = False               # the last _fast stopped at its bound of queued reply bytes
         self._held = False                    # the carry is the rest of a read waiting for the socket to drain
+        self._wbufs: dict[int, list[bytearray]] = {}   # length -> R2T write buffers free for reuse
+        self._wbuf_bytes = 0                  # ... their bytes (at most TCP_BATCH_WRITE_POOL)
 
     # --- BufferedProtocol -----------------------------------------------------------------------
 
@@ -306,7 +356,8 @@ class BatchMixin:
         # ANA groups this controller's port may not reach (Listener.ana_blocked, shared by reference):
         # such a command leaves the fast path and io.parse answers it with the ANA status.
         ana_blocked = ctrl.ana_blocked
-        key = self.conn.fast_command_key
+        conn = self.conn
+        key = conn.fast_command_key
         fast_sgl = self._fast_sgl
         max_incapsule = queue.max_incapsule
         slots = self._slots
@@ -327,7 +378,7 @@ class BatchMixin:
         shift = nsze = 0
         writable = False
         end = len(mv)
-        reads = writes = read_bytes = write_bytes = 0
+        reads = writes = read_bytes = write_bytes = r2t_bytes = 0
         done_reads = done_writes = done_read_bytes = 0   # of the namespaces counted before the current one
         wrap = sqsize if sqsize > 1 else 0x10000   # SQHD wraps at the queue size (nvmet_update_sq_head)
         # Reply bytes this batch may queue: past them it stops, so that a host that does not read its
@@ -358,7 +409,7 @@ class BatchMixin:
                     continue
             if head == key:
                 plen = _CMD_HLEN
-                if opcode != _READ or sgl_id != fast_sgl:
+                if sgl_id != fast_sgl or (opcode != _READ and opcode != _WRITE):
                     break
             else:
                 ptype, pflags, hlen, pdo, plen = _unpack_common(mv, pos)
@@ -416,6 +467,33 @@ class BatchMixin:
                         break
                 reads += 1
                 read_bytes += length
+            elif plen == _CMD_HLEN:
+                # A Write whose data comes by R2T (nvmet_tcp_map_data, nvmet_tcp_queue_r2t): the R2T for the
+                # whole length goes out with this batch's replies; its H2CData is checked by the sans-IO
+                # connection and placed in the write's own buffer, and _fast_write_done answers it.
+                if not writable:
+                    break
+                h2c = self._port.h2c
+                # _reserve_h2c's no-wait case: both budgets fit and nobody waits before it (FIFO)
+                if self._h2c_waiters or not self._h2c_fits(length) or h2c.queue or not h2c.fits(length):
+                    break
+                if qos is not None and not qos.try_take(hostnqn, False, length):
+                    break
+                ttag = self._alloc_ttag()
+                if ttag is None:
+                    if qos is not None:
+                        qos.refund(hostnqn, False, length)
+                    break   # the stream path answers it
+                self._h2c_bytes += length
+                h2c.used += length
+                self._h2c[ttag] = _FastWrite(cid, ttag, ns, slba << shift, length, bool(cdw12 & RW_FUA), qos,
+                                             bytes(mv[pos + 8:pos + _CMD_HLEN]))
+                conn.send_r2t(cid, ttag, 0, length)   # checks and registers it: H2CData is held to it
+                r2t_pdu = conn.data_to_send()          # in stream order with the replies around it
+                out += r2t_pdu
+                r2t_bytes += sum(map(len, r2t_pdu))
+                pos += plen
+                continue   # no reply yet: the CapsuleResp follows the data
             else:
                 if not writable or plen - _CMD_HLEN != length or mv[pos + 32:pos + 40] != _NO_OFFSET:
                     break   # the SGL's offset must be 0 (ICDOFF); anything odd: the stream path says why
@@ -465,11 +543,128 @@ class BatchMixin:
                 send_batch = getattr(transport, "send_batch", None)
                 if send_batch is not None:
                     # per read: C2HData header, data and (with SQ flow control) CapsuleResp; per write: CapsuleResp
-                    wire = read_bytes + done_read_bytes + (reads + writes) * _RSP_LEN
+                    wire = read_bytes + done_read_bytes + (reads + writes) * _RSP_LEN + r2t_bytes
                     send_batch(out, wire if flow_off else wire + reads * _RSP_LEN)
                 else:
                     transport.writelines(out)
         return pos
+
+    # --- R2T writes of the fast path ---------------------------------------------------------------
+
+    def _take_wbuf(self, length: int) -> bytearray:
+        free = self._wbufs.get(length)
+        if free:
+            self._wbuf_bytes -= length
+            return free.pop()
+        return bytearray(length)
+
+    def _place(self, cccid: int, ttag: int, datao: int, datal: int) -> memoryview | None:
+        """The sans-IO ``place`` hook: a large H2CData payload of a fast-path write goes straight into the
+        write's buffer (the sans-IO connection checked the PDU against our R2T first)."""
+        pending = self._h2c.get(ttag)
+        if type(pending) is not _FastWrite:
+            return super()._place(cccid, ttag, datao, datal)   # type: ignore[misc]
+        if datao != pending.received:
+            return None
+        if pending.buf is None:
+            pending.buf = self._take_wbuf(pending.length)
+        return memoryview(pending.buf)[datao:datao + datal]
+
+    def _on_h2c_data(self, event: Any) -> None:
+        """H2CData the sans-IO connection checked against our R2T (ttag, cccid, offset, length, MAXH2CDATA):
+        a fast-path write's goes into its buffer (placed there already when it was large), or, carrying the
+        whole write, to the backend from the receive buffer; the rest is the stream engine's."""
+        pending = self._h2c.get(event.ttag)
+        if type(pending) is not _FastWrite:
+            super()._on_h2c_data(event)   # type: ignore[misc]
+            return
+        data = event.data
+        start = pending.received
+        end = start + len(data)
+        pending.received = end
+        if not start and end == pending.length and not event.placed:
+            self._fast_write_done(pending, data)   # the whole write in one PDU: no copy to its buffer
+            return
+        if not event.placed:
+            if pending.buf is None:
+                pending.buf = self._take_wbuf(pending.length)
+            pending.buf[start:end] = data
+        if end == pending.length:
+            self._fast_write_done(pending, pending.buf)
+
+    def _fast_write_done(self, fw: _FastWrite, data: Any) -> None:
+        """All of a fast-path write's data is in: the backend takes it inline (one copy out of the write's
+        buffer, as nvmet's backends copy out of its pages) and the CapsuleResp is queued; a backend that
+        would wait, a namespace that changed meanwhile or an error hands it to the lifecycle."""
+        del self._h2c[fw.ttag]
+        self.conn.drop_r2t(fw.ttag)   # the sans-IO layer forgot it with its last byte; this states it
+        ns = fw.ns
+        queue = self.queue
+        ctrl = queue.ctrl
+        start = _perf_ns()
+        done = False
+        if ctrl is not None and ns.enabled and not ns.pr.registrants and ns.backend is fw.backend:
+            try:
+                done = fw.backend.write_nowait(fw.offset, data, fua=fw.fua)
+            except Exception:   # the lifecycle runs it again and reports the error
+                done = False
+        if not done:
+            self._fast_write_fallback(fw, data)
+            return
+        buf = fw.buf
+        if buf is not None and self._wbuf_bytes + fw.length <= _WRITE_POOL:
+            # the backend copied it (write_nowait returned True): the buffer serves the next write
+            self._wbufs.setdefault(fw.length, []).append(buf)
+            self._wbuf_bytes += fw.length
+        self._release_h2c(fw.length)
+        self._count(ns, 0, 0, 1, fw.length, start)
+        self.fast_commands += 1
+        # TargetQueue.complete (nvmet_update_sq_head), then the CapsuleResp queue_response sends
+        if queue.sqflow_disabled:
+            sqhd = _SQHD_DISABLED
+        else:
+            sqhd = queue.sqhd + 1
+            if sqhd == (queue.sqsize + 1 if queue.sqsize else 0x10000):
+                sqhd = 0
+            queue.sqhd = sqhd
+        self.conn.send_response(pack_cqe(fw.cid, 0, 0, 0, sqhd, queue.qid))
+        self._flush()   # inside a receive batch, _handle sends everything at its end
+
+    def _fast_write_fallback(self, fw: _FastWrite, data: Any) -> None:
+        """Run a fast-path write whose data is in through the command lifecycle: parsed again (what
+        changed since its R2T is judged as on the stream path), its data handed over by fetch_data."""
+        queue = self.queue
+        if fw.qos is not None and queue.ctrl is not None:
+            fw.qos.refund(queue.ctrl.hostnqn, False, fw.length)   # io.parse's gate charges it again
+        req = _FetchedRequest(queue, Command.from_bytes(fw.sqe))
+        req.incapsule = None
+        req.digest_ok = True
+        # the lifecycle keeps the data past this receive batch: a view of the receive buffer is copied
+        req.fetched = memoryview(fw.buf if fw.buf is not None else bytearray(data))
+        length = fw.length
+        task = start_command(self.target, self, req)
+        if task is None:
+            self._release_h2c(length)
+            return
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        task.add_done_callback(lambda _task: self._release_h2c(length))
+
+    def fetch_data(self, req: Any) -> Any:
+        if type(req) is _FetchedRequest:
+            req.data = req.fetched
+            return None
+        return super().fetch_data(req)   # type: ignore[misc]
+
+    def _cleanup(self) -> None:
+        # The fast-path writes still waiting for data give their budget back now (the stream engine's
+        # writes do as their cancelled tasks end).
+        h2c = self._h2c
+        for ttag in [t for t, p in h2c.items() if type(p) is _FastWrite]:
+            fw = h2c.pop(ttag)
+            self._h2c_bytes -= fw.length
+            self._port.h2c.release(fw.length)
+        super()._cleanup()   # type: ignore[misc]
 
     def _count(self, ns: Any, reads: int, read_bytes: int, writes: int, write_bytes: int, start: int) -> None:
         """The namespace's and the host's counters for one batch of one namespace (target/io.py counts

@@ -1,0 +1,195 @@
+"""R2T writes on the batch engine's fast path (target/transports/tcp_batch.py).
+
+The batch engine sends the R2T of a Write itself and finishes the write inline once its H2CData is in;
+the H2CData is still checked by the sans-IO ``TcpConnection`` (nvmeof/tcp.py, the one statement of the
+rules). These tests show:
+
+- 128 KiB and 1 MiB writes (one H2CData per MAXH2CDATA) land whole and read back, through the fast path
+  (no Task), with H2CData cut at any byte;
+- a bad H2CData for a fast-path write (wrong ttag or cccid, out of order, past the R2T, beyond MAXH2CDATA,
+  LAST too early) gets exactly the C2HTermReq (FES, FEI) a bare sans-IO controller gives for the same
+  bytes, and the write's budget comes back;
+- with digests the write takes the stream engine and its data still lands;
+- a backend that cannot take the data inline gets the write through the command lifecycle.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+from raw_pdu import (
+    SUBNQN,
+    RawPeer,
+    admin_host,
+    capsule_cmd,
+    connect_pdu,
+    h2c_data,
+    rw_capsule,
+    serve,
+    sqe,
+    wait_until,
+)
+
+from nvmeof import defaults
+from nvmeof.spec import tcp as spec
+from nvmeof.spec.nvme import Command, IoOpcode
+from nvmeof.tcp import ProtocolError, Role, TcpConnection
+from target.transports import tcp_batch
+from target.transports.tcp import TcpPort
+
+MAXH2C = defaults.MAXH2CDATA
+
+
+@pytest.fixture
+async def served():
+    s = await serve(ns_size=8 << 20)
+    yield s
+    await s.target.close()
+
+
+async def _io_peer(s: Any, *, hdgst: bool = False, ddgst: bool = False) -> tuple[Any, RawPeer, Any]:
+    admin, cntlid = await admin_host(s.port)
+    peer = await RawPeer.open(s.port)
+    await peer.handshake(hdgst=hdgst, ddgst=ddgst)
+    res = await peer.command(connect_pdu(1, SUBNQN, qid=1, cntlid=cntlid, hdgst=hdgst, ddgst=ddgst), 1)
+    assert res.status_code == 0
+    conn = next(c for c in s.server.connections if c.queue.qid == 1 and c.queue.ctrl
+                and c.queue.ctrl.cntlid == cntlid)
+    return admin, peer, conn
+
+
+async def _r2t(peer: RawPeer, cid: int) -> Any:
+    assert await peer.wait_for(lambda o: o.r2t(cid), 5), f"no R2T for cid {cid}"
+    r2t = peer.out.r2t(cid)
+    assert r2t is not None, peer.out.pdus[-1:]
+    return r2t.fields
+
+
+async def _read_back(peer: RawPeer, cid: int, slba: int, size: int) -> bytes:
+    cqe = await peer.command(rw_capsule(IoOpcode.READ, cid, slba, size), cid)
+    assert cqe.status_code == 0
+    return peer.out.read_data(cid)
+
+
+@pytest.mark.parametrize("size", [128 * 1024, 1 << 20])
+@pytest.mark.parametrize("cut", [False, True])
+async def test_large_writes_take_the_fast_path_and_land(served, size, cut):
+    admin, peer, conn = await _io_peer(served)
+    tasks = conn._tasks
+    before = conn.fast_commands
+    blocks = size // 512
+    written = []
+    for i, cid in enumerate((3, 5, 7)):   # the later writes reuse the first ones' buffers
+        data = os.urandom(size)
+        written.append(data)
+        await peer.send(rw_capsule(IoOpcode.WRITE, cid, 64 + i * blocks, size))
+        r2t = await _r2t(peer, cid)
+        assert (r2t["offset"], r2t["length"]) == (0, size)   # one R2T for all of it (MAXR2T 0)
+        assert type(conn._h2c[r2t["ttag"]]) is tcp_batch._FastWrite and not tasks
+        pdus = b"".join(h2c_data(cid, r2t["ttag"], off, data[off:off + MAXH2C], last=off + MAXH2C >= size)
+                        for off in range(0, size, MAXH2C))
+        await peer.send(pdus, [1, 7, 23, 1000, 17000, 40000, 5] * 30 if cut else None)
+        assert await peer.wait_for(lambda o, cid=cid: o.done(cid), 5)
+        assert peer.out.cqe(cid).status_code == 0
+    assert conn.fast_commands == before + 3 and not conn._h2c and conn._h2c_bytes == 0
+    for i, data in enumerate(written):
+        assert await _read_back(peer, 10 + i, 64 + i * blocks, size) == data
+    assert not peer.out.errors
+    admin.close()
+    await peer.close()
+
+
+def _bad_h2c(kind: str, cid: int, ttag: int, size: int) -> bytes:
+    if kind == "wrong_ttag":
+        return h2c_data(cid, ttag + 1, 0, bytes(512), last=False)
+    if kind == "wrong_cccid":
+        return h2c_data(cid + 1, ttag, 0, bytes(512), last=False)
+    if kind == "out_of_order":
+        return h2c_data(cid, ttag, 4096, bytes(512), last=False)
+    if kind == "past_the_r2t":
+        return h2c_data(cid, ttag, 0, bytes(size + 512), last=True)
+    if kind == "last_too_early":
+        return h2c_data(cid, ttag, 0, bytes(4096), last=True)
+    assert kind == "beyond_maxh2cdata"
+    hdr = spec.DATA_PDU_HDR.pack(spec.PduType.H2C_DATA.value, spec.DATA_LAST, 24, 24, 24 + MAXH2C + 4096, cid, ttag,
+                                 0, MAXH2C + 4096)
+    return hdr + bytes(512)   # the header is enough to be refused
+
+
+def _sansio_verdict(cid: int, ttag: int, size: int, bad: bytes) -> tuple[int, int]:
+    """What nvmeof/tcp.py says of ``bad`` after the same R2T: the (FES, FEI) the target must send."""
+    ctrl = TcpConnection(Role.CONTROLLER)
+    host = TcpConnection(Role.HOST)
+    host.send_icreq()
+    ctrl.receive_data(b"".join(bytes(b) for b in host.data_to_send()))
+    ctrl.send_icresp()
+    host.receive_data(b"".join(bytes(b) for b in ctrl.data_to_send()))
+    ctrl.send_r2t(cid, ttag, 0, size)
+    events = ctrl.receive_data(bad)
+    [err] = [e for e in events if isinstance(e, ProtocolError)]
+    return err.fes, err.fei
+
+
+@pytest.mark.parametrize("kind", ["wrong_ttag", "wrong_cccid", "out_of_order", "past_the_r2t", "last_too_early",
+                                  "beyond_maxh2cdata"])
+async def test_bad_h2c_for_a_fast_write_is_refused_as_the_sansio_layer_says(served, kind):
+    s = served
+    admin, peer, conn = await _io_peer(s)
+    size = 64 * 1024
+    await peer.send(rw_capsule(IoOpcode.WRITE, 3, 0, size))
+    r2t = await _r2t(peer, 3)
+    ttag = r2t["ttag"]
+    assert type(conn._h2c[ttag]) is tcp_batch._FastWrite
+    bad = _bad_h2c(kind, 3, ttag, size)
+    await peer.send(bad)
+    assert await peer.wait_eof(5), "the target did not close"
+    term = peer.out.term
+    assert term is not None, peer.out.pdus[-1:]
+    assert (term.fields["fes"], term.fields["fei"]) == _sansio_verdict(3, ttag, size, bad)
+    assert peer.out.cqe(3) is None   # the write is dropped with the connection
+    await wait_until(lambda: conn not in s.server.connections, what="the queue to go")
+    assert not conn._h2c and conn._h2c_bytes == 0 and TcpPort.of(s.target).h2c.used == 0
+    admin.close()
+
+
+@pytest.mark.parametrize("digests", [(True, False), (False, True), (True, True)])
+async def test_with_digests_r2t_writes_take_the_stream_engine(served, digests):
+    hdgst, ddgst = digests
+    admin, peer, conn = await _io_peer(served, hdgst=hdgst, ddgst=ddgst)
+    size = 256 * 1024
+    data = os.urandom(size)
+    await peer.send(capsule_cmd(sqe(Command(IoOpcode.WRITE, nsid=1, cdw10=8, cdw12=size // 512 - 1), cid=5,
+                                    data_len=size), hdgst=hdgst, ddgst=ddgst))
+    r2t = await _r2t(peer, 5)
+    assert type(conn._h2c[r2t["ttag"]]) is not tcp_batch._FastWrite
+    await peer.send(b"".join(h2c_data(5, r2t["ttag"], off, data[off:off + MAXH2C], last=off + MAXH2C >= size,
+                                      hdgst=hdgst, ddgst=ddgst) for off in range(0, size, MAXH2C)))
+    assert await peer.wait_for(lambda o: o.done(5), 5)
+    assert peer.out.cqe(5).status_code == 0 and not peer.out.errors
+    disk = served.target.subsystems[SUBNQN].namespaces[1].backend.memory_view()
+    assert bytes(disk[8 * 512:8 * 512 + size]) == data
+    admin.close()
+    await peer.close()
+
+
+async def test_a_backend_that_would_wait_gets_the_write_through_the_lifecycle(served, monkeypatch):
+    s = served
+    admin, peer, conn = await _io_peer(s)
+    backend = s.target.subsystems[SUBNQN].namespaces[1].backend
+    monkeypatch.setattr(backend, "write_nowait", lambda *a, **k: False)
+    size = 128 * 1024
+    data = os.urandom(size)
+    await peer.send(rw_capsule(IoOpcode.WRITE, 3, 16, size))
+    r2t = await _r2t(peer, 3)
+    assert type(conn._h2c[r2t["ttag"]]) is tcp_batch._FastWrite
+    before = conn.fast_commands
+    await peer.send(h2c_data(3, r2t["ttag"], 0, data, last=True))
+    assert await peer.wait_for(lambda o: o.done(3), 5)
+    cqe = peer.out.cqe(3)
+    assert cqe.status_code == 0 and conn.fast_commands == before
+    await wait_until(lambda: conn._h2c_bytes == 0 and not conn._tasks, what="the write's budget to come back")
+    assert bytes(backend.memory_view()[16 * 512:16 * 512 + size]) == data
+    admin.close()
+    await peer.close()
