@@ -21,6 +21,10 @@ fast path in front of it for the commands that dominate a data plane and can fin
   buffer waits (carried) until the backlog drained (a host that never reads cannot make one wake-up
   queue more than that).
 
+An R2T Write whose H2C budgets fit takes the fast path too: its R2T leaves with the batch's replies
+through ``TcpConnection.send_r2t``, so the sans-IO layer registers the transfer and checks every
+H2CData against it (ttag, cccid, offset, length, LAST, MAXH2CDATA) exactly as on the stream path
+(tests/test_batch_r2t.py compares the TermReqs byte for byte), and the write completes inline.
 The H2CData of a larger (R2T) Write is received into the write's own buffer (the stream engine's
 ``place`` hook), never straight into a RAM disk's memory: H2CData arrives cut at any byte, so a
 read running meanwhile would see half a block, and two overlapping writes on two queues could leave
@@ -28,8 +32,8 @@ one block mixing both (AWUN 0 promises single-block atomicity). nvmet receives i
 too (nvmet_tcp_map_data) and the backend copies them when the command executes, in one step.
 
 Anything else (ICReq, Fabrics and admin commands, a queue that is not connected, enabled or
-authenticated yet, any command that fails a check, R2T writes and their H2CData, TermReq, a
-backend that would wait, and every connection with header or data digests) goes, from the first
+authenticated yet, any command that fails a check, TermReq, a backend that would wait, and every
+connection with header or data digests or TLS) goes, from the first
 PDU the fast path does not take, through the stream engine's sans-IO ``TcpConnection`` and the
 lifecycle, so the bytes on the wire are the stream engine's: the fast path makes exactly the
 C2HData/CapsuleResp bytes ``queue_response`` makes (tests compare both engines byte for byte).
