@@ -10,10 +10,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from target import hostauth, masking
+from target import hostauth
 from target.model import Subsystem
 from target.service.base import ServiceBase
-from target.service.checks import ServiceError, _host_auth, _nqn, _restore_hosts
+from target.service.checks import ServiceError, _host_auth, _nqn
 
 log = logging.getLogger("target.service")
 
@@ -55,16 +55,13 @@ class HostsMixin(ServiceBase):
                 raise ServiceError(404, f"host {hostnqn} is not in the allowed hosts of {subnqn}")
             sub.hosts.discard(hostnqn)
             auth = sub.host_auth.pop(hostnqn, None)
-            dropped = masking.drop_unadmitted(sub)
-            qos_undo = self._drop_unadmitted_qos(sub)
+            restore = self._drop_unadmitted(sub)
 
             async def undo() -> None:
                 sub.hosts.add(hostnqn)
                 if auth is not None:
                     sub.host_auth[hostnqn] = auth
-                _restore_hosts(dropped)
-                for step in qos_undo:
-                    await step()
+                await restore()
 
             await self._commit(True, undo)
             disconnected = await self._revoke(subnqn)

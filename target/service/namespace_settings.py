@@ -18,7 +18,7 @@ from target import qos as qosmod
 from target.backends import BackendError
 from target.model import Namespace, Subsystem
 from target.service.base import ServiceBase
-from target.service.checks import ServiceError, _bad, _bool, _int, _masking, _nqn
+from target.service.checks import ServiceError, _bad, _bool, _int, _masking, _nqn, _restore_hosts
 from target.transaction import Undo
 
 log = logging.getLogger("target.service")
@@ -130,11 +130,22 @@ class NamespaceSettingsMixin(ServiceBase):
             await self._settle()
             return ns
 
+    def _drop_unadmitted(self, sub: Subsystem) -> Undo:
+        """What hosts ``sub`` no longer admits go without: their namespace visibility
+        (masking.drop_unadmitted) and their per-host QoS limits, so a host allowed again later starts
+        unlisted and unlimited, and the saved configuration names no host the subsystem refuses. Their
+        commands waiting are let go (the host's connections are being disconnected). Returns the undo."""
+        dropped = masking.drop_unadmitted(sub)
+        qos_undo = self._drop_unadmitted_qos(sub)
+
+        async def undo() -> None:
+            _restore_hosts(dropped)
+            for step in qos_undo:
+                await step()
+
+        return undo
+
     def _drop_unadmitted_qos(self, sub: Subsystem) -> list[Undo]:
-        """The per-host QoS limits of hosts ``sub`` no longer admits go with them (as their namespace
-        visibility does, masking.drop_unadmitted): a host allowed again later starts unlimited, and the saved
-        configuration names no host the subsystem refuses. Their commands waiting are let go (the host's
-        connections are being disconnected). Returns the undo steps."""
         undo = []
         for ns in sub.namespaces.values():
             if ns.qos is None or not ns.qos.host_limits:

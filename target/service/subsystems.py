@@ -14,11 +14,11 @@ from typing import Any
 
 from nvmeof import defaults
 from nvmeof.spec.identify import NSID_MAX
-from target import hostauth, masking
+from target import hostauth
 from target.model import Subsystem
 from target.nqn import generate_nqn
 from target.service.base import ServiceBase, locked
-from target.service.checks import ServiceError, _ascii_field, _bad, _bool, _host_auth, _int, _nqn, _restore_hosts
+from target.service.checks import ServiceError, _ascii_field, _bad, _bool, _host_auth, _int, _nqn
 
 
 class SubsystemsMixin(ServiceBase):
@@ -139,14 +139,11 @@ class SubsystemsMixin(ServiceBase):
                 )
             old = sub.allow_any_host
             sub.allow_any_host = allow
-            dropped = masking.drop_unadmitted(sub)
-            qos_undo = self._drop_unadmitted_qos(sub)
+            restore = self._drop_unadmitted(sub)
 
             async def undo() -> None:
                 sub.allow_any_host = old
-                _restore_hosts(dropped)
-                for step in qos_undo:
-                    await step()
+                await restore()
 
             await self._commit(True, undo)
             disconnected = await self._revoke(nqn)
