@@ -10,7 +10,7 @@ A secret never appears in a message, a log line or an API answer: only whether i
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 from nvmeof.auth import DHGROUP_IDS, HASH_IDS, DhchapSecret, parse_dhgroup, parse_hash
 from nvmeof.tls.psk import TlsKey
@@ -41,38 +41,39 @@ def _scrub(message: str, secret: str) -> str:
     return message.replace(secret, "<secret>") if secret and secret in message else message
 
 
+_K = TypeVar("_K")
+
+
 def parse_secret(value: Any, field: str, hostnqn: str) -> DhchapSecret:
     if isinstance(value, DhchapSecret):
         return value
-    if isinstance(value, bool):
-        raise AuthSettingError(
-            f"{field} of host {hostnqn} is {str(value).lower()}: that is the presence flag an API export shows "
-            "(it never carries secrets); give the DHHC-1 secret itself or leave the field out")
-    if not isinstance(value, str):
-        raise AuthSettingError(f"{field} of host {hostnqn} must be a DHHC-1 secret string, got {type(value).__name__}")
-    try:
-        return DhchapSecret.parse(value.strip())
-    except ValueError as exc:
-        raise AuthSettingError(
-            f"{field} of host {hostnqn} is not a usable secret: {_scrub(str(exc), value.strip())}; "
-            "generate one with `nvme gen-dhchap-key` or `nvmeof gen-dhchap-key`") from None
+    return _parse_key(value, field, hostnqn, DhchapSecret.parse, form="DHHC-1 secret", string="a DHHC-1 secret",
+                      plural="secrets", what="secret", generate="`nvme gen-dhchap-key` or `nvmeof gen-dhchap-key`")
 
 
 def parse_tls_key(value: Any, hostnqn: str) -> TlsKey:
     if isinstance(value, TlsKey):
         return value
+    return _parse_key(value, "tls_key", hostnqn, TlsKey.parse, form="NVMeTLSkey-1 key", string="an NVMeTLSkey-1",
+                      plural="keys", what="TLS PSK", generate="`nvme gen-tls-key` or `nvmeof gen-tls-key`")
+
+
+def _parse_key(value: Any, field: str, hostnqn: str, parse: Callable[[str], _K], *, form: str, string: str,
+               plural: str, what: str, generate: str) -> _K:
+    """A host's key from config/REST input: refuses the presence flag an export shows in its place and
+    names what is wrong without echoing the key (the parser's message is scrubbed too)."""
     if isinstance(value, bool):
         raise AuthSettingError(
-            f"tls_key of host {hostnqn} is {str(value).lower()}: that is the presence flag an API export shows "
-            "(it never carries keys); give the NVMeTLSkey-1 key itself or leave the field out")
+            f"{field} of host {hostnqn} is {str(value).lower()}: that is the presence flag an API export shows "
+            f"(it never carries {plural}); give the {form} itself or leave the field out")
     if not isinstance(value, str):
-        raise AuthSettingError(f"tls_key of host {hostnqn} must be an NVMeTLSkey-1 string, got {type(value).__name__}")
+        raise AuthSettingError(f"{field} of host {hostnqn} must be {string} string, got {type(value).__name__}")
     try:
-        return TlsKey.parse(value.strip())
+        return parse(value.strip())
     except ValueError as exc:
         raise AuthSettingError(
-            f"tls_key of host {hostnqn} is not a usable TLS PSK: {_scrub(str(exc), value.strip())}; "
-            "generate one with `nvme gen-tls-key` or `nvmeof gen-tls-key`") from None
+            f"{field} of host {hostnqn} is not a usable {what}: {_scrub(str(exc), value.strip())}; "
+            f"generate one with {generate}") from None
 
 
 def _names(value: Any, field: str) -> list[str]:
