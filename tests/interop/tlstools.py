@@ -87,34 +87,14 @@ def _apt_dir(cache_root: Path) -> Path:
 
 
 def _apt_options(cache_root: Path) -> list[str]:
-    d = _apt_dir(cache_root)
-    return [
-        "-o", f"Dir::Etc::sourcelist={d / 'sources.list'}",
-        "-o", "Dir::Etc::sourceparts=/dev/null",
-        "-o", f"Dir::State::lists={d / 'lists'}",
-        "-o", f"Dir::Cache={d / 'cache'}",
-        "-o", "APT::Sandbox::User=root",
-    ]  # fmt: skip
+    return vm.private_apt_options(_apt_dir(cache_root))
 
 
 def _apt_update(cache_root: Path) -> None:
-    d = _apt_dir(cache_root)
-    for sub in ("lists/partial", "cache/archives/partial"):
-        (d / sub).mkdir(parents=True, exist_ok=True)
-    if not vm.BPO_KEYRING.is_file():
-        raise ToolsUnavailable(f"{vm.BPO_KEYRING} is missing (package debian-archive-keyring; install_deps.sh "
-                               f"installs it): the {SUITE} lists could not be verified")
     try:
-        mirror = vm.bpo_mirror()
+        vm.private_apt_update(_apt_dir(cache_root), SUITE)
     except vm.KernelUnavailable as exc:
         raise ToolsUnavailable(str(exc)) from exc
-    (d / "sources.list").write_text(f"deb [signed-by={vm.BPO_KEYRING}] {mirror} {SUITE} main\n")
-    proc = subprocess.run(["apt-get", *_apt_options(cache_root), "-q", "update"], capture_output=True, text=True,
-                          check=False)
-    failed = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith(("E:", "W:", "Err:"))]
-    if proc.returncode != 0 or failed:
-        raise ToolsUnavailable(f"apt-get update of {SUITE} (private lists in {d}) failed with exit status "
-                               f"{proc.returncode}: {' | '.join(failed)[:800] or proc.stderr.strip()[:800]}")
 
 
 def _is_library_package(name: str) -> bool:

@@ -374,9 +374,13 @@ def _bpo_apt_dir(cache_root: Path) -> Path:
 
 
 def _bpo_apt_options(cache_root: Path) -> list[str]:
-    """apt options that read BPO_SUITE's lists from the VM cache and nothing else: neither the host's
-    sources nor its lists, so a bookworm `apt-get install` can never pull a trixie package."""
-    d = _bpo_apt_dir(cache_root)
+    return private_apt_options(_bpo_apt_dir(cache_root))
+
+
+def private_apt_options(d: Path) -> list[str]:
+    """apt options that read the sources.list and lists in ``d`` (a folder of the VM cache) and nothing
+    else: neither the host's sources nor its lists, so a bookworm `apt-get install` can never pull a
+    trixie package."""
     return [
         "-o", f"Dir::Etc::sourcelist={d / 'sources.list'}",
         "-o", "Dir::Etc::sourceparts=/dev/null",
@@ -410,19 +414,24 @@ def bpo_mirror() -> str:
 
 def bpo_apt_update(cache_root: Path) -> None:
     """Write the private sources.list (BPO_SUITE main, signed by Debian's archive keyring) and fetch its lists."""
-    d = _bpo_apt_dir(cache_root)
+    private_apt_update(_bpo_apt_dir(cache_root), BPO_SUITE)
+
+
+def private_apt_update(d: Path, suite: str) -> None:
+    """Write ``d``'s sources.list (``suite`` main from the host's mirror, signed by Debian's archive keyring)
+    and fetch its lists; KernelUnavailable says why not."""
     for sub in ("lists/partial", "cache/archives/partial"):
         (d / sub).mkdir(parents=True, exist_ok=True)
     if not BPO_KEYRING.is_file():
         raise KernelUnavailable(f"{BPO_KEYRING} is missing (package debian-archive-keyring; install_deps.sh "
-                                f"installs it): the {BPO_SUITE} lists could not be verified")
-    (d / "sources.list").write_text(f"deb [signed-by={BPO_KEYRING}] {bpo_mirror()} {BPO_SUITE} main\n")
-    proc = subprocess.run(["apt-get", *_bpo_apt_options(cache_root), "-q", "update"], capture_output=True,
+                                f"installs it): the {suite} lists could not be verified")
+    (d / "sources.list").write_text(f"deb [signed-by={BPO_KEYRING}] {bpo_mirror()} {suite} main\n")
+    proc = subprocess.run(["apt-get", *private_apt_options(d), "-q", "update"], capture_output=True,
                           text=True, check=False)
     # apt-get update exits 0 even when a source failed; "W:"/"E:" lines say so
     failed = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith(("E:", "W:", "Err:"))]
     if proc.returncode != 0 or failed:
-        raise KernelUnavailable(f"apt-get update of {BPO_SUITE} (private lists in {d}) failed with exit status "
+        raise KernelUnavailable(f"apt-get update of {suite} (private lists in {d}) failed with exit status "
                                 f"{proc.returncode}: {' | '.join(failed)[:800] or proc.stderr.strip()[:800]}")
 
 
