@@ -47,18 +47,9 @@ QOS_ABOVE, QOS_BELOW = 1.05, 0.80
 
 # ------------------------------------------------------------------------------- the guest scripts
 
-# The shell both kernel-host guest scripts (this module's and test_kernel_host_workers.py's) start
-# with: the check runner, the HTTP barrier, connect and the I/O checks.  A script sets T, IOP, NQN,
-# GO (and what its own checks use) after it; guest_script_text() fills in the @NAME@ placeholders.
-GUEST_PREAMBLE = r"""
-# The markers travel on the script's own serial port (vm.INIT_SCRIPT), where no kernel message can
-# tear them; keeping kernel messages off the console just keeps the saved console short (dmesg still
-# has them, and failing checks print what they need).
-dmesg -n 1
-exec 3>&1
-echo "@@INFO hostnqn=$(cat /etc/nvme/hostnqn)@@"
-
-# run NAME FUNCTION: one check; its output is shown (indented) only when it fails
+# The guest scripts' one check runner: a check's output is shown only when it fails, and the harness reads
+# its @@CHECK@@ marker (_parse_guest).
+GUEST_RUN = r"""# run NAME FUNCTION ARGS...: one check; its output is shown (indented) only when it fails
 run() {
     _name=$1; shift
     _t0=$(date +%s)
@@ -70,7 +61,19 @@ run() {
         echo "@@CHECK $_name FAIL $(( $(date +%s) - _t0 ))s rc=$_rc: $(tail -n 1 /tmp/check.log | tr -d '@')@@"
     fi
 }
-# await_host STEP: wait until the test has done its part of STEP (it serves the released steps)
+"""
+# The shell both kernel-host guest scripts (this module's and test_kernel_host_workers.py's) start
+# with: the check runner, the HTTP barrier, connect and the I/O checks.  A script sets T, IOP, NQN,
+# GO (and what its own checks use) after it; guest_script_text() fills in the @NAME@ placeholders.
+GUEST_PREAMBLE = r"""
+# The markers travel on the script's own serial port (vm.INIT_SCRIPT), where no kernel message can
+# tear them; keeping kernel messages off the console just keeps the saved console short (dmesg still
+# has them, and failing checks print what they need).
+dmesg -n 1
+exec 3>&1
+echo "@@INFO hostnqn=$(cat /etc/nvme/hostnqn)@@"
+
+""" + GUEST_RUN + r"""# await_host STEP: wait until the test has done its part of STEP (it serves the released steps)
 await_host() {
     _i=0
     while [ $_i -lt 600 ]; do

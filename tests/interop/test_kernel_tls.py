@@ -35,7 +35,7 @@ from nvmeof.status import NvmeError
 from nvmeof.tls.psk import TlsKey
 from tests.interop import rootfs, tlstools, vm
 from tests.interop.ourtarget import OurTarget, serve_target
-from tests.interop.test_kernel_host import Report, _parse_guest
+from tests.interop.test_kernel_host import GUEST_RUN, Report, _parse_guest
 from tests.interop.test_rdma_guest import debian_rootfs  # noqa: F401  (fixture)
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(900)]
@@ -69,19 +69,7 @@ GUEST_PREAMBLE = r"""
 set -u
 exec 3>&1
 T=@TOOLS@
-# run NAME FUNCTION ARGS...: one check; its output is shown (indented) only when it fails
-run() {
-    _name=$1; shift
-    _t0=$(date +%s)
-    if "$@" > /tmp/check.log 2>&1; then
-        echo "@@CHECK $_name PASS $(( $(date +%s) - _t0 ))s@@"
-    else
-        _rc=$?
-        tail -n 40 /tmp/check.log | sed 's/^/    | /'
-        echo "@@CHECK $_name FAIL $(( $(date +%s) - _t0 ))s rc=$_rc: $(tail -n 1 /tmp/check.log | tr -d '@')@@"
-    fi
-}
-wait_for() {  # SECONDS SHELL-CONDITION
+""" + GUEST_RUN + r"""wait_for() {  # SECONDS SHELL-CONDITION
     _i=0
     while [ $_i -lt $(( $1 * 10 )) ]; do eval "$2" && return 0; sleep 0.1; _i=$((_i + 1)); done
     return 1
