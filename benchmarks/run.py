@@ -212,20 +212,19 @@ def goals(by_name: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         else:
             add("4K QD1 mean latency without polling: no worse than before (compare trees: benchmarks/ab.py)",
                 "info", figures)
+    def throughput_goal(r: dict[str, Any], what: str, goal: float) -> None:
+        ratio = r["throughput_ratio"]
+        add(f"128K seq {what} >= {goal:.0%} of raw TCP throughput",
+            "met" if ratio is not None and ratio >= goal else "MISSED",
+            f"{fmt_rate(r['nvmeof']['bw_bytes'])} vs {fmt_rate(r['baseline']['bw_bytes'])} MiB/s = "
+            f"{_f(ratio * 100 if ratio is not None else None, '.0f')} %")
+
     seq = usable("128k-read-qd8")
     if seq:
-        ratio = seq["throughput_ratio"]
-        add(f"128K seq read >= {GOAL_SEQ_READ_RATIO:.0%} of raw TCP throughput",
-            "met" if ratio is not None and ratio >= GOAL_SEQ_READ_RATIO else "MISSED",
-            f"{fmt_rate(seq['nvmeof']['bw_bytes'])} vs {fmt_rate(seq['baseline']['bw_bytes'])} MiB/s = "
-            f"{_f(ratio * 100 if ratio is not None else None, '.0f')} %")
+        throughput_goal(seq, "read", GOAL_SEQ_READ_RATIO)
     wr = usable("128k-write-qd8")
     if wr:
-        ratio = wr["throughput_ratio"]
-        add(f"128K seq write >= {GOAL_SEQ_WRITE_RATIO:.0%} of raw TCP throughput",
-            "met" if ratio is not None and ratio >= GOAL_SEQ_WRITE_RATIO else "MISSED",
-            f"{fmt_rate(wr['nvmeof']['bw_bytes'])} vs {fmt_rate(wr['baseline']['bw_bytes'])} MiB/s = "
-            f"{_f(ratio * 100 if ratio is not None else None, '.0f')} %")
+        throughput_goal(wr, "write", GOAL_SEQ_WRITE_RATIO)
         if seq:
             # same block size: CPU per I/O is CPU per byte
             w, r = wr["nvmeof"]["target_cpu_us_per_io"], seq["nvmeof"]["target_cpu_us_per_io"]
