@@ -122,6 +122,8 @@ POLL_US = 0                           # `--poll-us`: µs of non-blocking receive
 TCP_POLL_SLICE_US = 1000              # longest one connection's polling may hold the event loop per wake-up
 TCP_WRITE_HIGH_WATER = 256 * 1024     # unsent reply bytes of a connection before it stops reading commands
 TCP_WRITE_LOW_WATER = 64 * 1024       # ... and reads again once its backlog has drained below this
+TCP_BATCH_TIME_BUDGET_US = 500        # one received batch runs backend calls (file page-cache I/O) this long, then
+                                      # the rest waits behind the loop's other callbacks (a loop stall bound)
 TCP_LISTEN_BACKLOG = 100              # listen() backlog, as asyncio's create_server; also accepts per wake-up
 
 # Asymmetric Namespace Access and the gateway group (target/admin.py, target/gateway/)

@@ -126,6 +126,7 @@ _MAX_TRANSFER = defaults.MAX_TRANSFER
 # a slot each, ~737 bytes apiece, one queue would hold ~48 MB. Only so many CIDs keep theirs.
 _MAX_SLOTS = defaults.TCP_BATCH_REPLY_SLOTS
 _HIGH_WATER = defaults.TCP_WRITE_HIGH_WATER
+_TIME_BUDGET_NS = defaults.TCP_BATCH_TIME_BUDGET_US * 1000
 _WRITE_POOL = defaults.TCP_BATCH_WRITE_POOL
 _SQHD_DISABLED = 0xFFFF
 _NO_OFFSET = bytes(8)
@@ -221,6 +222,9 @@ class BatchMixin:
         self.fast_commands = 0                # commands the fast path completed (tests, diagnostics)
         self._fast_full = False               # the last _fast stopped at its bound of queued reply bytes
         self._held = False                    # the carry is the rest of a read waiting for the socket to drain
+                                              # (or for the next loop iteration: the batch's time budget ran out)
+        self._yield_at = 0                    # perf_counter_ns past which _fast stops after a backend call
+        self._fast_over = False               # the last _fast stopped there
         self._wbufs: dict[int, list[bytearray]] = {}   # length -> R2T write buffers free for reuse
         self._wbuf_bytes = 0                  # ... their bytes (at most TCP_BATCH_WRITE_POOL)
 
@@ -265,9 +269,18 @@ class BatchMixin:
     def _receive(self, mv: memoryview) -> None:
         end = len(mv)
         pos = 0
+        self._yield_at = _perf_ns() + _TIME_BUDGET_NS
         while not self._closed:
             if self._fast_ready():
                 pos = self._fast(mv, pos)
+                if self._fast_over and pos < end:
+                    # The batch's backend calls (inline file writes, page-cache reads) ran past its time budget:
+                    # the rest waits behind the loop's other callbacks (every connection, timers), as nvmet's
+                    # io_work stops after its budget and requeues itself (nvmet_tcp_io_work). Its replies so
+                    # far have left; a read meanwhile takes the carried rest with it (buffer_updated).
+                    self._hold(mv, pos, end - pos)
+                    asyncio.get_running_loop().call_soon(self._release_held)
+                    return
                 if self._fast_full and pos < end:
                     # The batch's replies reached the high-water mark: if the socket did not take them
                     # (pause_writing came), the rest waits for the backlog to drain (resume_writing).
@@ -388,7 +401,11 @@ class BatchMixin:
         # Reply bytes this batch may queue: past them it stops, so that a host that does not read its
         # replies cannot make one wake-up queue what a whole receive buffer of reads asks for.
         budget = _HIGH_WATER
-        while end - pos >= _CMD_HLEN and read_bytes < budget:
+        # A backend call that is not a RAM disk's view (file page cache) checks the clock after it: past
+        # _yield_at the batch stops after that command (over), and _receive leaves the rest for later.
+        yield_at = self._yield_at
+        over = False
+        while end - pos >= _CMD_HLEN and read_bytes < budget and not over:
             head, opcode, flags, cid, nsid, sgl_len, sgl_id, slba, cdw12 = _unpack_cmd(mv, pos)
             # The hot lane: a RAM-disk read of the namespace and length this CID had last time. Every
             # check of the general path below, in the fewest steps; anything else goes there.
@@ -469,6 +486,7 @@ class BatchMixin:
                         if qos is not None:
                             qos.refund(hostnqn, True, length)   # the stream path charges it again
                         break
+                    over = _perf_ns() >= yield_at
                 reads += 1
                 read_bytes += length
             elif plen == _CMD_HLEN:
@@ -511,6 +529,7 @@ class BatchMixin:
                     if qos is not None:
                         qos.refund(hostnqn, False, length)   # the stream path charges it again
                     break
+                over = _perf_ns() >= yield_at
                 writes += 1
                 write_bytes += length
             pos += plen
@@ -534,6 +553,7 @@ class BatchMixin:
                 _pack_sqhd(slot.buf, _SLOT_SQHD, sqhd)
             append(slot.resp)
         self._fast_full = read_bytes >= budget
+        self._fast_over = over
         if last_nsid != -1 and ns is not None and (reads or writes):
             self._count(ns, reads, read_bytes, writes, write_bytes, start)
         if out:
