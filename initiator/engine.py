@@ -12,7 +12,11 @@ transport, the way SPDK's initiator (lib/nvme/nvme_tcp.c) drives a qpair from it
 - the CapsuleResp and C2HData of those commands are parsed here from their fixed headers; C2HData goes
   straight into the caller's buffer (a payload missing at least ``TCP_DIRECT_PLACEMENT_MIN`` bytes is
   received into it directly);
-- every other PDU (ICResp, R2T, TermReq, anything for a :meth:`submit` command, anything malformed) goes
+- a slot write above the in-capsule size is sent with a transport SGL: its R2Ts are parsed here (the checks
+  of ``TcpConnection._check_r2t``, nvme_tcp_handle_r2t) and answered with H2CData PDUs of at most MAXH2CDATA,
+  each a header packed with one precompiled ``struct`` plus a view of the caller's buffer, in the same
+  ``sendmsg`` (nvme_tcp_setup_h2c_data_pdu);
+- every other PDU (ICResp, TermReq, anything for a :meth:`submit` command, anything malformed) goes
   to the sans-IO ``TcpConnection``, which checks and parses it exactly as on the stream path. With header
   or data digests the slot commands go through ``TcpConnection`` too (it checks the digests);
 - hybrid polling (``poll_us``): after a batch that sent commands, keep trying a non-blocking receive for
@@ -21,7 +25,9 @@ transport, the way SPDK's initiator (lib/nvme/nvme_tcp.c) drives a qpair from it
 The fast parser makes the checks ``TcpConnection`` makes for these PDUs (nvme_tcp_handle_c2h_data,
 nvme_tcp_process_nvme_cqe): a PDU whose header is not exactly the expected layout is handed to
 ``TcpConnection``, which reports the framing error; a C2HData of a slot command at the wrong offset, too
-long, or with SUCCESS but not LAST fails the queue with the same FES/FEI and H2CTermReq.
+long, or with SUCCESS but not LAST, and an R2T asking for nothing, for a command with no data to send, or
+for data outside what is left, fail the queue with the same FES/FEI and H2CTermReq (tests/test_engine.py
+compares them byte for byte with the sans-IO path's).
 """
 
 from __future__ import annotations

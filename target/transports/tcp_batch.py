@@ -19,7 +19,10 @@ fast path in front of it for the commands that dominate a data plane and can fin
   ``socket.sendmsg`` with the list of buffers; a batch stops taking commands once its replies pass
   ``TCP_WRITE_HIGH_WATER`` bytes and, while the socket does not take them, the rest of the receive
   buffer waits (carried) until the backlog drained (a host that never reads cannot make one wake-up
-  queue more than that).
+  queue more than that); it also stops after the first command whose backend call (a file's inline write
+  or page-cache read; never a RAM disk's view) ends past ``TCP_BATCH_TIME_BUDGET_US`` from the start of
+  the receive, and the rest is carried to a ``call_soon`` (nvmet_tcp_io_work's budget): 32 inline file
+  writes do not hold the event loop, every other connection and timer, for all of them at once.
 
 An R2T Write whose H2C budgets fit takes the fast path too: its R2T leaves with the batch's replies
 through ``TcpConnection.send_r2t``, so the sans-IO layer registers the transfer and checks every
