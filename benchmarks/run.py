@@ -358,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="bind targets and baseline servers to the first CPU list and bench and baseline clients "
                          "to the second, e.g. --pin 0:1 (default: not pinned)")
     ap.add_argument("--serve-arg", action="append", metavar="ARG",
-                    help="extra argument for every nvmeof serve, e.g. --serve-arg=--tcp-engine=stream (repeatable)")
+                    help="extra argument for every nvmeof serve, e.g. --serve-arg=--poll-us=20 (repeatable)")
     ap.add_argument("--bench-arg", action="append", metavar="ARG", help="extra argument for every nvmeof bench")
     ap.add_argument("--no-precondition", dest="precondition", action="store_false",
                     help="measure the RAM disks as started, without writing them once first (the first writes "

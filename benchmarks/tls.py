@@ -2,11 +2,11 @@
 """What NVMe/TCP over TLS 1.3 costs per I/O: the same `nvmeof bench` rows over TLS and in the clear, one run.
 
 `nvmeof serve --tls optional` (a RAM disk; the host NQN below allowed with a TLS PSK): TLS queues (host:
-stream engine; target: its TLS path, the stream engine's) against clear queues on the stream engine on both
-sides (`serve --tcp-engine stream`: the same code without the TLS session, so the difference is TLS alone),
-and clear queues on the batch engines (the defaults, for reference). Variants alternate per round so each sees
-the same background. Figures: IOPS, MiB/s, mean latency, CPU µs per I/O on both sides, the TLS/clear-stream
-ratios (IOPS, and the extra CPU µs per I/O TLS costs on each side).
+HostQueue through the TLS session; target: the engine's slow path, every PDU through the sans-IO
+TcpConnection) against clear queues on the one NVMe/TCP engine (batch, fast path included; there is no
+`--tcp-engine stream` any more, issue 26, so the difference is TLS plus the fast path's shortcut). Variants
+alternate per round so each sees the same background. Figures: IOPS, MiB/s, mean latency, CPU µs per I/O on
+both sides, the TLS/clear ratios (IOPS, and the extra CPU µs per I/O TLS costs on each side).
 
     python3 benchmarks/tls.py                    # 2 rounds, 3 s per row
     python3 benchmarks/tls.py --rounds 3 --runtime 5 --json out.json
@@ -34,29 +34,26 @@ ROWS = (
     Row("128k-read-qd8", "read", 131072, 8),
     Row("128k-write-qd8", "write", 131072, 8),
 )
-VARIANTS = ("tls", "clear-stream", "clear-batch")
+VARIANTS = ("tls", "clear")
 
 
 def variant_args(variant: str, key: str) -> tuple[str, ...]:
     args = ("--hostnqn", HOSTNQN)
     if variant == "tls":
         return (*args, "--tls-key", key)
-    return (*args, "--tcp-engine", "stream" if variant == "clear-stream" else "batch")
+    return args
 
 
 def run_round(args: argparse.Namespace, key: str, cfg: Path, order: tuple[str, ...]) -> dict[str, dict[str, Any]]:
-    """One target per engine: a TLS queue takes the target's stream path whatever the engine (the batch fast
-    path reads clear PDUs off the socket), so clear-stream runs against `serve --tcp-engine stream`."""
+    """One target serves both variants (`--tls optional`: the first bytes of a connection decide)."""
     out: dict[str, dict[str, Any]] = {}
-    for engine in ("batch", "stream"):
-        variants = [v for v in order if (v == "clear-stream") == (engine == "stream")]
-        extra = ("--config", str(cfg), "--tls", "optional", "--tcp-engine", engine)
-        with serving(args.ramdisk_size, extra_args=extra) as (target, port):
-            for row in ROWS:
-                for variant in variants:
-                    out[f"{row.name}/{variant}"] = run_bench(row, port, target.pid, runtime=args.runtime,
-                                                             ramp=args.ramp, numjobs=1, nqn=DEFAULT_NQN,
-                                                             extra_args=variant_args(variant, key))
+    extra = ("--config", str(cfg), "--tls", "optional")
+    with serving(args.ramdisk_size, extra_args=extra) as (target, port):
+        for row in ROWS:
+            for variant in order:
+                out[f"{row.name}/{variant}"] = run_bench(row, port, target.pid, runtime=args.runtime,
+                                                         ramp=args.ramp, numjobs=1, nqn=DEFAULT_NQN,
+                                                         extra_args=variant_args(variant, key))
     return out
 
 
@@ -95,10 +92,10 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"machine: {machine()}; tree {harness.TREE}; {args.rounds} round(s), {args.runtime:g} s + {args.ramp:g} s "
           f"ramp per row, 1 job, 1 I/O queue, PSK hash {args.hmac}; medians")
-    print("| job | variant | IOPS | MiB/s | mean lat µs | target µs/IO | initiator µs/IO | TLS vs clear-stream |")
+    print("| job | variant | IOPS | MiB/s | mean lat µs | target µs/IO | initiator µs/IO | TLS vs clear |")
     print("|---|---|---:|---:|---:|---:|---:|---|")
     for row in ROWS:
-        clear = f"{row.name}/clear-stream"
+        clear = f"{row.name}/clear"
         for variant in VARIANTS:
             name = f"{row.name}/{variant}"
             note = ""

@@ -34,7 +34,6 @@ class ConnectSpec:
     # DH-HMAC-CHAP secrets as nvmeof.auth.DhchapSecret (their repr hides the key)
     dhchap_secret: Any = field(default=None, repr=False)
     dhchap_ctrl_secret: Any = field(default=None, repr=False)
-    engine: str = defaults.HOST_TCP_ENGINE   # connect(engine=): "batch" or "stream" (A/B)
     poll_us: int = defaults.POLL_US          # connect(poll_us=): busy polling after a batch, µs
     disable_sqflow: bool = False             # connect(disable_sqflow=): a read may end with C2HData SUCCESS
     tls_key: Any = field(default=None, repr=False)   # connect(tls_key=): an nvmeof.tls.TlsKey (TLS 1.3 with PSK)
@@ -48,8 +47,6 @@ class ConnectSpec:
         }
         if self.target is not None:
             kw["target"] = self.target
-        if self.engine != defaults.HOST_TCP_ENGINE:
-            kw["engine"] = self.engine
         if self.poll_us != defaults.POLL_US:
             kw["poll_us"] = self.poll_us
         if self.disable_sqflow:

@@ -533,6 +533,8 @@ class TargetConnection(asyncio.BufferedProtocol):
         self.close()
 
     def _handle(self, events: list[Any]) -> None:
+        # Inside a wider batch (the batch engine's wake-up, tcp_batch._receive) its end does the one write.
+        outer = self._batching
         self._batching = True
         try:
             for event in events:
@@ -561,10 +563,12 @@ class TargetConnection(asyncio.BufferedProtocol):
                 if self._closed:
                     return   # a command tore the connection down; close() flushed what it queued
         finally:
-            self._batching = False
+            if not self._closed:
+                self._batching = outer
         if self._deadline is not None and self.queue.ctrl is not None:
             self._connected()
-        self._flush()
+        if not outer:
+            self._flush()
 
     def eof_received(self) -> bool:
         return False   # let the transport close; connection_lost cleans up

@@ -213,6 +213,7 @@ class BatchMixin:
     _release_h2c: Any
     _task_done: Any
     _flush: Any
+    _batching: bool
 
     def _batch_init(self) -> None:
         self._carry = 0                       # bytes of a partial CapsuleCmd kept at the start of _recv
@@ -263,10 +264,25 @@ class BatchMixin:
     # --- the fast path --------------------------------------------------------------------------
 
     def _receive(self, mv: memoryview) -> None:
+        # What the slow path queues in this wake-up (every PDU of a digest connection, admin commands, the
+        # replies of R2T writes completing now) leaves in one write at its end, not one per PDU handed over.
+        self._batching = True
+        try:
+            self._receive_batch(mv)
+        finally:
+            if not self._closed:
+                self._batching = False
+                self._flush()
+
+    def _receive_batch(self, mv: memoryview) -> None:
         end = len(mv)
         pos = 0
+        streamed = False
         while not self._closed:
             if self._fast_ready():
+                if streamed:
+                    streamed = False
+                    self._send_queued()   # the slow path's replies so far go ahead of the fast path's
                 pos = self._fast(mv, pos)
                 if self._fast_full and pos < end:
                     # The batch's replies reached the high-water mark: if the socket did not take them
@@ -285,10 +301,16 @@ class BatchMixin:
                 plen = _unpack_u32(mv, pos + 4)[0]
                 if 8 <= plen <= rest:
                     self._stream(mv[pos:pos + plen])
+                    streamed = True
                     pos += plen
                     continue
             self._stream(mv[pos:] if pos else mv)
             return
+
+    def _send_queued(self) -> None:
+        out = self.conn.data_to_send()
+        if out and self.transport is not None:
+            self.transport.writelines(out)
 
     def _hold(self, mv: memoryview, pos: int, rest: int) -> None:
         """Keep the unread rest of a batch at the start of the receive buffer, with room behind it."""
