@@ -20,6 +20,11 @@ files and established hosts need. At a cap, the oldest connection that has not c
 yet makes room for the new one (an attacker's half-open connections cannot lock a host out); with
 none, the new connection is closed at once. Receive buffers start at TCP_RECV_BUFFER_MIN, grow while
 reads fill them and drop back when a read leaves the small buffer enough room.
+
+There is one NVMe/TCP engine (issue 26): target/transports/tcp_batch.py. `TargetConnection` is its slow
+path (the batch connection classes mix its fast path in front of it), the loop transport's connection, and
+alone the reference model tests compare the fast path with. `TcpListener` keeps the caps and deadlines the
+batch listener inherits; its asyncio server (``start``) is not in the registry, only tests start it.
 """
 
 from __future__ import annotations
