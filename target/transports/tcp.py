@@ -443,17 +443,22 @@ class TargetConnection(asyncio.BufferedProtocol):
             if not self._closed:
                 self._handle(self.conn.direct_received(nbytes))
             return
+        self.data_received(self._received(nbytes))
+
+    def _received(self, filled: int) -> memoryview:
+        """The ``filled`` bytes at the start of the receive buffer; the next read gets a new buffer when
+        this one was too small or is bigger than needed (the batch engine's receive shares this)."""
         buf = self._recv
         size = len(buf)
-        if nbytes == size:
+        if filled == size:
             if size < RECV_BUFFER_MAX:
                 # The read filled the buffer, so more is waiting: take it in fewer, larger reads.
                 self._recv = memoryview(bytearray(min(size * 4, RECV_BUFFER_MAX)))
-        elif size > RECV_BUFFER_MIN and nbytes < RECV_BUFFER_MIN:
+        elif size > RECV_BUFFER_MIN and filled < RECV_BUFFER_MIN:
             # The socket is drained and the small buffer would have done: give the big one back, so an
             # idle connection holds RECV_BUFFER_MIN (the events below use the old one, which goes then).
             self._recv = memoryview(bytearray(RECV_BUFFER_MIN))
-        self.data_received(buf[:nbytes])
+        return buf[:filled]
 
     def data_received(self, data: bytes | memoryview) -> None:  # type: ignore[override]
         if self._closed:

@@ -79,7 +79,7 @@ from nvmeof.spec.nvme import (
 )
 from target.lifecycle import start_command
 from target.model import LATENCY_SHIFT
-from target.transports.tcp import RECV_BUFFER_MAX, RECV_BUFFER_MIN, TargetConnection, TcpListener, TcpRequest
+from target.transports.tcp import RECV_BUFFER_MIN, TargetConnection, TcpListener, TcpRequest
 
 if TYPE_CHECKING:
     from target.model import Listener
@@ -213,6 +213,7 @@ class BatchMixin:
     _release_h2c: Any
     _task_done: Any
     _flush: Any
+    _received: Any
     _batching: bool
 
     def _batch_init(self) -> None:
@@ -238,18 +239,10 @@ class BatchMixin:
         if self._recv_direct:
             super().buffer_updated(nbytes)   # type: ignore[misc]
             return
-        buf = self._recv
-        size = len(buf)
         total = self._carry + nbytes
         self._carry = 0
         self._held = False   # what was held goes now, with what came behind it
-        if total == size:
-            if size < RECV_BUFFER_MAX:
-                # The read filled the buffer, so more is waiting: take it in fewer, larger reads.
-                self._recv = memoryview(bytearray(min(size * 4, RECV_BUFFER_MAX)))
-        elif size > RECV_BUFFER_MIN and total < RECV_BUFFER_MIN:
-            self._recv = memoryview(bytearray(RECV_BUFFER_MIN))
-        self._receive(buf[:total])
+        self._receive(self._received(total))
 
     def data_received(self, data: bytes | memoryview) -> None:
         """Bytes handed over without get_buffer (a transport that is not buffered)."""
