@@ -48,3 +48,14 @@ def test_connect_has_no_engine_choice_and_refuses_negative_poll() -> None:
 class _Loop:
     async def connect_loop(self, factory: Any) -> Any:
         raise NotImplementedError
+
+
+@pytest.mark.parametrize("command", [["bench"], ["serve"]])
+def test_no_tcp_engine_switch(command: list[str]) -> None:
+    """One NVMe/TCP engine per role (issue 26): neither the host bench nor the target daemon takes a choice."""
+    from click.testing import CliRunner
+
+    from nvmeof.cli import cli
+
+    result = CliRunner().invoke(cli, [*command, "--tcp-engine", "stream"], catch_exceptions=False)
+    assert result.exit_code == 2 and "No such option '--tcp-engine'" in result.output
