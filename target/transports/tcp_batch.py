@@ -259,15 +259,19 @@ class BatchMixin:
     def _receive(self, mv: memoryview) -> None:
         # What the slow path queues in this wake-up (every PDU of a digest connection, admin commands, the
         # replies of R2T writes completing now) leaves in one write at its end, not one per PDU handed over.
+        # (An exception closes the connection, and close() flushes.)
         self._batching = True
+        streamed = False
         try:
-            self._receive_batch(mv)
+            streamed = self._receive_batch(mv)
         finally:
             if not self._closed:
                 self._batching = False
-                self._flush()
+                if streamed:
+                    self._flush()
 
-    def _receive_batch(self, mv: memoryview) -> None:
+    def _receive_batch(self, mv: memoryview) -> bool:
+        """Take the PDUs of ``mv``: True when the slow path got any whose output is still queued."""
         end = len(mv)
         pos = 0
         streamed = False
@@ -282,12 +286,12 @@ class BatchMixin:
                     # (pause_writing came), the rest waits for the backlog to drain (resume_writing).
                     if self._write_paused:
                         self._hold(mv, pos, end - pos)
-                        return
+                        return False
                     continue
             rest = end - pos
             if not rest or self._closed or self._fast_tail(mv, pos, rest):
-                return
-            # One whole PDU the fast path did not take goes through the stream engine, then the fast
+                return streamed
+            # One whole PDU the fast path did not take goes through the slow path, then the fast
             # path goes on; a PDU cut by the end of the read (or anything while the sans-IO layer
             # holds bytes) goes there with everything after it.
             if rest >= 8 and self.conn.idle_ready():
@@ -298,7 +302,8 @@ class BatchMixin:
                     pos += plen
                     continue
             self._stream(mv[pos:] if pos else mv)
-            return
+            return True
+        return False
 
     def _send_queued(self) -> None:
         out = self.conn.data_to_send()
