@@ -86,3 +86,49 @@ async def test_digest_replies_of_one_wake_up_leave_in_one_write(digests: tuple[b
         if admin is not None:
             admin.close()
         await served.target.close()   # type: ignore[attr-defined]
+
+
+async def test_digest_replies_completing_together_leave_in_one_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reads that wait for the backend and are let go in one loop iteration: one write for all replies."""
+    import asyncio
+
+    served = await serve()
+    admin = peer = None
+    try:
+        admin, cntlid = await admin_host(served.port, hdgst=True, ddgst=True)
+        peer = await RawPeer.open(served.port)
+        await peer.handshake(hdgst=True, ddgst=True)
+        assert (await peer.command(connect_pdu(1, SUBNQN, qid=1, cntlid=cntlid, hdgst=True, ddgst=True), 1)).status == 0
+        (conn,) = [c for c in served.server.connections if c.queue.qid == 1]   # type: ignore[attr-defined]
+        backend = served.target.subsystems[SUBNQN].namespaces[1].backend   # type: ignore[attr-defined]
+        gate = asyncio.Event()
+        waiting: list[int] = []
+        read = backend.read
+
+        async def gated_read(offset: int, length: int) -> Any:
+            waiting.append(offset)
+            await gate.wait()
+            return await read(offset, length)
+
+        monkeypatch.setattr(backend, "read", gated_read)
+        seen = _count(conn)
+        cids = list(range(30, 30 + COMMANDS))
+        await peer.send(b"".join(capsule_cmd(sqe(Command(IoOpcode.READ, nsid=1, cdw10=i, cdw12=0), cid=cid,
+                                                 data_len=512), hdgst=True, ddgst=True)
+                                 for i, cid in enumerate(cids)))
+        for _ in range(200):
+            if len(waiting) == COMMANDS:
+                break
+            await asyncio.sleep(0.005)
+        assert len(waiting) == COMMANDS and seen["writes"] == 0, (waiting, seen)
+        gate.set()
+        assert await peer.wait_for(lambda o: all(o.done(c) for c in cids), 5)
+        assert not peer.out.errors and peer.out.term is None, peer.out.errors
+        assert all(peer.out.cqe(c).status == 0 for c in cids)   # type: ignore[union-attr]
+        assert seen["writes"] == 1, seen
+    finally:
+        if peer is not None:
+            await peer.close()
+        if admin is not None:
+            admin.close()
+        await served.target.close()   # type: ignore[attr-defined]

@@ -759,6 +759,11 @@ class TargetConnection(asyncio.BufferedProtocol):
         # The event's views die at the next receive_data: keep a copy of in-capsule data.
         req.incapsule = bytes(event.data) if event.data is not None else None
         req.digest_ok = event.digest_ok
+        # Digest connections run every command here: the replies of I/O commands that complete later in one
+        # loop iteration (woken together: a backend, a QoS release) leave in one write too (_flush_soon). Not
+        # a Connect (ctrl still None): its reply takes _send_cqe, where PoolConnection starts the hand-off.
+        conn = self.conn
+        req.coalesce = (conn.hdgst or conn.ddgst) and self.queue.ctrl is not None
         task = start_command(self.target, self, req)
         if task is None:
             return   # completed without waiting: no Task
