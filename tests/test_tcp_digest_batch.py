@@ -3,18 +3,22 @@
 Header/data digests keep a connection off the batch engine's fast path (target/transports/tcp_batch.py):
 every PDU goes through the sans-IO TcpConnection. The engine used to hand those PDUs over one at a
 time, each with its own write; now what the slow path queues during one receive goes out in one
-``writelines`` at the wake-up's end (one ``sendmsg`` on SocketTransport). The target's writes and
+``writelines`` at the wake-up's end (one ``sendmsg`` on SocketTransport), and the replies of I/O commands
+the backend lets go in one loop iteration share one write as well. The target's writes and
 wake-ups are counted on the I/O queue's connection; the host checks every PDU with its own parser
 (tests/raw_pdu.py), digests included.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import random
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from raw_pdu import SUBNQN, RawPeer, admin_host, capsule_cmd, connect_pdu, serve, sqe
+from raw_pdu import SUBNQN, RawPeer, admin_host, capsule_cmd, connect_pdu, serve, sqe, wait_until
 
 from nvmeof.spec.nvme import Command, IoOpcode
 
@@ -41,22 +45,33 @@ def _count(conn: Any) -> dict[str, int]:
     return seen
 
 
-@pytest.mark.parametrize("digests", [(True, False), (False, True), (True, True)])
-async def test_digest_replies_of_one_wake_up_leave_in_one_write(digests: tuple[bool, bool]) -> None:
-    hdgst, ddgst = digests
+@contextlib.asynccontextmanager
+async def _digest_io_queue(hdgst: bool, ddgst: bool) -> AsyncIterator[tuple[Any, RawPeer, Any]]:
+    """A served target (RAM nsid 1), an admin queue and a raw I/O queue with these digests, connected:
+    (served, the host's raw peer, the target's connection of that I/O queue)."""
     served = await serve()
     admin = peer = None
     try:
         admin, cntlid = await admin_host(served.port, hdgst=hdgst, ddgst=ddgst)
         peer = await RawPeer.open(served.port)
         await peer.handshake(hdgst=hdgst, ddgst=ddgst)
-        cqe = await peer.command(connect_pdu(1, SUBNQN, qid=1, cntlid=cntlid,
-                                             hdgst=hdgst, ddgst=ddgst), 1)
+        cqe = await peer.command(connect_pdu(1, SUBNQN, qid=1, cntlid=cntlid, hdgst=hdgst, ddgst=ddgst), 1)
         assert cqe.status == 0
-        conns = [c for c in served.server.connections if c.queue.qid == 1]   # type: ignore[attr-defined]
-        assert len(conns) == 1
-        conn = conns[0]
+        (conn,) = [c for c in served.server.connections if c.queue.qid == 1]   # type: ignore[attr-defined]
         assert conn.conn.hdgst == hdgst and conn.conn.ddgst == ddgst
+        yield served, peer, conn
+    finally:
+        if peer is not None:
+            await peer.close()
+        if admin is not None:
+            admin.close()
+        await served.target.close()   # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("digests", [(True, False), (False, True), (True, True)])
+async def test_digest_replies_of_one_wake_up_leave_in_one_write(digests: tuple[bool, bool]) -> None:
+    hdgst, ddgst = digests
+    async with _digest_io_queue(hdgst, ddgst) as (_served, peer, conn):
         seen = _count(conn)
         # Half in-capsule writes, half reads of what they wrote, all in one send: one receive on loopback.
         blocks = [random.Random(i).randbytes(512) for i in range(COMMANDS // 2)]
@@ -76,30 +91,14 @@ async def test_digest_replies_of_one_wake_up_leave_in_one_write(digests: tuple[b
         got = {p.fields.get("cccid"): p for p in peer.out.of_kind("c2h")}
         for i, data in enumerate(blocks):
             assert got[20 + i].fields["data"] == data
-        # One write per wake-up (the writes may run ahead of sending: the first write is inside the first
-        # wake-up's end), and fewer wake-ups than commands, so one write per PDU would show.
+        # One write per wake-up, and fewer wake-ups than commands, so one write per PDU would show.
         assert seen["receives"] < COMMANDS, seen
         assert seen["writes"] == seen["receives"], seen
-    finally:
-        if peer is not None:
-            await peer.close()
-        if admin is not None:
-            admin.close()
-        await served.target.close()   # type: ignore[attr-defined]
 
 
 async def test_digest_replies_completing_together_leave_in_one_write(monkeypatch: pytest.MonkeyPatch) -> None:
     """Reads that wait for the backend and are let go in one loop iteration: one write for all replies."""
-    import asyncio
-
-    served = await serve()
-    admin = peer = None
-    try:
-        admin, cntlid = await admin_host(served.port, hdgst=True, ddgst=True)
-        peer = await RawPeer.open(served.port)
-        await peer.handshake(hdgst=True, ddgst=True)
-        assert (await peer.command(connect_pdu(1, SUBNQN, qid=1, cntlid=cntlid, hdgst=True, ddgst=True), 1)).status == 0
-        (conn,) = [c for c in served.server.connections if c.queue.qid == 1]   # type: ignore[attr-defined]
+    async with _digest_io_queue(True, True) as (served, peer, conn):
         backend = served.target.subsystems[SUBNQN].namespaces[1].backend   # type: ignore[attr-defined]
         gate = asyncio.Event()
         waiting: list[int] = []
@@ -116,19 +115,10 @@ async def test_digest_replies_completing_together_leave_in_one_write(monkeypatch
         await peer.send(b"".join(capsule_cmd(sqe(Command(IoOpcode.READ, nsid=1, cdw10=i, cdw12=0), cid=cid,
                                                  data_len=512), hdgst=True, ddgst=True)
                                  for i, cid in enumerate(cids)))
-        for _ in range(200):
-            if len(waiting) == COMMANDS:
-                break
-            await asyncio.sleep(0.005)
-        assert len(waiting) == COMMANDS and seen["writes"] == 0, (waiting, seen)
+        await wait_until(lambda: len(waiting) == COMMANDS, what="every read at the backend")
+        assert seen["writes"] == 0, seen
         gate.set()
         assert await peer.wait_for(lambda o: all(o.done(c) for c in cids), 5)
         assert not peer.out.errors and peer.out.term is None, peer.out.errors
         assert all(peer.out.cqe(c).status == 0 for c in cids)   # type: ignore[union-attr]
         assert seen["writes"] == 1, seen
-    finally:
-        if peer is not None:
-            await peer.close()
-        if admin is not None:
-            admin.close()
-        await served.target.close()   # type: ignore[attr-defined]
