@@ -52,7 +52,7 @@ from nvmeof.tcp import (
 from nvmeof.tls.openssl import TlsError, TlsSession, looks_like_tls
 from target.lifecycle import start_command
 from target.request import Request, TargetQueue
-from target.tls import PskRefused, find_psk
+from target.tls import PskRefused, find_psk, handshake_hint
 from target.transport_ops import TransportOps
 
 if TYPE_CHECKING:
@@ -508,7 +508,9 @@ class TargetConnection(asyncio.BufferedProtocol):
             out = tls.data_to_send()   # the alert, if any, tells the host why
             if out and self.transport is not None:
                 self.transport.write(out)
-            self._refuse(f"NVMe/TCP TLS handshake with {self.queue.peer or '?'} failed: {exc}; closing it"
+            # a version-0 identity that found a PSK and still failed: name the likely cause (target/tls.py)
+            hint = "" if was_done else handshake_hint(self.target.subsystems, self.queue.tls)
+            self._refuse(f"NVMe/TCP TLS handshake with {self.queue.peer or '?'} failed: {exc}; closing it{hint}"
                          if not was_done else f"NVMe/TCP TLS from {self.queue.peer or '?'} failed: {exc}; closing it")
             return
         if not was_done and tls.handshake_done:
