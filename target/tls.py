@@ -60,13 +60,14 @@ def find_psk(subsystems: Mapping[str, Subsystem], raw_identity: bytes) -> tuple[
     raise PskRefused(f"PSK identity of host {host} for {identity.subnqn}: {why}")
 
 
-def handshake_hint(subsystems: Mapping[str, Subsystem], identity: PskIdentity | None) -> str:
+def handshake_hint(subsystems: Mapping[str, Subsystem], identity: PskIdentity | None, error: str) -> str:
     """Why a handshake whose identity found a PSK may still have failed, for the log line ("" if nothing to say).
 
-    With a version-0 identity a PSK of the wrong derivation fails only at the binder check, exactly like a
-    wrong key; the likeliest cause is a keyring key inserted by nvme-cli 2.13 / libnvme 1.13 (compat encoding)
-    while the host entry is not marked tls_compat, or the other way round."""
-    if identity is None or identity.version != 0:
+    With a version-0 identity a PSK of the wrong derivation fails only at the binder check (OpenSSL's
+    SSL_R_BINDER_DOES_NOT_VERIFY, ``error`` being the handshake's error text), exactly like a wrong key; the
+    likeliest cause is a keyring key inserted by nvme-cli 2.13 / libnvme 1.13 (compat encoding) while the host
+    entry is not marked tls_compat, or the other way round."""
+    if identity is None or identity.version != 0 or "binder does not verify" not in error:
         return ""
     keys = _keys_for(subsystems, identity)
     if not keys:

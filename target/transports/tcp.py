@@ -509,7 +509,7 @@ class TargetConnection(asyncio.BufferedProtocol):
             if out and self.transport is not None:
                 self.transport.write(out)
             # a version-0 identity that found a PSK and still failed: name the likely cause (target/tls.py)
-            hint = "" if was_done else handshake_hint(self.target.subsystems, self.queue.tls)
+            hint = "" if was_done else handshake_hint(self.target.subsystems, self.queue.tls, str(exc))
             self._refuse(f"NVMe/TCP TLS handshake with {self.queue.peer or '?'} failed: {exc}; closing it{hint}"
                          if not was_done else f"NVMe/TCP TLS from {self.queue.peer or '?'} failed: {exc}; closing it")
             return
