@@ -514,8 +514,9 @@ class TargetConnection(asyncio.BufferedProtocol):
                          if not was_done else f"NVMe/TCP TLS from {self.queue.peer or '?'} failed: {exc}; closing it")
             return
         if not was_done and tls.handshake_done:
-            log.info("NVMe/TCP TLS from %s: %s %s, PSK identity %s", self.queue.peer, tls.version, tls.cipher_name,
-                     self.queue.tls, extra=self._fields("tls", "handshake done"))
+            log.info("NVMe/TCP TLS from %s: %s %s, PSK identity %s%s", self.queue.peer, tls.version, tls.cipher_name,
+                     self.queue.tls, " (the host bound its SHA-384 PSK to a SHA-256 binder, as GnuTLS before 3.8.11 "
+                     "does: SHA-256 suite)" if tls.sha256_binder else "", extra=self._fields("tls", "handshake done"))
             if self._deadline is not None:   # the ICReq gets its own window after the handshake
                 self._arm_deadline(self._port.limits.ic_timeout, "ICReq")
         if plain:
