@@ -1,10 +1,13 @@
 """Interop with GnuTLS (the TLS library of tlshd, which does the Linux kernel's NVMe/TCP handshakes):
 gnutls-cli as the host against our target, our TlsSession as the host against gnutls-serv. Skipped without
-Debian's gnutls-bin. GnuTLS before 3.8 binds every external PSK to SHA-256, so only SHA-256 keys are tried."""
+Debian's gnutls-bin. GnuTLS before 3.8.11 binds every external PSK to SHA-256 (its binder and its suite): our
+target takes a SHA-384 key bound so; our host offers SHA-384 keys as TP 8011 says, so only SHA-256 keys against
+gnutls-serv."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
 import socket
 import subprocess
@@ -27,9 +30,12 @@ PRIORITY = "NORMAL:-VERS-ALL:+VERS-TLS1.3:+PSK:+DHE-PSK:+ECDHE-PSK:%NO_TICKETS"
 ICREQ = bytes([0, 0, 128, 0]) + (128).to_bytes(4, "little") + bytes(120)
 
 
-@pytest.mark.parametrize("version", [1, 0])
-async def test_gnutls_host_gets_icresp_from_our_target(version: int) -> None:
-    key = TlsKey.parse(generate_key())
+@pytest.mark.parametrize(("version", "hmac_id"), [(1, 1), (0, 1), (1, 2), (0, 2)])
+async def test_gnutls_host_gets_icresp_from_our_target(version: int, hmac_id: int,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """SHA-384 keys too: this GnuTLS binds the PSK to SHA-256 (a 32-byte binder), as tlshd's GnuTLS 3.8.9 does
+    in Linux's handshakes; our target then takes the PSK with TLS_AES_128_GCM_SHA256 and logs it."""
+    key = TlsKey.parse(generate_key(hmac_id=hmac_id))
     tgt = make_target()
     sub = tgt.subsystems.pop(SUBNQN)
     sub.nqn = SUB
@@ -41,6 +47,7 @@ async def test_gnutls_host_gets_icresp_from_our_target(version: int) -> None:
     tgt.listeners[listener.id] = listener
     server = await tgt.start_listener(listener)
     ident = key.identity(HOST, SUB, version)
+    caplog.set_level(logging.INFO)
     proc = await asyncio.create_subprocess_exec(
         "gnutls-cli", "-p", str(server.port), "127.0.0.1", f"--pskusername={ident}",
         f"--pskkey={key.tls_psk(ident).hex()}", f"--priority={PRIORITY}", "--insecure",
@@ -63,6 +70,9 @@ async def test_gnutls_host_gets_icresp_from_our_target(version: int) -> None:
             proc.kill()
         await proc.wait()
         await tgt.close()
+    done = [r.getMessage() for r in caplog.records if "PSK identity" in r.getMessage() and "TLS" in r.getMessage()]
+    assert done and "TLS_AES_128_GCM_SHA256" in done[0], done
+    assert ("SHA-256 binder" in done[0]) == (hmac_id == 2), done
 
 
 @pytest.mark.parametrize("version", [1, 0])

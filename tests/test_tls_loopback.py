@@ -192,3 +192,33 @@ async def test_compat_host_is_recognised_by_its_digest() -> None:
             await _rw(ctrl)
     finally:
         await tgt.close()
+
+
+@pytest.mark.parametrize("engine", ["batch", "stream"])
+async def test_compat_host_without_digest_needs_tls_compat(engine: str, caplog: pytest.LogCaptureFixture) -> None:
+    """An NVMe0R identity whose PSK was derived the libnvme compat way (nvme-cli 2.13 inserting a key for the
+    kernel host): refused with a log line naming tls_compat while the host entry is not marked, served once it is;
+    a host marked tls_compat offering an RFC 8446-derived NVMe0R PSK is then refused with the opposite hint."""
+    tgt, port = await _serve("required", engine=engine)
+    entry = tgt.subsystems[SUBNQN].host_auth[HOST]
+    try:
+        with caplog.at_level(logging.WARNING), pytest.raises(TransportError):
+            await initiator.connect("127.0.0.1", port, SUBNQN, hostnqn=HOST, tls_key=KEY, tls_compat=True,
+                                    tls_identity_version=0, timeout=5)
+        lines = [r.getMessage() for r in caplog.records if r.name.startswith("target.")]
+        assert len(lines) == 1 and "--tls-compat" in lines[0] and HOST in lines[0]
+        assert KEY.split(":")[2] not in caplog.text
+        entry.tls_compat = True
+        async with initiator.connect("127.0.0.1", port, SUBNQN, hostnqn=HOST, tls_key=KEY, tls_compat=True,
+                                     tls_identity_version=0) as ctrl:
+            await _rw(ctrl)
+        # the digest still decides for NVMe1R identities: an RFC-derived NVMe1R key works on a compat host
+        async with initiator.connect("127.0.0.1", port, SUBNQN, hostnqn=HOST, tls_key=KEY, nr_io_queues=1) as ctrl:
+            await _rw(ctrl)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING), pytest.raises(TransportError):
+            await initiator.connect("127.0.0.1", port, SUBNQN, hostnqn=HOST, tls_key=KEY, tls_identity_version=0,
+                                    timeout=5)
+        assert any("--no-tls-compat" in r.getMessage() for r in caplog.records)
+    finally:
+        await tgt.close()

@@ -57,7 +57,7 @@ from nvmeof.tcp import (
 from nvmeof.tls.openssl import TlsError, TlsSession, looks_like_tls
 from target.lifecycle import start_command
 from target.request import Request, TargetQueue
-from target.tls import PskRefused, find_psk
+from target.tls import PskRefused, find_psk, handshake_hint
 from target.transport_ops import TransportOps
 
 if TYPE_CHECKING:
@@ -518,12 +518,15 @@ class TargetConnection(asyncio.BufferedProtocol):
             out = tls.data_to_send()   # the alert, if any, tells the host why
             if out and self.transport is not None:
                 self.transport.write(out)
-            self._refuse(f"NVMe/TCP TLS handshake with {self.queue.peer or '?'} failed: {exc}; closing it"
+            # a version-0 identity that found a PSK and still failed: name the likely cause (target/tls.py)
+            hint = "" if was_done else handshake_hint(self.target.subsystems, self.queue.tls, str(exc))
+            self._refuse(f"NVMe/TCP TLS handshake with {self.queue.peer or '?'} failed: {exc}; closing it{hint}"
                          if not was_done else f"NVMe/TCP TLS from {self.queue.peer or '?'} failed: {exc}; closing it")
             return
         if not was_done and tls.handshake_done:
-            log.info("NVMe/TCP TLS from %s: %s %s, PSK identity %s", self.queue.peer, tls.version, tls.cipher_name,
-                     self.queue.tls, extra=self._fields("tls", "handshake done"))
+            log.info("NVMe/TCP TLS from %s: %s %s, PSK identity %s%s", self.queue.peer, tls.version, tls.cipher_name,
+                     self.queue.tls, " (the host bound its SHA-384 PSK to a SHA-256 binder, as GnuTLS before 3.8.11 "
+                     "does: SHA-256 suite)" if tls.sha256_binder else "", extra=self._fields("tls", "handshake done"))
             if self._deadline is not None:   # the ICReq gets its own window after the handshake
                 self._arm_deadline(self._port.limits.ic_timeout, "ICReq")
         if plain:
