@@ -48,7 +48,8 @@ def connect(traddr: str, trsvcid: int | str = defaults.TCP_IO_PORT,
             dhchap_secret: str | DhchapSecret | None = None,
             dhchap_ctrl_secret: str | DhchapSecret | None = None,
             poll_us: int = defaults.POLL_US, tls: bool = False, tls_key: str | TlsKey | None = None,
-            tls_identity_version: int = defaults.TLS_IDENTITY_VERSION, tls_compat: bool = False) -> _Connecting:
+            tls_identity_version: int = defaults.TLS_IDENTITY_VERSION, tls_compat: bool = False,
+            tls_sha256_binder: bool = False) -> _Connecting:
     """Connect to an NVMe-oF controller: ``ctrl = await connect(...)`` or ``async with connect(...) as ctrl``.
 
     With ``reconnect=True`` the result is a :class:`initiator.reconnect.ReconnectingController`.
@@ -59,7 +60,9 @@ def connect(traddr: str, trsvcid: int | str = defaults.TCP_IO_PORT,
     ``poll_us`` > 0 (batch engine) busy-polls the socket up to that many µs after a batch before sleeping.
     ``tls_key`` (an ``NVMeTLSkey-1:...:`` configured PSK; implies ``tls=True``) runs every queue over TLS 1.3
     with the PSK identity of version ``tls_identity_version`` (1: NVMe1R with digest, 0: NVMe0R); its bytes
-    go through the TLS session (initiator/queue.py HostQueue).
+    go through the TLS session (initiator/queue.py HostQueue). ``tls_sha256_binder=True`` (interop, default off)
+    offers a SHA-384 PSK with a SHA-256 binder and suite, which a Linux nvmet TLS port needs while its tlshd
+    runs on GnuTLS before 3.8.11 (Debian trixie's 3.8.9); TP 8011 binds it to SHA-384.
     """
     # parsed once: a bad secret is refused here, and a kept DhchapSecret never shows its key
     dhchap_secret = parse_secret("dhchap_secret (--dhchap-secret)", dhchap_secret)
@@ -69,7 +72,8 @@ def connect(traddr: str, trsvcid: int | str = defaults.TCP_IO_PORT,
         hdr_digest=hdr_digest, data_digest=data_digest, kato=kato, timeout=timeout, target=target,
         disable_sqflow=disable_sqflow, event_callback=event_callback, dhchap_secret=dhchap_secret,
         dhchap_ctrl_secret=dhchap_ctrl_secret, poll_us=poll_us, tls=tls,
-        tls_key=tls_key, tls_identity_version=tls_identity_version, tls_compat=tls_compat)
+        tls_key=tls_key, tls_identity_version=tls_identity_version, tls_compat=tls_compat,
+        tls_sha256_binder=tls_sha256_binder)
     if reconnect:
         async def make_reconnecting() -> Any:
             rc = ReconnectingController(traddr, trsvcid, subnqn, max_delay=max_reconnect_delay,

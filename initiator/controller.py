@@ -173,7 +173,8 @@ class HostController(ReservationIo):
                  dhchap_ctrl_secret: str | DhchapSecret | None = None,
                  poll_us: int = defaults.POLL_US,
                  tls: bool = False, tls_key: str | TlsKey | None = None,
-                 tls_identity_version: int = defaults.TLS_IDENTITY_VERSION, tls_compat: bool = False) -> None:
+                 tls_identity_version: int = defaults.TLS_IDENTITY_VERSION, tls_compat: bool = False,
+                 tls_sha256_binder: bool = False) -> None:
         if transport not in ("tcp", "loop", "rdma"):
             raise ValueError(f"transport {transport!r} is not supported by the Python host (tcp, rdma or loop)")
         if transport == "loop" and not callable(getattr(target, "connect_loop", None)):
@@ -206,6 +207,11 @@ class HostController(ReservationIo):
                 raise ValueError("poll_us needs the batch engine; TLS queues run on HostQueue (the TLS session)")
         self.tls_identity_version = tls_identity_version
         self.tls_compat = tls_compat   # derive as libnvme before 1.11 did (keys inserted by an older nvme-cli)
+        if tls_sha256_binder and not self.tls:
+            raise ValueError("tls_sha256_binder needs tls_key (it changes how a SHA-384 TLS PSK is offered)")
+        # interop, default off (TP 8011): a SHA-384 PSK offered under a SHA-256 binder and suite, as a server on
+        # GnuTLS before 3.8.11 (tlshd 1.0.0: Linux nvmet's TLS) takes it; see nvmeof/tls/openssl.py
+        self.tls_sha256_binder = tls_sha256_binder
         # One NVMe/TCP engine: the batch engine (initiator/engine.py) owns a TCP socket. The loop transport has
         # no socket and TLS queues' bytes go through the TLS session, so both run HostQueue (initiator/queue.py),
         # the batch engine's own slow path (every PDU through the sans-IO TcpConnection); RDMA has its own
@@ -276,7 +282,7 @@ class HostController(ReservationIo):
         identity = key.identity(self.hostnqn, self.subnqn, self.tls_identity_version, compat=compat)
         try:
             return TlsSession(server=False, identity=str(identity).encode(), psk=key.tls_psk(identity, compat=compat),
-                              cipher=key.cipher)
+                              cipher=key.cipher, sha256_binder=self.tls_sha256_binder)
         except TlsError as exc:
             raise TransportError(self._queue_name(0), f"TLS unavailable: {exc}") from exc
 

@@ -80,6 +80,40 @@ async def test_tls_queue_carries_identity_and_suite() -> None:
     assert (ident, "TLS_AES_256_GCM_SHA384") in seen
 
 
+@pytest.mark.parametrize("engine", ["batch", "stream"])
+async def test_sha384_key_offered_with_a_sha256_binder(engine: str, caplog: pytest.LogCaptureFixture) -> None:
+    """connect(tls_sha256_binder=True), the interop option for tlshd/GnuTLS < 3.8.11 targets: every queue offers
+    the SHA-384 PSK under a SHA-256 binder, our target takes it with TLS_AES_128_GCM_SHA256 (its INFO line says
+    so) and I/O runs; without the option the same key gets TLS_AES_256_GCM_SHA384 (see the test above)."""
+    tgt, port = await _serve("required", engine=engine, key=KEY384)
+    seen = []
+    real = tcp.TargetConnection._tls_received
+
+    def spy(self, data):  # type: ignore[no-untyped-def]
+        real(self, data)
+        if self._tls is not None and self._tls.handshake_done:
+            seen.append((self._tls.cipher_name, self._tls.sha256_binder))
+    try:
+        tcp.TargetConnection._tls_received = spy  # type: ignore[method-assign]
+        with caplog.at_level(logging.INFO):
+            async with initiator.connect("127.0.0.1", port, SUBNQN, hostnqn=HOST, nr_io_queues=2, tls_key=KEY384,
+                                         tls_sha256_binder=True) as ctrl:
+                assert ctrl.tls_sha256_binder
+                assert {q._tls.cipher_name for q in [ctrl.admin, *ctrl.io_queues]} == {"TLS_AES_128_GCM_SHA256"}
+                await _rw(ctrl)
+    finally:
+        tcp.TargetConnection._tls_received = real  # type: ignore[method-assign]
+        await tgt.close()
+    assert set(seen) == {("TLS_AES_128_GCM_SHA256", True)}
+    assert KEY384.split(":")[2][:16] not in caplog.text
+
+
+def test_tls_sha256_binder_needs_a_key() -> None:
+    from initiator.controller import HostController
+    with pytest.raises(ValueError, match="tls_sha256_binder needs tls_key"):
+        HostController("127.0.0.1", 4420, SUBNQN, tls_sha256_binder=True)
+
+
 async def test_wrong_key_is_refused(caplog: pytest.LogCaptureFixture) -> None:
     tgt, port = await _serve("required")
     try:

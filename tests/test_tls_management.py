@@ -178,6 +178,41 @@ def test_cli_gen_tls_key_and_tls_options():
     assert res.exit_code == 2 and "--tls needs --tls-key" in res.output
 
 
+def test_cli_tls_sha256_binder(monkeypatch):
+    """--tls-sha256-binder reaches connect() as tls_sha256_binder=True, needs a key, and is the Python host's only
+    (`nvmeof connect`, the kernel host, has no such option)."""
+    from click.testing import CliRunner
+
+    import initiator
+    from nvmeof.cli import cli
+
+    seen = {}
+
+    async def fake_connect(*args, **kwargs):
+        seen.update(kwargs)
+        raise ConnectionRefusedError("not connecting in this test")
+    monkeypatch.setattr(initiator, "connect", fake_connect)
+    key384 = generate_key(hmac_id=2)
+    res = CliRunner().invoke(cli, ["identify", "-a", "127.0.0.1", "-s", "1", "-n", NQN, "--tls-key", key384,
+                                   "--tls-sha256-binder"])
+    assert res.exit_code != 0 and seen["tls_sha256_binder"] is True and seen["tls_key"].hmac_id == 2
+    assert key384.split(":")[2] not in res.output
+    seen.clear()
+    CliRunner().invoke(cli, ["identify", "-a", "127.0.0.1", "-s", "1", "-n", NQN, "--tls-key", key384])
+    assert seen["tls_key"].hmac_id == 2 and not seen.get("tls_sha256_binder")
+    for cmd in (["discover", "-a", "127.0.0.1", "-s", "1"], ["bench", "-a", "127.0.0.1", "-s", "1", "-n", NQN]):
+        res = CliRunner().invoke(cli, [*cmd, "--tls-sha256-binder"])
+        assert res.exit_code == 2 and "--tls-sha256-binder needs --tls-key" in res.output
+    res = CliRunner().invoke(cli, ["connect", "-a", "127.0.0.1", "-n", NQN, "--tls-sha256-binder"])
+    assert res.exit_code == 2 and "No such option" in res.output
+    from initiator.bench.jobspec import ConnectSpec  # bench's connections
+    from nvmeof.tls.psk import TlsKey
+    spec = ConnectSpec(traddr="127.0.0.1", trsvcid=1, subnqn=NQN, tls_key=TlsKey.parse(key384))
+    assert "tls_sha256_binder" not in spec.kwargs()
+    spec.tls_sha256_binder = True
+    assert spec.kwargs()["tls_sha256_binder"] is True
+
+
 def test_nvmetcli_round_trip_keeps_listener_tls():
     from target import config as configmod
 

@@ -38,6 +38,7 @@ class ConnectSpec:
     disable_sqflow: bool = False             # connect(disable_sqflow=): a read may end with C2HData SUCCESS
     tls_key: Any = field(default=None, repr=False)   # connect(tls_key=): an nvmeof.tls.TlsKey (TLS 1.3 with PSK)
     tls_identity_version: int = defaults.TLS_IDENTITY_VERSION
+    tls_sha256_binder: bool = False          # connect(tls_sha256_binder=): a SHA-384 PSK under SHA-256 (interop)
 
     def kwargs(self) -> dict[str, Any]:
         kw: dict[str, Any] = {
@@ -57,6 +58,8 @@ class ConnectSpec:
         if self.tls_key is not None:
             kw["tls_key"] = self.tls_key
             kw["tls_identity_version"] = self.tls_identity_version
+            if self.tls_sha256_binder:
+                kw["tls_sha256_binder"] = True
         return kw
 
 

@@ -91,8 +91,9 @@ SSL_CTRL_SET_MAX_PROTO_VERSION = 124
 SSL_OP_ALLOW_NO_DHE_KEX = 1 << 10
 SSL_OP_NO_TICKET = 1 << 14
 SSL_OP_CIPHER_SERVER_PREFERENCE = 1 << 22
-# a SHA-384 PSK a client bound to SHA-256 (see _client_hello): TP 8011's SHA-256 suite first, then the other
-# SHA-256 suite tlshd 1.0.0 offers for such a key (its ClientHello for a 48-byte PSK has no TLS_AES_128_GCM_SHA256)
+# a SHA-384 PSK bound to SHA-256 (server: _client_hello; client: TlsSession(sha256_binder=True)): TP 8011's
+# SHA-256 suite first, then the other SHA-256 suite tlshd 1.0.0 offers for such a key (its ClientHello for a
+# 48-byte PSK has no TLS_AES_128_GCM_SHA256)
 _SHA256_BINDER_SUITES = "TLS_AES_128_GCM_SHA256:TLS_CHACHA20_POLY1305_SHA256"
 SSL_ERROR_SSL = 1
 SSL_ERROR_WANT_READ = 2
@@ -360,7 +361,7 @@ class TlsSession:
     """
 
     def __init__(self, *, server: bool, lookup: PskLookup | None = None, identity: bytes | None = None,
-                 psk: bytes | None = None, cipher: int | None = None) -> None:
+                 psk: bytes | None = None, cipher: int | None = None, sha256_binder: bool = False) -> None:
         b = binding()
         self._b = b
         lib, ffi = b.lib, b.ffi
@@ -371,12 +372,23 @@ class TlsSession:
         self._cipher = cipher
         self.failure: str | None = None          # why the handshake failed, from our side
         self.lookup_failure: str | None = None   # set by a lookup that refuses an identity, for the log
-        self.sha256_binder = False   # server: a SHA-384 PSK the client bound to SHA-256 (GnuTLS < 3.8.11)
+        # a SHA-384 PSK bound to SHA-256 (GnuTLS < 3.8.11's binding): server, the client bound it so; client, asked to
+        self.sha256_binder = False
         self.handshake_done = False
         self.closed = False
         self._pending: list[bytes] = []
         if not server and (identity is None or psk is None or cipher not in _SUITE_IDS):
             raise ValueError("a TLS client session needs an identity, a PSK and its hash")
+        if server and sha256_binder:
+            raise ValueError("sha256_binder is a client option (a server follows the binder the client sent)")
+        suites = CIPHER_SUITES[cipher] if cipher in CIPHER_SUITES else ""
+        if sha256_binder and cipher == HMAC_SHA384:
+            # interop, off by default: a server on GnuTLS before 3.8.11 (tlshd 1.0.0 for Linux nvmet) binds every
+            # external PSK to SHA-256 and takes a SHA-384 PSK only under a SHA-256 suite; TP 8011 wants
+            # TLS_AES_256_GCM_SHA384, which that server refuses (GnuTLS -55). The suites _client_hello takes for it.
+            self._cipher = HMAC_SHA256
+            self.sha256_binder = True
+            suites = _SHA256_BINDER_SUITES
         ctx = (server_context() if server else client_context())._ctx
         ssl = lib.SSL_new(ctx)
         if ssl == ffi.NULL:
@@ -390,7 +402,7 @@ class TlsSession:
         if server:
             lib.SSL_set_accept_state(ssl)
         else:
-            lib.SSL_set_ciphersuites(ssl, CIPHER_SUITES[cipher].encode())
+            lib.SSL_set_ciphersuites(ssl, suites.encode())
             lib.SSL_set_connect_state(ssl)
         # reused buffers, not zeroed on allocation (every byte read out was written by OpenSSL first)
         self._alloc = ffi.new_allocator(should_clear_after_alloc=False)

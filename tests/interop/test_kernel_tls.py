@@ -408,30 +408,46 @@ BLOCK = 512
 
 
 def _connect(run: TlsRun, *, port: int | None = None, key: str | None = None, version: int = 1,
-             nr_io_queues: int = 2, ident: Identity | None = None, compat: bool = False) -> Any:
+             nr_io_queues: int = 2, ident: Identity | None = None, compat: bool = False,
+             sha256_binder: bool = False) -> Any:
     ident = ident or run.oi
     return initiator.connect("127.0.0.1", port or run.tls_port, KSUB, hostnqn=ident.hostnqn, hostid=ident.hostid,
                              nr_io_queues=nr_io_queues, timeout=60, tls_key=key, tls_identity_version=version,
-                             **({"tls_compat": True} if compat else {}))
+                             **({"tls_compat": True} if compat else {}),
+                             **({"tls_sha256_binder": True} if sha256_binder else {}))
 
 
-SHA384_TLSHD = pytest.mark.xfail(strict=True, reason=(
-    "tlshd 1.0.0 as the server (nvmet's handshakes) takes every PSK with a SHA-256 binder and a SHA-256 suite: "
-    "GnuTLS before 3.8.11 (trixie: 3.8.9) has no way to bind an external PSK to SHA-384 "
-    "(gnutls_psk_allocate_server_credentials2 is 3.8.11's), so tlshd to tlshd (kk_sha384) negotiates "
-    "CHACHA20-POLY1305-SHA256 for a SHA-384 PSK; our host binds it to SHA-384 and offers TLS_AES_256_GCM_SHA384 as "
-    "TP 8011 says, and tlshd answers GnuTLS -55 (illegal parameter): not our bug, no host-side workaround yet"))
+# tlshd 1.0.0 as the server (nvmet's handshakes) takes every PSK with a SHA-256 binder and a SHA-256 suite: GnuTLS
+# before 3.8.11 (trixie: 3.8.9) cannot bind an external PSK to SHA-384 (gnutls_psk_allocate_server_credentials2 is
+# 3.8.11's), so tlshd to tlshd (kk_sha384) negotiates CHACHA20-POLY1305-SHA256 for a SHA-384 PSK. Our host binds it
+# to SHA-384 and offers TLS_AES_256_GCM_SHA384 as TP 8011 says, which tlshd refuses (GnuTLS -55, illegal parameter)
+# unless the host is told tls_sha256_binder=True: the SHA-384 rows below pass it, and
+# test_initiator_sha384_without_sha256_binder_is_refused keeps the default's refusal shown.
+HASH_CASES = [(1, 0), (1, 1), (2, 0), (2, 1)]
+HASH_IDS = ["sha256-NVMe0R", "sha256-NVMe1R", "sha384-NVMe0R", "sha384-NVMe1R"]
 
 
-@pytest.mark.parametrize(("hmac_id", "version"), [(1, 0), (1, 1), pytest.param(2, 0, marks=SHA384_TLSHD),
-                                                  pytest.param(2, 1, marks=SHA384_TLSHD)],
-                         ids=["sha256-NVMe0R", "sha256-NVMe1R", "sha384-NVMe0R", "sha384-NVMe1R"])
+@pytest.mark.parametrize(("hmac_id", "version"), HASH_CASES, ids=HASH_IDS)
 async def test_initiator_over_tls_against_kernel_target(tls_run: TlsRun, hmac_id: int, version: int) -> None:
     """The TLS PSK (as nvmeof.tls.psk derives it) under the identity our initiator offers, added with keyctl:
-    connect through tlshd, identify, write/read 1 MiB (sha256), flush."""
+    connect through tlshd (a SHA-384 key with tls_sha256_binder), identify, write/read 1 MiB (sha256), flush."""
     tls_run.report.assert_passed(*OI_RAW_CHECKS)
-    async with _connect(tls_run, key=tls_run.oi_raw_keys[hmac_id], version=version, ident=tls_run.oi_raw) as ctrl:
+    async with _connect(tls_run, key=tls_run.oi_raw_keys[hmac_id], version=version, ident=tls_run.oi_raw,
+                        sha256_binder=hmac_id == 2) as ctrl:
+        assert {q._tls.cipher_name for q in [ctrl.admin, *ctrl.io_queues]} <= {
+            "TLS_AES_128_GCM_SHA256", "TLS_CHACHA20_POLY1305_SHA256"}
         await _identify_and_rw(ctrl, 4 + (hmac_id - 1) * 2 + version)
+
+
+@pytest.mark.parametrize("version", [0, 1], ids=["NVMe0R", "NVMe1R"])
+async def test_initiator_sha384_without_sha256_binder_is_refused(tls_run: TlsRun, version: int) -> None:
+    """The default (TP 8011: a SHA-384 PSK bound to SHA-384, TLS_AES_256_GCM_SHA384) against tlshd on GnuTLS 3.8.9:
+    refused, the reason tls_sha256_binder exists. Should tlshd learn SHA-384 binders, this fails and says so."""
+    tls_run.report.assert_passed(*OI_RAW_CHECKS)
+    with pytest.raises(TransportError, match="qid 0"):
+        async with _connect(tls_run, key=tls_run.oi_raw_keys[2], version=version, ident=tls_run.oi_raw,
+                            nr_io_queues=1):
+            pass
 
 
 @pytest.mark.parametrize(("hmac_id", "version"), [(1, 0), (1, 1), (2, 0), (2, 1)],
@@ -446,15 +462,14 @@ async def test_initiator_refused_with_nvme_cli_2_13_derived_keys(tls_run: TlsRun
             pass
 
 
-@pytest.mark.parametrize(("hmac_id", "version"), [(1, 0), (1, 1), pytest.param(2, 0, marks=SHA384_TLSHD),
-                                                  pytest.param(2, 1, marks=SHA384_TLSHD)],
-                         ids=["sha256-NVMe0R", "sha256-NVMe1R", "sha384-NVMe0R", "sha384-NVMe1R"])
+@pytest.mark.parametrize(("hmac_id", "version"), HASH_CASES, ids=HASH_IDS)
 async def test_initiator_tls_compat_with_nvme_cli_2_13_derived_keys(tls_run: TlsRun, hmac_id: int,
                                                                     version: int) -> None:
-    """The same keys with ``tls_compat=True`` (libnvme's derivation without the length prefixes): connect through
-    tlshd, identify, write/read 1 MiB (sha256), flush."""
+    """The same keys with ``tls_compat=True`` (libnvme's derivation without the length prefixes; a SHA-384 key with
+    tls_sha256_binder): connect through tlshd, identify, write/read 1 MiB (sha256), flush."""
     tls_run.report.assert_passed(*OI_KEY_CHECKS)
-    async with _connect(tls_run, key=tls_run.oi_keys[hmac_id], version=version, compat=True) as ctrl:
+    async with _connect(tls_run, key=tls_run.oi_keys[hmac_id], version=version, compat=True,
+                        sha256_binder=hmac_id == 2) as ctrl:
         await _identify_and_rw(ctrl, 8 + (hmac_id - 1) * 2 + version)
 
 

@@ -15,7 +15,7 @@ from nvmeof import __version__, defaults
 from nvmeof.spec.identify import NSID_MAX
 
 from .common import parse_size, run_async
-from .host import dhchap_options, tls_kwargs, tls_options
+from .host import dhchap_options, tls_binder_option, tls_kwargs, tls_options
 
 _TIME = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(us|ms|s|m|h)?\s*$", re.IGNORECASE)
 _TIME_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -270,6 +270,7 @@ def format_normal(report: Any) -> str:
                    "successful read with a C2HData SUCCESS flag instead of a CapsuleResp.")
 @dhchap_options
 @tls_options
+@tls_binder_option
 def bench(**opts: Any) -> None:
     """Measure a namespace the way fio does, through the Python initiator.
 
@@ -303,7 +304,7 @@ def bench(**opts: Any) -> None:
     if opts["poll_us"] and opts["transport"] != "tcp":
         raise click.UsageError(f"--poll-us {opts['poll_us']}: poll_us=N needs the TCP batch engine "
                                f"(--transport tcp), not --transport {opts['transport']}")
-    tls = tls_kwargs(opts["tls"], opts["tls_key"], opts["tls_identity_version"])
+    tls = tls_kwargs(opts["tls"], opts["tls_key"], opts["tls_identity_version"], opts["tls_sha256_binder"])
     if tls and opts["poll_us"]:
         raise click.UsageError("--poll-us needs the batch engine's socket; TLS queues read through the TLS session")
     cspec = ConnectSpec(
