@@ -281,31 +281,28 @@ async def test_workers_serve_their_queues_on_the_batch_engine(tmp_path: Any) -> 
     try:
         await daemon.start()
         pool = daemon.target.pool   # type: ignore[attr-defined]
-        assert pool.tcp_engine == "batch"
         admin, io = await _tinyhost_io(port, defaults.DEFAULT_SUBSYSTEM_NQN)
         await _rw(io)
         assert list(pool.placement().values()) == pool.pids()   # the I/O queue went to the worker
         with open(f"/proc/{pool.pids()[0]}/cmdline", "rb") as f:
             argv = f.read().split(b"\0")
-        assert argv[argv.index(b"--tcp-engine") + 1] == b"batch" and argv[argv.index(b"--poll-us") + 1] == b"20"
+        assert b"--tcp-engine" not in argv and argv[argv.index(b"--poll-us") + 1] == b"20"
+        assert issubclass(daemon.target.transports.get("tcp"), BatchTcpListener)
         io.close()
         admin.close()
     finally:
         await daemon.stop()
 
 
-@pytest.mark.parametrize("engine", ["stream", "batch"])
-async def test_daemon_serves_with_the_engine_asked_for(tmp_path: Any, engine: str) -> None:
+async def test_daemon_serves_with_the_one_engine(tmp_path: Any) -> None:
     from nvmeof import defaults
     from nvmeof.cli.daemon import Daemon
-    from target.transports.tcp import TcpListener
 
-    options, port = _daemon_options(tmp_path, tcp_engine=engine)
+    options, port = _daemon_options(tmp_path)
     daemon = Daemon(options)
     try:
         await daemon.start()
-        cls = daemon.target.transports.get("tcp")
-        assert cls is (BatchTcpListener if engine == "batch" else TcpListener)
+        assert daemon.target.transports.get("tcp") is BatchTcpListener   # no --tcp-engine: one engine (issue 26)
         admin, io = await _tinyhost_io(port, defaults.DEFAULT_SUBSYSTEM_NQN)
         await _rw(io)
         io.close()
@@ -314,12 +311,9 @@ async def test_daemon_serves_with_the_engine_asked_for(tmp_path: Any, engine: st
         await daemon.stop()
 
 
-def test_poll_us_needs_the_batch_engine(tmp_path: Any) -> None:
+def test_poll_us_must_not_be_negative(tmp_path: Any) -> None:
     from nvmeof.cli.daemon import Daemon, DaemonError
 
-    options, _ = _daemon_options(tmp_path, tcp_engine="stream", poll_us=10)
-    with pytest.raises(DaemonError, match=r"--poll-us 10 needs the batch engine \(--tcp-engine batch\)"):
-        Daemon(options)
     options, _ = _daemon_options(tmp_path, poll_us=-1)
     with pytest.raises(DaemonError, match="--poll-us -1: give 0"):
         Daemon(options)

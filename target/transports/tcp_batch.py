@@ -82,7 +82,7 @@ from nvmeof.spec.nvme import (
 )
 from target.lifecycle import start_command
 from target.model import LATENCY_SHIFT
-from target.transports.tcp import RECV_BUFFER_MAX, RECV_BUFFER_MIN, TargetConnection, TcpListener, TcpRequest
+from target.transports.tcp import RECV_BUFFER_MIN, TargetConnection, TcpListener, TcpRequest
 
 if TYPE_CHECKING:
     from target.model import Listener
@@ -217,6 +217,8 @@ class BatchMixin:
     _release_h2c: Any
     _task_done: Any
     _flush: Any
+    _received: Any
+    _batching: bool
 
     def _batch_init(self) -> None:
         self._carry = 0                       # bytes of a partial CapsuleCmd kept at the start of _recv
@@ -244,18 +246,10 @@ class BatchMixin:
         if self._recv_direct:
             super().buffer_updated(nbytes)   # type: ignore[misc]
             return
-        buf = self._recv
-        size = len(buf)
         total = self._carry + nbytes
         self._carry = 0
         self._held = False   # what was held goes now, with what came behind it
-        if total == size:
-            if size < RECV_BUFFER_MAX:
-                # The read filled the buffer, so more is waiting: take it in fewer, larger reads.
-                self._recv = memoryview(bytearray(min(size * 4, RECV_BUFFER_MAX)))
-        elif size > RECV_BUFFER_MIN and total < RECV_BUFFER_MIN:
-            self._recv = memoryview(bytearray(RECV_BUFFER_MIN))
-        self._receive(buf[:total])
+        self._receive(self._received(total))
 
     def data_received(self, data: bytes | memoryview) -> None:
         """Bytes handed over without get_buffer (a transport that is not buffered)."""
@@ -270,11 +264,30 @@ class BatchMixin:
     # --- the fast path --------------------------------------------------------------------------
 
     def _receive(self, mv: memoryview) -> None:
+        # What the slow path queues in this wake-up (every PDU of a digest connection, admin commands, the
+        # replies of R2T writes completing now) leaves in one write at its end, not one per PDU handed over.
+        # (An exception closes the connection, and close() flushes.)
+        self._batching = True
+        streamed = False
+        try:
+            streamed = self._receive_batch(mv)
+        finally:
+            if not self._closed:
+                self._batching = False
+                if streamed:
+                    self._flush()
+
+    def _receive_batch(self, mv: memoryview) -> bool:
+        """Take the PDUs of ``mv``: True when the slow path got any whose output is still queued."""
         end = len(mv)
         pos = 0
+        streamed = False
         self._yield_at = _perf_ns() + _TIME_BUDGET_NS
         while not self._closed:
             if self._fast_ready():
+                if streamed:
+                    streamed = False
+                    self._send_queued()   # the slow path's replies so far go ahead of the fast path's
                 pos = self._fast(mv, pos)
                 if self._fast_over and pos < end:
                     # The batch's backend calls (inline file writes, page-cache reads) ran past its time budget:
@@ -283,28 +296,35 @@ class BatchMixin:
                     # far have left; a read meanwhile takes the carried rest with it (buffer_updated).
                     self._hold(mv, pos, end - pos)
                     asyncio.get_running_loop().call_soon(self._release_held)
-                    return
+                    return False   # (streamed is False here: what the slow path queued left before _fast)
                 if self._fast_full and pos < end:
                     # The batch's replies reached the high-water mark: if the socket did not take them
                     # (pause_writing came), the rest waits for the backlog to drain (resume_writing).
                     if self._write_paused:
                         self._hold(mv, pos, end - pos)
-                        return
+                        return False
                     continue
             rest = end - pos
             if not rest or self._closed or self._fast_tail(mv, pos, rest):
-                return
-            # One whole PDU the fast path did not take goes through the stream engine, then the fast
+                return streamed
+            # One whole PDU the fast path did not take goes through the slow path, then the fast
             # path goes on; a PDU cut by the end of the read (or anything while the sans-IO layer
             # holds bytes) goes there with everything after it.
             if rest >= 8 and self.conn.idle_ready():
                 plen = _unpack_u32(mv, pos + 4)[0]
                 if 8 <= plen <= rest:
                     self._stream(mv[pos:pos + plen])
+                    streamed = True
                     pos += plen
                     continue
             self._stream(mv[pos:] if pos else mv)
-            return
+            return True
+        return False
+
+    def _send_queued(self) -> None:
+        out = self.conn.data_to_send()
+        if out and self.transport is not None:
+            self.transport.writelines(out)
 
     def _hold(self, mv: memoryview, pos: int, rest: int) -> None:
         """Keep the unread rest of a batch at the start of the receive buffer, with room behind it."""
