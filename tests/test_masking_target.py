@@ -185,6 +185,21 @@ async def test_new_masked_namespace_and_its_removal_are_told_only_to_its_host(ri
     assert await a.changed() == [] and await b.changed() == [3]
 
 
+async def test_ana_group_move_of_a_masked_namespace_is_told_only_to_its_hosts(rig):
+    a, b = await rig.ctrl(HOST_A), await rig.ctrl(HOST_B)
+    aer_a, aer_b = a.aers(1), b.aers(1)
+    await rig.svc.set_namespace_anagrpid(SUB, 3, 1)      # NSID 3 is B's only: A's log 0Ch does not change
+    assert (await asyncio.wait_for(aer_b[0], DEADLINE)).cqe.dw0 == AEN_ANA
+    await asyncio.sleep(QUIET)
+    assert not aer_a[0].done()
+    assert await b.ana_nsids() == {1: [1, 3]} and await a.ana_nsids() == {1: [1, 2]}
+    # a namespace every host sees: both are told
+    aer_b = b.aers(1)
+    await rig.svc.set_namespace_anagrpid(SUB, 1, 2)
+    for fut in (aer_a[0], aer_b[0]):
+        assert (await asyncio.wait_for(fut, DEADLINE)).cqe.dw0 == AEN_ANA
+
+
 async def test_statistics_leak_no_masked_namespace(rig, tmp_path):
     from nvmeof.spec.logs import SmartLog
 

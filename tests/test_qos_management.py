@@ -14,7 +14,10 @@ from fastapi.testclient import TestClient
 from test_ana_management import run  # noqa: F401  (the CLI against a live API server)
 from test_gateway_group import SUB as GW_SUB
 from test_gateway_group import Member, until
+from test_ui import HOSTA, running  # noqa: F401  (a live daemon with its API)
+from test_ui import NQN as UI_NQN
 
+import initiator
 from api import metrics
 from api.app import create_app
 from target import config as configmod
@@ -220,7 +223,7 @@ def test_rest(client: TestClient) -> None:
         bad = client.put(f"{ns_url}/1/qos", json=body)
         assert bad.status_code == 422 and field in json.dumps(bad.json()), (body, bad.text)
     missing = client.put(f"{ns_url}/7/qos", json={"rw_ios_per_second": 1})
-    assert missing.status_code == 404
+    assert missing.status_code == 404 and "has no namespace 7" in missing.json()["detail"]
     stranger = client.put(f"{ns_url}/1/qos", json={"rw_ios_per_second": 1, "host": "nqn.2026-01.com.example:x"})
     assert stranger.status_code == 404 and "nqn.2026-01.com.example:x" in stranger.json()["detail"]
     assert client.get(f"{ns_url}/1/stats").json()["throttled_ns"] == 0
@@ -261,3 +264,31 @@ def test_limits_set_on_one_gateway_hold_on_the_other(tmp_path: Path) -> None:
             await a.stop()
 
     asyncio.run(go())
+
+
+async def test_throttled_io_shows_in_metrics_and_dashboard(running) -> None:  # noqa: F811  (test_ui's fixture)
+    """End to end: a host limit set over REST delays real reads, and the time they waited reaches /metrics (per
+    namespace and per host) and the dashboard's data (/ui/stats rows), whose page draws both throttled charts."""
+    parser = pytest.importorskip("prometheus_client.parser")
+    daemon, io, http = running
+    http.headers["Authorization"] = f"Bearer {daemon.api_token}"
+    r = await http.put(f"/api/v1/subsystems/{UI_NQN}/namespaces/1/qos", json={"rw_ios_per_second": 50, "host": HOSTA})
+    assert r.status_code == 200, r.text
+    async with initiator.connect("127.0.0.1", io, UI_NQN, hostnqn=HOSTA, timeout=10) as ctrl:
+        # 50 IOPS holds one I/O in its burst: of 8 reads sent together, at least 6 wait their turn
+        await asyncio.gather(*(ctrl.read(1, i, 1) for i in range(8)))
+    text = (await http.get("/metrics")).text
+    snap = (await http.get("/ui/stats")).json()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in parser.text_string_to_metric_families(text) for s in family.samples}
+    ns = (("nsid", "1"), ("subnqn", UI_NQN))
+    host = (("hostnqn", HOSTA), ("subnqn", UI_NQN))
+    for prefix, labels in (("nvmeof_namespace", ns), ("nvmeof_host", host)):
+        assert samples[(f"{prefix}_throttled_total", labels)] >= 6, prefix
+        assert samples[(f"{prefix}_throttled_seconds_total", labels)] > 0, prefix
+    (row,) = snap["namespaces"]
+    (hrow,) = snap["hosts"]
+    assert row["throttled"] >= 6 and row["throttled_ns"] > 0
+    assert hrow["hostnqn"] == HOSTA and hrow["throttled"] >= 6 and hrow["throttled_ns"] > 0
+    page = (await http.get("/ui")).text
+    assert 'id="chart-ns-throttle"' in page and 'id="chart-host-throttle"' in page

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from nvmeof.spec.logs import ANA_STATE_NAMES, AnaState, parse_ana_state
+from target import masking
 from target.model import Listener, Namespace
 from target.service.base import ServiceBase
 from target.service.checks import ServiceError, _ana_state, _anagrpid
@@ -31,7 +32,8 @@ class AnaMixin(ServiceBase):
 
     async def set_namespace_anagrpid(self, subnqn: str, nsid: int, anagrpid: int) -> Namespace:
         """Move a namespace to another ANA group (nvmet configfs namespaces/<nsid>/ana_grpid): the ANA
-        log lists it there from now on and every controller of the subsystem gets the ANA change AEN."""
+        log lists it there from now on and every controller that sees it gets the ANA change AEN (a masked
+        namespace is in no other host's log 0Ch, so the others are not told)."""
         async with self._lock:
             ns = self.get_namespace(subnqn, nsid)
             old = ns.anagrpid
@@ -40,7 +42,7 @@ class AnaMixin(ServiceBase):
                 return ns
             await self._commit(True, undo)
             log.info("namespace %d of %s moved from ANA group %d to %d", nsid, subnqn, old, ns.anagrpid)
-            self._ana_changed(subnqn=subnqn, groups=(old, ns.anagrpid))
+            self._ana_changed(subnqn=subnqn, groups=(old, ns.anagrpid), concerns=masking.seen_by(ns))
             await self._settle()
             return ns
 

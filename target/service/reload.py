@@ -101,15 +101,16 @@ class ReloadMixin(ServiceBase):
             if step is not None:
                 txn.undo(step)
                 txn.after_sync(lambda nqn=nqn, ns=ns: (self.target.namespace_changed(nqn, ns.nsid),
-                                                       self._ana_changed(subnqn=nqn, groups=(ns.anagrpid,))))
+                                                       self._ana_changed(subnqn=nqn, groups=(ns.anagrpid,),
+                                                                         concerns=masking.seen_by(ns))))
         for nqn, nsid, anagrpid in plan.anagrpid:
             ns = self.get_namespace(nqn, nsid)
             old = ns.anagrpid
             step = self._anagrpid_step(ns, anagrpid)
             if step is not None:
                 txn.undo(step)
-                txn.after_sync(lambda nqn=nqn, groups=(old, ns.anagrpid): self._ana_changed(subnqn=nqn,
-                                                                                            groups=groups))
+                txn.after_sync(lambda nqn=nqn, ns=ns, groups=(old, ns.anagrpid): self._ana_changed(
+                    subnqn=nqn, groups=groups, concerns=masking.seen_by(ns)))   # masked: its hosts only
         for nqn, nsid, auto_visible, hosts in plan.visibility:
             ns = self.get_namespace(nqn, nsid)
             auto_visible, hosts = _visibility(self.target.subsystems[nqn], nsid, auto_visible, hosts)
