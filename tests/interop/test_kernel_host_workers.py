@@ -33,6 +33,7 @@ from tests.interop.test_kernel_host import (
     drive_guest,
     guest_script_text,
 )
+from tests.procs import child_pids
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(600)]
 
@@ -87,21 +88,6 @@ def guest_script(*, io_port: int, digest_port: int, go_port: int, subnqn: str) -
 
 
 # ------------------------------------------------------------------------------- /proc views
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == pid:
-            out.append(int(name))
-    return sorted(out)
 
 
 def is_worker(pid: int) -> bool:
@@ -171,7 +157,7 @@ class Run:
     def find_workers(self) -> None:
         deadline = time.monotonic() + 10
         while True:
-            pids = [p for p in children(self.target.proc.pid) if is_worker(p)]
+            pids = [p for p in child_pids(self.target.proc.pid) if is_worker(p)]
             if len(pids) >= WORKERS or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
