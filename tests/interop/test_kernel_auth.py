@@ -367,9 +367,7 @@ def kernel_host_run(auth_assets: vm.Assets, tmp_path_factory: pytest.TempPathFac
     report.seconds = time.monotonic() - began
     print(f"\nkernel host auth: {report.seconds:.1f} s total, boot {report.boot_seconds or 0:.1f} s; "
           f"console {report.console}; target log {report.target_log}")
-    for name, result in report.checks.items():
-        took = f"{result.seconds:4.0f}s" if result.seconds is not None else "    -"
-        print(f"  {'PASS' if result.ok else 'FAIL'} {took} {name}{'' if result.ok else ': ' + result.reason}")
+    report.print_checks()
     yield KernelHostRun(report, matrix, hosts, log_text)
 
 

@@ -16,7 +16,7 @@ import re
 import shlex
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -401,6 +401,15 @@ class Report:
         assert not problems, ("kernel host checks failed:\n  " + "\n  ".join(problems)
                               + f"\nguest console: {self.console}\ntarget log: {self.target_log}")
 
+    def print_checks(self, expected: Iterable[str] = ()) -> None:
+        """One line a check (PASS/FAIL, seconds, the reason of a failure), then MISSING for each ``expected``
+        check the run never reported: the summary every kernel VM test prints under its header line."""
+        for name, result in self.checks.items():
+            took = f"{result.seconds:4.0f}s" if result.seconds is not None else "    -"
+            print(f"  {'PASS' if result.ok else 'FAIL'} {took} {name}{'' if result.ok else ': ' + result.reason}")
+        for name in sorted(set(expected) - set(self.checks)):
+            print(f"  MISSING     {name}")
+
 
 _CHECK_RE = re.compile(r"@@CHECK (\S+) (PASS|FAIL) (\d+)s(?: ([^@\n]*))?@@")
 _INFO_RE = re.compile(r"@@INFO ([^@\n]*)@@")
@@ -565,14 +574,9 @@ def kernel_host_report(vm_assets: vm.Assets, tmp_path_factory: pytest.TempPathFa
         line for line in target.log_text().splitlines() if line.startswith("Traceback")]
     report.record("target_log_clean", not errors, "target log has errors:\n    " + "\n    ".join(errors[:30]))
     report.seconds = time.monotonic() - began
-    missing = set(GUEST_CHECKS + HOST_CHECKS) - set(report.checks)
     print(f"\nkernel host interop: {report.seconds:.1f} s total, boot {report.boot_seconds or 0:.1f} s; "
           f"console {report.console}")
-    for name, result in report.checks.items():
-        took = f"{result.seconds:4.0f}s" if result.seconds is not None else "    -"
-        print(f"  {'PASS' if result.ok else 'FAIL'} {took} {name}{'' if result.ok else ': ' + result.reason}")
-    for name in sorted(missing):
-        print(f"  MISSING     {name}")
+    report.print_checks(GUEST_CHECKS + HOST_CHECKS)
     yield report
 
 

@@ -283,11 +283,7 @@ def workers_report(vm_assets: vm.Assets, tmp_path_factory: pytest.TempPathFactor
     report.seconds = time.monotonic() - began
     print(f"\nkernel host vs --workers {WORKERS}: {report.seconds:.1f} s total, boot {report.boot_seconds or 0:.1f} s; "
           f"console {report.console}; info {report.info}")
-    for name, result in report.checks.items():
-        took = f"{result.seconds:4.0f}s" if result.seconds is not None else "    -"
-        print(f"  {'PASS' if result.ok else 'FAIL'} {took} {name}{'' if result.ok else ': ' + result.reason}")
-    for name in sorted(set(GUEST_CHECKS + HOST_CHECKS) - set(report.checks)):
-        print(f"  MISSING     {name}")
+    report.print_checks(GUEST_CHECKS + HOST_CHECKS)
     yield report
 
 

@@ -846,12 +846,8 @@ def _print_report(report: Report, run: MultipathRun, names: list[str], output: s
                   f"after a answered again (REST {info.get(f'{name}_rest_failback_s', '?')} s; a took "
                   f"{info.get(f'{name}_restart_s', '?')} s to start)")
         print(f"  [{name}] info: {info}")
-    for name, result in report.checks.items():
-        took = f"{result.seconds:4.0f}s" if result.seconds is not None else "    -"
-        print(f"  {'PASS' if result.ok else 'FAIL'} {took} {name}{'' if result.ok else ': ' + result.reason}")
     expected = {c for n in names for c in guest_checks(n) + host_checks(n)} | {"multipath_enabled"}
-    for name in sorted(expected - set(report.checks)):
-        print(f"  MISSING     {name}")
+    report.print_checks(expected)
 
 
 def _ran_or_skip(report: Report, name: str) -> None:

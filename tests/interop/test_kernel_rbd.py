@@ -174,9 +174,7 @@ def rbd_kernel_report(vm_assets: vm.Assets, ceph_cluster: CephCluster,
     report.seconds = time.monotonic() - began
     print(f"\nkernel host vs RBD: {report.seconds:.1f} s total, boot {report.boot_seconds or 0:.1f} s; "
           f"console {report.console}; info {report.info}")
-    for name, result in report.checks.items():
-        took = f"{result.seconds:4.0f}s" if result.seconds is not None else "    -"
-        print(f"  {'PASS' if result.ok else 'FAIL'} {took} {name}{'' if result.ok else ': ' + result.reason}")
+    report.print_checks()
     yield report
 
 

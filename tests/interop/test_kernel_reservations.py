@@ -308,11 +308,7 @@ def _print_report(report: Report, scenarios: list[str]) -> None:
     print(f"  kernel: {report.info.get('kernel')} multipath={report.info.get('nvme_core_multipath')} "
           f"{report.info.get('nvme_cli')}; ioctl conflict rc {report.info.get('ioctl_reserve_conflict_rc')}; "
           f"report without EDS: {report.info.get('single_report_without_eds')}")
-    for name, result in report.checks.items():
-        took = f"{result.seconds:4.0f}s" if result.seconds is not None else "    -"
-        print(f"  {'PASS' if result.ok else 'FAIL'} {took} {name}{'' if result.ok else ': ' + result.reason}")
-    for name in sorted(set(_expected(scenarios)) - set(report.checks)):
-        print(f"  MISSING     {name}")
+    report.print_checks(_expected(scenarios))
 
 
 def _expected(scenarios: list[str]) -> list[str]:
