@@ -570,8 +570,7 @@ def kernel_host_report(vm_assets: vm.Assets, tmp_path_factory: pytest.TempPathFa
         barrier.close()
     code = target_proc.returncode
     report.record("target_clean_exit", code == 0, f"nvmeof serve exited with status {code} on SIGTERM")
-    errors = target.log_lines("ERROR", "CRITICAL") + [
-        line for line in target.log_text().splitlines() if line.startswith("Traceback")]
+    errors = target.log_errors()
     report.record("target_log_clean", not errors, "target log has errors:\n    " + "\n    ".join(errors[:30]))
     report.seconds = time.monotonic() - began
     print(f"\nkernel host interop: {report.seconds:.1f} s total, boot {report.boot_seconds or 0:.1f} s; "

@@ -275,8 +275,7 @@ def workers_report(vm_assets: vm.Assets, tmp_path_factory: pytest.TempPathFactor
                   f"worker processes {left} of {workers} still running 10 s after the target exited")
     # Workers log "<date> <time> LEVEL workerN ..." to the same stderr, so log_lines sees their errors too.
     text = target.log_text()
-    errors = target.log_lines("ERROR", "CRITICAL")
-    errors += [line for line in text.splitlines() if line.startswith("Traceback")]
+    errors = target.log_errors()
     report.record("target_log_clean", not errors, "target log has errors:\n    " + "\n    ".join(errors[:30]))
     stayed = [line for line in text.splitlines() if "stays in the main process" in line]
     report.record("no_handoff_given_up", not stayed, "I/O queues not handed to a worker:\n    " + "\n    ".join(stayed))

@@ -163,8 +163,7 @@ def rbd_kernel_report(vm_assets: vm.Assets, ceph_cluster: CephCluster,
             ceph_cluster.rbd("rm", "--no-progress", f"{ceph_cluster.pool}/{image}")
         except Exception as exc:  # the report says what failed; a leftover image dies with the cluster
             print(f"could not remove {image}: {exc}")
-    errors = target.log_lines("ERROR", "CRITICAL") + [
-        line for line in target.log_text().splitlines() if line.startswith("Traceback")]
+    errors = target.log_errors()
     report.record("target_log_clean", not errors, "target log has errors:\n    " + "\n    ".join(errors[:30]))
     report.seconds = time.monotonic() - began
     print(f"\nkernel host vs RBD: {report.seconds:.1f} s total, boot {report.boot_seconds or 0:.1f} s; "

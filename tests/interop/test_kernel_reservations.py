@@ -220,8 +220,7 @@ class ResvRun:
 
         self.report.record("single_no_controller_left", _poll(none_left, 10),
                            f"controllers listed 10 s after the guest disconnected: {left}")
-        errors = self.single.log_lines("ERROR", "CRITICAL") + [
-            line for line in self.single.log_text().splitlines() if line.startswith("Traceback")]
+        errors = self.single.log_errors()
         self.single_exit = stop_serve(self.single)
         self.single = None
         self.report.record("single_clean_exit", self.single_exit == 0, f"exit status {self.single_exit} on SIGTERM")
