@@ -473,21 +473,7 @@ printf %s {shlex.quote(new_key)} > {q_rot} && echo "{_KT_ROTATED}"
 while :; do sleep 3600; done
 """
     try:
-        for attempt in range(3):
-            (port,) = vm.free_ports(1)
-            guest = vm.Guest(auth_assets, hostfwd=((port, vm.KERNEL_TARGET_PORT),))
-            try:
-                guest.start(script)
-                guest.wait_for(_KT_READY, 60)
-                break
-            except vm.GuestBootError as exc:
-                guest.stop()
-                if "host forwarding" in exc.output and attempt < 2:
-                    continue
-                raise
-            except BaseException:
-                guest.stop()
-                raise
+        guest, (port,) = vm.boot_with_forwards(auth_assets, (vm.KERNEL_TARGET_PORT,), script, _KT_READY)
         try:
             yield KernelAuthTarget(port, guest, cases, wrong, rotate, new_key, barrier)
         finally:

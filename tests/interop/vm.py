@@ -1447,12 +1447,31 @@ def start_kernel_target(
     `namespaces`, `resv_enable`: as for guest_kernel_target_script.
     Host ports are picked free; if one is taken before QEMU binds it, new ports are picked.
     """
+    guest, (io_port, disc_port) = boot_with_forwards(
+        assets, (KERNEL_TARGET_PORT, KERNEL_DISCOVERY_PORT),
+        kernel_target_script(subnqn, size_mib, hosts, namespaces, resv_enable), _KERNEL_TARGET_READY)
+    return KernelTarget(
+        traddr="127.0.0.1",
+        trsvcid=io_port,
+        subnqn=subnqn,
+        discovery_trsvcid=disc_port,
+        size=size_mib << 20,
+        guest=guest,
+    )
+
+
+def boot_with_forwards(assets: Assets, guest_ports: Sequence[int], script: str, ready: str,
+                       timeout: float = 60) -> tuple[Guest, list[int]]:
+    """Boot a guest running ``script`` with each of ``guest_ports`` forwarded from a free host port, and wait
+    for ``ready`` on its console: the guest and the host ports, in the order of ``guest_ports``. A host port
+    taken before QEMU binds it (QEMU refuses the "host forwarding") is picked again, up to three tries; the
+    guest is stopped on any failure."""
     for attempt in range(3):
-        io_port, disc_port = free_ports(2)
-        guest = Guest(assets, hostfwd=((io_port, KERNEL_TARGET_PORT), (disc_port, KERNEL_DISCOVERY_PORT)))
+        ports = free_ports(len(guest_ports))
+        guest = Guest(assets, hostfwd=tuple(zip(ports, guest_ports, strict=True)))
         try:
-            guest.start(kernel_target_script(subnqn, size_mib, hosts, namespaces, resv_enable))
-            guest.wait_for(_KERNEL_TARGET_READY, 60)
+            guest.start(script)
+            guest.wait_for(ready, timeout)
         except GuestBootError as exc:
             guest.stop()
             if "host forwarding" in exc.output and attempt < 2:
@@ -1461,12 +1480,5 @@ def start_kernel_target(
         except BaseException:
             guest.stop()
             raise
-        return KernelTarget(
-            traddr="127.0.0.1",
-            trsvcid=io_port,
-            subnqn=subnqn,
-            discovery_trsvcid=disc_port,
-            size=size_mib << 20,
-            guest=guest,
-        )
+        return guest, list(ports)
     raise AssertionError("unreachable")
