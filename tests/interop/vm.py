@@ -126,6 +126,20 @@ _CACHED_KERNEL_RE: dict[str, re.Pattern[str]] = {
 
 _RUN_DIR = "/etc/nvmeof-vm"
 
+# The part of the guest's /init that loads the modules, mounts configfs and brings up the network; this
+# INIT_SCRIPT and rootfs.py's STAGE2_INIT both use it (@WHO@: the tag of their console messages).
+GUEST_MODULES_AND_NETWORK = r"""for m in @MODULES@; do
+    modprobe "$m" || echo "@WHO@ init: modprobe $m failed"
+done
+mount -t configfs configfs /sys/kernel/config || echo "@WHO@ init: configfs mount failed"
+ip link set lo up
+if ip link set eth0 up; then
+    ip addr add @GUEST_ADDR@/@GUEST_PREFIX@ dev eth0
+    ip route add default via @HOST_ADDR@
+else
+    echo "@WHO@ init: no eth0"
+fi"""
+
 INIT_SCRIPT = r"""#!/bin/sh
 export PATH=/sbin:/usr/sbin:/bin:/usr/bin HOME=/root
 mount -t proc proc /proc
@@ -135,17 +149,7 @@ mkdir -p /dev/pts /dev/shm
 mount -t tmpfs tmpfs /tmp
 mount -t tmpfs tmpfs /run
 TOKEN=$(cat @RUN_DIR@/token)
-for m in @MODULES@; do
-    modprobe "$m" || echo "nvmeof-vm init: modprobe $m failed"
-done
-mount -t configfs configfs /sys/kernel/config || echo "nvmeof-vm init: configfs mount failed"
-ip link set lo up
-if ip link set eth0 up; then
-    ip addr add @GUEST_ADDR@/@GUEST_PREFIX@ dev eth0
-    ip route add default via @HOST_ADDR@
-else
-    echo "nvmeof-vm init: no eth0"
-fi
+""" + GUEST_MODULES_AND_NETWORK.replace("@WHO@", "nvmeof-vm") + r"""
 # QEMU's DMI product UUID is all zeros, which `nvme gen-hostnqn` would turn into the same
 # host NQN for every guest: use a random UUID for both the host NQN and the host ID.
 HOSTID=$(cat /proc/sys/kernel/random/uuid)
