@@ -41,7 +41,13 @@ from nvmeof.auth import AuthFailure, generate_secret
 from nvmeof.status import NvmeError
 from tests.interop import vm
 from tests.interop.ourtarget import OurTarget, serve_target
-from tests.interop.test_kernel_host import GUEST_PREAMBLE, Barrier, Report, _parse_guest, drive_guest, guest_script_text
+from tests.interop.test_kernel_host import (
+    GUEST_PREAMBLE,
+    Barrier,
+    Report,
+    guest_script_text,
+    run_guest,
+)
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(900)]
 
@@ -349,16 +355,9 @@ def kernel_host_run(auth_assets: vm.Assets, tmp_path_factory: pytest.TempPathFac
             _allow(target, hosts["bi"])
             _allow(target, hosts["rotate"], ["sha512"], ["ffdhe2048"])
             guest = vm.Guest(auth_assets, fio=True)
-            try:
-                guest.start(_kernel_host_script(target, barrier.port, matrix, hosts, new_key))
-                report.boot_seconds = guest.boot_seconds
-                drive_guest(guest, report,
-                            lambda step: _host_step(step, target, barrier, report, hosts["rotate"], new_key),
-                            step_timeout=STEP_TIMEOUT)
-            finally:
-                report.console.write_text(guest.output)
-                guest.stop()
-            _parse_guest(guest.output, report)
+            run_guest(guest, _kernel_host_script(target, barrier.port, matrix, hosts, new_key), report,
+                      lambda step: _host_step(step, target, barrier, report, hosts["rotate"], new_key),
+                      step_timeout=STEP_TIMEOUT)
             proc = target.proc
     finally:
         barrier.close()

@@ -456,6 +456,20 @@ def drive_guest(guest: vm.Guest, report: Report, on_step: Callable[[str], bool],
         report.error = exc.args[0].splitlines()[0]
 
 
+def run_guest(guest: vm.Guest, script: str, report: Report, on_step: Callable[[str], bool], *,
+              step_timeout: float, on_output: Callable[[str], None] | None = None) -> None:
+    """Start ``guest`` on ``script`` and answer its host steps (drive_guest); the console goes to
+    report.console and the guest is stopped whatever happens, then its checks and info go into ``report``."""
+    try:
+        guest.start(script)
+        report.boot_seconds = guest.boot_seconds
+        drive_guest(guest, report, on_step, step_timeout=step_timeout, on_output=on_output)
+    finally:
+        report.console.write_text(guest.output)
+        guest.stop()
+    _parse_guest(guest.output, report)
+
+
 def _namespace_ids(target: OurTarget) -> set[int]:
     return {ns["nsid"] for ns in target.api("GET", f"/subsystems/{target.subnqn}/namespaces")}
 
@@ -556,15 +570,10 @@ def kernel_host_report(vm_assets: vm.Assets, tmp_path_factory: pytest.TempPathFa
             try:
                 script = guest_script(io_port=target.io_port, disc_port=target.discovery_port,
                                       digest_port=sniffer.port, go_port=barrier.port, subnqn=target.subnqn)
-                guest.start(script)
-                report.boot_seconds = guest.boot_seconds
-                drive_guest(guest, report, lambda step: _host_step(step, target, barrier, sniffer, report),
-                            step_timeout=STEP_TIMEOUT)
+                run_guest(guest, script, report, lambda step: _host_step(step, target, barrier, sniffer, report),
+                          step_timeout=STEP_TIMEOUT)
             finally:
-                report.console.write_text(guest.output)
-                guest.stop()
                 sniffer.close()
-            _parse_guest(guest.output, report)
             target_proc = target.proc
     finally:
         barrier.close()

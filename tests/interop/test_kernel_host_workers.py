@@ -28,10 +28,9 @@ from tests.interop.test_kernel_host import (
     GUEST_PREAMBLE,
     Barrier,
     Report,
-    _parse_guest,
     _poll,
-    drive_guest,
     guest_script_text,
+    run_guest,
 )
 from tests.procs import child_pids
 
@@ -256,15 +255,10 @@ def workers_report(vm_assets: vm.Assets, tmp_path_factory: pytest.TempPathFactor
             run.find_workers()
             guest = vm.Guest(vm_assets, fio=True)
             try:
-                guest.start(guest_script(io_port=target.io_port, digest_port=sniffer.port, go_port=barrier.port,
-                                         subnqn=target.subnqn))
-                report.boot_seconds = guest.boot_seconds
-                drive_guest(guest, report, run.step, step_timeout=STEP_TIMEOUT)
+                run_guest(guest, guest_script(io_port=target.io_port, digest_port=sniffer.port, go_port=barrier.port,
+                                              subnqn=target.subnqn), report, run.step, step_timeout=STEP_TIMEOUT)
             finally:
-                report.console.write_text(guest.output)
-                guest.stop()
                 sniffer.close()
-            _parse_guest(guest.output, report)
     finally:
         barrier.close()
     code = target.proc.returncode

@@ -49,10 +49,9 @@ from tests.interop.test_kernel_host import (
     GUEST_PREAMBLE,
     Barrier,
     Report,
-    _parse_guest,
     _poll,
-    drive_guest,
     guest_script_text,
+    run_guest,
 )
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(1200)]
@@ -799,14 +798,7 @@ def multipath_report(vm_assets: vm.Assets, tmp_path_factory: pytest.TempPathFact
                                {"@GOP@": str(barrier.port)})
     try:
         guest = vm.Guest(vm_assets, fio=True)
-        try:
-            guest.start(script)
-            report.boot_seconds = guest.boot_seconds
-            drive_guest(guest, report, run.step, step_timeout=STEP_TIMEOUT, on_output=run.parse_subsys)
-        finally:
-            report.console.write_text(guest.output)
-            guest.stop()
-        _parse_guest(guest.output, report)
+        run_guest(guest, script, report, run.step, step_timeout=STEP_TIMEOUT, on_output=run.parse_subsys)
         run.parse_subsys(guest.output)
     finally:
         barrier.close()

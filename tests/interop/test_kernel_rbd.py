@@ -23,9 +23,8 @@ from tests.interop.test_kernel_host import (
     GUEST_PREAMBLE,
     Barrier,
     Report,
-    _parse_guest,
-    drive_guest,
     guest_script_text,
+    run_guest,
 )
 
 pytestmark = [pytest.mark.vm, pytest.mark.ceph, pytest.mark.timeout(900)]
@@ -146,17 +145,11 @@ def rbd_kernel_report(vm_assets: vm.Assets, ceph_cluster: CephCluster,
                 "--ceph-conf", str(ceph_cluster.conf), "--rbd-image", f"{ceph_cluster.pool}/{image}")) as target:
             run = Run(target, ceph_cluster, image, barrier, report)
             guest = vm.Guest(vm_assets, fio=True)
-            try:
-                guest.start(guest_script_text(GUEST_SCRIPT, target.subnqn, {
-                    "@IOP@": str(target.io_port), "@GOP@": str(barrier.port), "@SIZE@": str(IMAGE_SIZE),
-                    "@RESIZED@": str(RESIZED), "@RESIZED_OUTSIDE@": str(RESIZED_OUTSIDE), "@DD_MIB@": str(DD_MIB),
-                }))  # fmt: skip
-                report.boot_seconds = guest.boot_seconds
-                drive_guest(guest, report, run.step, step_timeout=STEP_TIMEOUT)
-            finally:
-                report.console.write_text(guest.output)
-                guest.stop()
-            _parse_guest(guest.output, report)
+            script = guest_script_text(GUEST_SCRIPT, target.subnqn, {
+                "@IOP@": str(target.io_port), "@GOP@": str(barrier.port), "@SIZE@": str(IMAGE_SIZE),
+                "@RESIZED@": str(RESIZED), "@RESIZED_OUTSIDE@": str(RESIZED_OUTSIDE), "@DD_MIB@": str(DD_MIB),
+            })  # fmt: skip
+            run_guest(guest, script, report, run.step, step_timeout=STEP_TIMEOUT)
     finally:
         barrier.close()
         try:

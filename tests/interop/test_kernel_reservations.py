@@ -42,7 +42,7 @@ import pytest
 
 from tests.interop import rootfs, vm
 from tests.interop.ourtarget import SUBNQN, OurTarget, start_serve, stop_serve
-from tests.interop.test_kernel_host import Barrier, Report, _parse_guest, _poll, drive_guest
+from tests.interop.test_kernel_host import Barrier, Report, _poll, run_guest
 from tests.interop.test_kernel_multipath import ANAGRPID, Gateway, _file_namespace, _replace_namespace_1
 from tests.interop.test_rdma_guest import debian_rootfs  # noqa: F401  (fixture)
 
@@ -282,14 +282,7 @@ def resv_report(vm_assets: vm.Assets, debian_rootfs: rootfs.RootfsAssets,  # noq
         }  # fmt: skip
         guest = rootfs.rootfs_guest(debian_rootfs, files={"script.py": GUEST_SCRIPT.read_bytes()},
                                     kernel_args=KERNEL_ARGS)
-        try:
-            guest.start(rootfs.python_run_script(env=env))
-            report.boot_seconds = guest.boot_seconds
-            drive_guest(guest, report, run.step, step_timeout=STEP_TIMEOUT)
-        finally:
-            report.console.write_text(guest.output)
-            guest.stop()
-        _parse_guest(guest.output, report)
+        run_guest(guest, rootfs.python_run_script(env=env), report, run.step, step_timeout=STEP_TIMEOUT)
     finally:
         barrier.close()
         run.close()
