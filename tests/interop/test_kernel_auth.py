@@ -41,13 +41,7 @@ from nvmeof.auth import AuthFailure, generate_secret
 from nvmeof.status import NvmeError
 from tests.interop import vm
 from tests.interop.ourtarget import OurTarget, serve_target
-from tests.interop.test_kernel_host import (
-    GUEST_PREAMBLE,
-    Barrier,
-    Report,
-    guest_script_text,
-    run_guest,
-)
+from tests.interop.test_kernel_host import GUEST_PREAMBLE, Barrier, Report, guest_script_text, run_guest
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(900)]
 
