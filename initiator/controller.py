@@ -21,7 +21,7 @@ from typing import Any
 from construct import Container
 
 from initiator import commands as c
-from initiator.auth import authenticate_queue, parse_secret
+from initiator.auth import authenticate_queue, parse_key, parse_secret
 from initiator.engine import BatchQueue, open_batch_queue
 from initiator.nvm import Buffer, NamespaceGeometry
 from initiator.queue import DEFAULT_TIMEOUT, HostQueue, TransportError, open_queue
@@ -149,15 +149,6 @@ def _parse_secrets(host: str | DhchapSecret | None,
     return host_secret, ctrl_secret
 
 
-def _parse_tls_key(key: str | TlsKey | None) -> TlsKey | None:
-    if key is None or isinstance(key, TlsKey):
-        return key
-    try:
-        return TlsKey.parse(key)
-    except ValueError as exc:
-        raise ValueError(f"tls_key (--tls-key): {exc}") from None
-
-
 class HostController(ReservationIo):
     """The public async API of one connected controller; see :func:`initiator.connect`."""
 
@@ -195,7 +186,7 @@ class HostController(ReservationIo):
             raise ValueError(f"poll_us={poll_us} needs the TCP batch engine (transport='tcp', engine='batch'); "
                              f"got transport={transport!r}, engine={engine!r}")
         # NVMe/TCP over TLS 1.3 with a configured PSK (nvme connect --tls --tls-key); never logged or shown
-        self._tls_key = _parse_tls_key(tls_key)
+        self._tls_key = parse_key("tls_key (--tls-key)", tls_key, TlsKey)
         self.tls = tls or self._tls_key is not None
         if self.tls:
             if transport != "tcp":
