@@ -141,11 +141,17 @@ def parse_connect_invalid_param(result: int) -> tuple[int, int]:
     return (result >> 16) & 0xFF, result & 0xFFFF
 
 
-ConnectCommand = Struct(
+# Every Fabrics command capsule's SQE starts alike (NVMe-oF "Fabrics Command" format; Linux struct
+# nvmf_common_command): opcode 7Fh, a reserved byte, the command identifier and FCTYPE.
+FABRICS_COMMAND_HEAD = (
     "opcode" / Const(FABRICS_OPCODE, Int8ul),
     "rsvd1" / Int8ul,
     "cid" / Int16ul,
     "fctype" / Int8ul,
+)
+
+ConnectCommand = Struct(
+    *FABRICS_COMMAND_HEAD,
     "rsvd2" / Bytes(19),
     "dptr" / Bytes(16),
     "recfmt" / Int16ul,
@@ -167,10 +173,7 @@ ConnectData = Struct(
 )
 
 PropertySetCommand = Struct(
-    "opcode" / Const(FABRICS_OPCODE, Int8ul),
-    "rsvd1" / Int8ul,
-    "cid" / Int16ul,
-    "fctype" / Int8ul,
+    *FABRICS_COMMAND_HEAD,
     "rsvd2" / Bytes(35),
     "attrib" / Int8ul,
     "rsvd3" / Bytes(3),
@@ -180,10 +183,7 @@ PropertySetCommand = Struct(
 )
 
 PropertyGetCommand = Struct(
-    "opcode" / Const(FABRICS_OPCODE, Int8ul),
-    "rsvd1" / Int8ul,
-    "cid" / Int16ul,
-    "fctype" / Int8ul,
+    *FABRICS_COMMAND_HEAD,
     "rsvd2" / Bytes(35),
     "attrib" / Int8ul,
     "rsvd3" / Bytes(3),
@@ -192,10 +192,7 @@ PropertyGetCommand = Struct(
 )
 
 DisconnectCommand = Struct(
-    "opcode" / Const(FABRICS_OPCODE, Int8ul),
-    "rsvd1" / Int8ul,
-    "cid" / Int16ul,
-    "fctype" / Int8ul,
+    *FABRICS_COMMAND_HEAD,
     "rsvd2" / Bytes(19),
     "dptr" / Bytes(16),
     "recfmt" / Int16ul,
@@ -246,10 +243,7 @@ DiscoveryLogEntryCompiled = DiscoveryLogEntry.compile()
 def _auth_command(length: str) -> Struct:
     """The two differ only in the name of the length field (``tl`` / ``al``)."""
     return Struct(
-        "opcode" / Const(FABRICS_OPCODE, Int8ul),
-        "rsvd1" / Int8ul,
-        "cid" / Int16ul,
-        "fctype" / Int8ul,
+        *FABRICS_COMMAND_HEAD,
         "rsvd2" / Bytes(19),
         "dptr" / Bytes(16),
         "rsvd3" / Int8ul,
