@@ -358,9 +358,7 @@ def kernel_host_run(auth_assets: vm.Assets, tmp_path_factory: pytest.TempPathFac
     report.record("target_clean_exit", proc.returncode == 0, f"nvmeof serve exited {proc.returncode} on SIGTERM")
     log_text = target.log_text()
     report.seconds = time.monotonic() - began
-    print(f"\nkernel host auth: {report.seconds:.1f} s total, boot {report.boot_seconds or 0:.1f} s; "
-          f"console {report.console}; target log {report.target_log}")
-    report.print_checks()
+    report.print_summary("kernel host auth", detail=f"; target log {report.target_log}")
     yield KernelHostRun(report, matrix, hosts, log_text)
 
 

@@ -401,6 +401,13 @@ class Report:
         assert not problems, ("kernel host checks failed:\n  " + "\n  ".join(problems)
                               + f"\nguest console: {self.console}\ntarget log: {self.target_log}")
 
+    def print_summary(self, title: str, expected: Iterable[str] = (), detail: str = "") -> None:
+        """The run's header line (``title``, total and boot seconds, the console's path, then ``detail``) and
+        print_checks(``expected``): what a kernel VM test prints at the end of its run."""
+        print(f"\n{title}: {self.seconds:.1f} s total, boot {self.boot_seconds or 0:.1f} s; console {self.console}"
+              f"{detail}")
+        self.print_checks(expected)
+
     def print_checks(self, expected: Iterable[str] = ()) -> None:
         """One line a check (PASS/FAIL, seconds, the reason of a failure), then MISSING for each ``expected``
         check the run never reported: the summary every kernel VM test prints under its header line."""
@@ -582,9 +589,7 @@ def kernel_host_report(vm_assets: vm.Assets, tmp_path_factory: pytest.TempPathFa
     errors = target.log_errors()
     report.record("target_log_clean", not errors, "target log has errors:\n    " + "\n    ".join(errors[:30]))
     report.seconds = time.monotonic() - began
-    print(f"\nkernel host interop: {report.seconds:.1f} s total, boot {report.boot_seconds or 0:.1f} s; "
-          f"console {report.console}")
-    report.print_checks(GUEST_CHECKS + HOST_CHECKS)
+    report.print_summary("kernel host interop", GUEST_CHECKS + HOST_CHECKS)
     yield report
 
 

@@ -274,9 +274,7 @@ def workers_report(vm_assets: vm.Assets, tmp_path_factory: pytest.TempPathFactor
     stayed = [line for line in text.splitlines() if "stays in the main process" in line]
     report.record("no_handoff_given_up", not stayed, "I/O queues not handed to a worker:\n    " + "\n    ".join(stayed))
     report.seconds = time.monotonic() - began
-    print(f"\nkernel host vs --workers {WORKERS}: {report.seconds:.1f} s total, boot {report.boot_seconds or 0:.1f} s; "
-          f"console {report.console}; info {report.info}")
-    report.print_checks(GUEST_CHECKS + HOST_CHECKS)
+    report.print_summary(f"kernel host vs --workers {WORKERS}", GUEST_CHECKS + HOST_CHECKS, f"; info {report.info}")
     yield report
 
 

@@ -159,9 +159,7 @@ def rbd_kernel_report(vm_assets: vm.Assets, ceph_cluster: CephCluster,
     errors = target.log_errors()
     report.record("target_log_clean", not errors, "target log has errors:\n    " + "\n    ".join(errors[:30]))
     report.seconds = time.monotonic() - began
-    print(f"\nkernel host vs RBD: {report.seconds:.1f} s total, boot {report.boot_seconds or 0:.1f} s; "
-          f"console {report.console}; info {report.info}")
-    report.print_checks()
+    report.print_summary("kernel host vs RBD", detail=f"; info {report.info}")
     yield report
 
 
