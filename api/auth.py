@@ -1,26 +1,8 @@
 """What every request must pass before a route sees it: the request checks and the credential.
 
-One pure ASGI middleware (:class:`ApiGuard`) rather than route dependencies, so /docs,
-/openapi.json, /metrics and even unknown paths are covered: nothing about the target leaks to, and
-nothing changes for, a client that fails a check. In order:
-
-1. ``Host`` must name this API (the bound address, ``localhost`` on loopback, names given with
-   ``nvmeof serve --api-host-name``): a page on another site whose name was re-bound to our address
-   (DNS rebinding) sends its own name. Not applied on a Unix socket, which no browser reaches.
-2. An ``Origin`` header must be the API's own origin (``http://`` + Host); no CORS header is ever
-   sent, so a preflight never grants anything.
-3. POST/PUT/PATCH/DELETE carry ``application/json`` or no body at all: a cross-site HTML form
-   can only send form or text bodies.
-4. ``Content-Length`` above the cap is refused up front (413).
-5. The credential: ``Authorization: Bearer <token>``, or the session cookie that ``/login?token=``
-   sets for a browser (HttpOnly, SameSite=Strict), as Jupyter does. Only ``/health`` and the
-   dashboard's shell (``/ui`` and its script and style sheet, which hold no data: the page asks
-   for a token when its first API call gets 401) are open.
-6. A body is read up to the cap before the route runs (chunked bodies included) and refused with
-   413 past it, so no request holds more than the cap in memory.
-
-Refusals are logged with the method, path and client; never the query string (the login link
-carries the token) and never a credential.
+``ApiGuard``, one ASGI middleware in front of every path: Host, Origin, content type, body cap, then the
+bearer token or the /login session cookie (only /health and the dashboard's shell are open); refusals are
+logged without query string or credential. The checks in order and why each: ARCHITECTURE.md, "REST API guard".
 """
 
 from __future__ import annotations

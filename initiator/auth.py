@@ -9,25 +9,35 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any
+from typing import Any, TypeVar
 
 from initiator import commands as c
 from nvmeof.auth import AuthFailure, DhchapSecret, HostTransaction, dhgroup_name, hash_name, next_seqnum
 from nvmeof.status import NvmeError
+from nvmeof.tls.psk import TlsKey
 
 log = logging.getLogger(__name__)
 
 AUTH_BUFFER_SIZE = 4096    # CHAP_BUF_SIZE
 
 
-def parse_secret(option: str, text: str | DhchapSecret | None) -> DhchapSecret | None:
-    """A DHHC-1 string (or DhchapSecret) from the caller; ValueError names the option, never the value."""
-    if text is None or isinstance(text, DhchapSecret):
-        return text
+_Key = TypeVar("_Key", DhchapSecret, TlsKey)
+
+
+def parse_key(option: str, value: str | _Key | None, kind: type[_Key]) -> _Key | None:
+    """A key the caller gave as text (DHHC-1 secret, NVMeTLSkey-1 PSK) or already as ``kind``; a bad one is a
+    ValueError that names ``option`` and never repeats the value."""
+    if value is None or isinstance(value, kind):
+        return value
     try:
-        return DhchapSecret.parse(text)
+        return kind.parse(value)
     except ValueError as err:
         raise ValueError(f"{option}: {err}") from None
+
+
+def parse_secret(option: str, text: str | DhchapSecret | None) -> DhchapSecret | None:
+    """A DHHC-1 string (or DhchapSecret) from the caller; ValueError names the option, never the value."""
+    return parse_key(option, text, DhchapSecret)
 
 
 async def authenticate_queue(queue: Any, *, hostnqn: str, subnqn: str, host_secret: DhchapSecret,

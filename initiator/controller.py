@@ -15,13 +15,13 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 from construct import Container
 
 from initiator import commands as c
-from initiator.auth import authenticate_queue, parse_secret
+from initiator.auth import authenticate_queue, parse_key, parse_secret
 from initiator.engine import BatchQueue, open_batch_queue
 from initiator.nvm import Buffer, NamespaceGeometry
 from initiator.queue import DEFAULT_TIMEOUT, HostQueue, TransportError, open_queue
@@ -61,6 +61,7 @@ from nvmeof.tls.openssl import TlsError, TlsSession
 from nvmeof.tls.psk import TlsKey
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 SHUTDOWN_TIMEOUT = 5.0       # Linux nvme_core shutdown_timeout
@@ -149,15 +150,6 @@ def _parse_secrets(host: str | DhchapSecret | None,
     return host_secret, ctrl_secret
 
 
-def _parse_tls_key(key: str | TlsKey | None) -> TlsKey | None:
-    if key is None or isinstance(key, TlsKey):
-        return key
-    try:
-        return TlsKey.parse(key)
-    except ValueError as exc:
-        raise ValueError(f"tls_key (--tls-key): {exc}") from None
-
-
 class HostController(ReservationIo):
     """The public async API of one connected controller; see :func:`initiator.connect`."""
 
@@ -193,7 +185,7 @@ class HostController(ReservationIo):
             raise ValueError(f"poll_us={poll_us} needs the TCP batch engine (transport='tcp'); "
                              f"got transport={transport!r}")
         # NVMe/TCP over TLS 1.3 with a configured PSK (nvme connect --tls --tls-key); never logged or shown
-        self._tls_key = _parse_tls_key(tls_key)
+        self._tls_key = parse_key("tls_key (--tls-key)", tls_key, TlsKey)
         self.tls = tls or self._tls_key is not None
         if self.tls:
             if transport != "tcp":
@@ -614,6 +606,38 @@ class HostController(ReservationIo):
                 log.warning("%s: keep-alive stopped: %s", self._queue_name(0), err)
                 return
 
+    async def _event_logs(self, ev: AsyncEvent) -> AsyncEvent:
+        """``ev`` with the log its event asks to read (ANA 0Ch, Changed Namespace List, Reservation
+        Notification); a read the controller refuses or that does not parse is logged and the event goes out
+        without it. TransportError passes: the AER loop ends with the connection."""
+        if ev.type == AsyncEventType.NOTICE and ev.info == AsyncEventNotice.ANA_CHANGE:
+            # nvme_handle_aen_notice -> nvme_ana_work: re-read log 0Ch; reading it without RAE also
+            # tells the controller the event was seen, so it can report the next one
+            ana_log = await self._read_event_log(self.get_ana_log, "the ANA log after an ANA change event")
+            return ev if ana_log is None else dataclasses.replace(ev, ana_log=ana_log)
+        if ev.type == AsyncEventType.NOTICE and ev.info == AsyncEventNotice.NS_ATTR_CHANGED:
+            self._ns_cache.clear()
+
+            async def changed() -> tuple[int, ...]:
+                page = await self.get_log_page(LogPageId.CHANGED_NS, CHANGED_NS_LOG_SIZE)
+                return tuple(parse_changed_ns_list(page))
+
+            nsids = await self._read_event_log(changed, "the Changed Namespace List")
+            return ev if nsids is None else dataclasses.replace(ev, changed_nsids=nsids)
+        if ev.type == AsyncEventType.IO_CMD_SET and ev.info == AEN_INFO_RESERVATION_LOG:
+            # reading log 80h without RAE is what lets the controller report again; NALP says whether
+            # more pages wait behind the one read
+            pages = await self._read_event_log(self._drain_reservation_log, "the Reservation Notification log")
+            return ev if pages is None else dataclasses.replace(ev, reservations=pages)
+        return ev
+
+    async def _read_event_log(self, read: Callable[[], Awaitable[_T]], what: str) -> _T | None:
+        try:
+            return await read()
+        except (NvmeError, ValueError) as err:
+            log.warning("%s: reading %s failed: %s", self._queue_name(0), what, err)
+            return None
+
     async def _aer_loop(self) -> None:
         """Keep one AER outstanding; deliver each event, reading the Changed NS log for NS notices."""
         assert self.admin is not None
@@ -627,35 +651,10 @@ class HostController(ReservationIo):
                 return
             dw0 = cqe.dw0
             ev = AsyncEvent(dw0 & 0x7, (dw0 >> 8) & 0xFF, (dw0 >> 16) & 0xFF, dw0)
-            if ev.type == AsyncEventType.NOTICE and ev.info == AsyncEventNotice.ANA_CHANGE:
-                # nvme_handle_aen_notice -> nvme_ana_work: re-read log 0Ch; reading it without RAE also
-                # tells the controller the event was seen, so it can report the next one
-                try:
-                    ev = dataclasses.replace(ev, ana_log=await self.get_ana_log())
-                except (NvmeError, ValueError) as err:
-                    log.warning("%s: reading the ANA log after an ANA change event failed: %s",
-                                self._queue_name(0), err)
-                except TransportError:
-                    return
-            elif ev.type == AsyncEventType.NOTICE and ev.info == AsyncEventNotice.NS_ATTR_CHANGED:
-                self._ns_cache.clear()
-                try:
-                    page = await self.get_log_page(LogPageId.CHANGED_NS, CHANGED_NS_LOG_SIZE)
-                    ev = dataclasses.replace(ev, changed_nsids=tuple(parse_changed_ns_list(page)))
-                except (NvmeError, ValueError) as err:
-                    log.warning("%s: reading the Changed Namespace List failed: %s", self._queue_name(0), err)
-                except TransportError:
-                    return
-            elif ev.type == AsyncEventType.IO_CMD_SET and ev.info == AEN_INFO_RESERVATION_LOG:
-                # reading log 80h without RAE is what lets the controller report again; NALP says whether
-                # more pages wait behind the one read
-                try:
-                    ev = dataclasses.replace(ev, reservations=await self._drain_reservation_log())
-                except (NvmeError, ValueError) as err:
-                    log.warning("%s: reading the Reservation Notification log failed: %s",
-                                self._queue_name(0), err)
-                except TransportError:
-                    return
+            try:
+                ev = await self._event_logs(ev)
+            except TransportError:
+                return
             if self._events.qsize() >= MAX_QUEUED_EVENTS:
                 self._events.get_nowait()  # nobody is reading events(): keep the newest ones only
             self._events.put_nowait(ev)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import enum
 import logging
 import struct
 from typing import Any
@@ -37,6 +38,14 @@ class DiscoveryLogChanging(RuntimeError):
     """The generation counter kept changing across MAX_DISC_RETRIES reads."""
 
 
+def _code_name(codes: type[enum.IntEnum], value: int, field: str) -> str:
+    """The lower-case name of ``value`` among ``codes``, or "<field> <value>" for a code they do not hold."""
+    try:
+        return codes(value).name.lower()
+    except ValueError:
+        return f"{field} {value}"
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class DiscoveryEntry:
     trtype: int
@@ -54,17 +63,11 @@ class DiscoveryEntry:
 
     @property
     def transport(self) -> str:
-        try:
-            return TrType(self.trtype).name.lower()
-        except ValueError:
-            return f"trtype {self.trtype}"
+        return _code_name(TrType, self.trtype, "trtype")
 
     @property
     def kind(self) -> str:
-        try:
-            return SubType(self.subtype).name.lower()
-        except ValueError:
-            return f"subtype {self.subtype}"
+        return _code_name(SubType, self.subtype, "subtype")
 
     @classmethod
     def parse(cls, raw: bytes | memoryview) -> DiscoveryEntry:

@@ -32,7 +32,7 @@ from initiator import commands as c
 from initiator.controller import AsyncEvent, HostController, default_host_identity
 from initiator.nvm import Buffer, NamespaceGeometry
 from initiator.queue import DEFAULT_TIMEOUT
-from initiator.reconnect import connect_with_backoff
+from initiator.reconnect import StandInController, connect_with_backoff
 from nvmeof import defaults
 from nvmeof.spec.identify import CMIC_MULTI_CTRL
 from nvmeof.spec.logs import ANA_STATE_NAMES, AnaState
@@ -113,7 +113,7 @@ class _Path:
         return self.ctrl.ana_state(nsid)
 
 
-class MultipathController:
+class MultipathController(StandInController):
     """The namespace I/O methods of :class:`HostController` over every path; see the module docstring."""
 
     def __init__(self, paths: Sequence[tuple[str, int | str]], subnqn: str, *, iopolicy: str = "numa",
@@ -558,19 +558,6 @@ class MultipathController:
         await asyncio.gather(*(getattr(ctrl, how)() for ctrl in ctrls), return_exceptions=True)
         self._notify()
 
-    async def disconnect(self) -> None:
-        """Shut every path's controller down (CC.SHN) and stop reconnecting."""
-        await self._finish("disconnect")
-
-    async def close(self) -> None:
-        """Drop every path's connections without the shutdown."""
-        await self._finish("close")
-
-    async def __aenter__(self) -> MultipathController:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.disconnect()
 
 
 def _state_name(state: AnaState | int | None) -> str:

@@ -13,7 +13,7 @@ import contextlib
 import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 from initiator.controller import AsyncEvent, HostController
 from initiator.queue import TransportError
@@ -48,7 +48,30 @@ async def connect_with_backoff(make: Callable[[], Awaitable[T]], what: str, *, i
         delay = min(delay * 2, max_delay)
 
 
-class ReconnectingController:
+class StandInController:
+    """disconnect(), close() and ``async with`` of a controller that stands in for others it manages (a
+    reconnecting one, every path of a multipath one): both stop what runs in the background and end those
+    controllers the one way or the other, in the subclass's ``_finish(how)``."""
+
+    async def _finish(self, how: str) -> None:
+        raise NotImplementedError
+
+    async def disconnect(self) -> None:
+        """Shut the controllers down (CC.SHN) and stop reconnecting."""
+        await self._finish("disconnect")
+
+    async def close(self) -> None:
+        """Drop the connections without the shutdown."""
+        await self._finish("close")
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.disconnect()
+
+
+class ReconnectingController(StandInController):
     """Has every public coroutine method of :class:`HostController`; see the module docstring."""
 
     def __init__(self, traddr: str, trsvcid: int | str, subnqn: str, *, initial_delay: float = 0.1,
@@ -165,14 +188,3 @@ class ReconnectingController:
             await getattr(self._ctrl, how)()
         self._events.put_nowait(None)
 
-    async def disconnect(self) -> None:
-        await self._finish("disconnect")
-
-    async def close(self) -> None:
-        await self._finish("close")
-
-    async def __aenter__(self) -> ReconnectingController:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.disconnect()

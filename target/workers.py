@@ -1,29 +1,9 @@
-"""`nvmeof serve --workers N`: I/O queues served by N worker processes, so one target uses N cores.
+"""`nvmeof serve --workers N`, the main process's side: I/O queues served by N worker processes.
 
-The main process keeps the listeners, every admin queue and all controller state (CC/CSTS,
-features, keep-alive, AERs, cntlids, the error log). A new connection starts in the main process;
-once its Connect for an I/O queue has been accepted and answered, the connection is handed to the
-worker with the fewest queues: the socket travels over that worker's control channel
-(target/worker_channel.py) with the queue's state (qid, cntlid, sqsize, sqhd, SQ flow control,
-digests, MAXR2T, MAXH2CDATA, and any bytes already read past the Connect), and the worker
-(target/worker.py) runs the same TargetConnection code for its I/O commands.
-
-What the workers need and the main process owns travels as messages:
-* namespaces: every namespace of every subsystem is mirrored in every worker. Each backend says how
-  (target/backends, ``for_workers``/``describe_for_worker``/``attach``): RAM disks move to a memfd
-  each worker maps, file backends send the descriptor the main process opened and checked, null
-  backends are made there. Add, remove, resize, enable and read-only changes go
-  out from the Target's ``namespace_changed``/``discovery_changed`` hooks, and the management call
-  waits (``settle``) until every live worker has applied them, so the host's next I/O sees them.
-* controllers: the CC.EN/CSTS.RDY state is sent when an admin queue changes it; losing a controller
-  (admin queue gone, Disconnect, keep-alive expiry, administrator) closes its queues, and for a
-  queue in a worker that close is a ``drop`` message.
-* back from the workers, every REPORT_INTERVAL: controllers with I/O activity (which resets their
-  keep-alive, as every command does in the main process), namespace statistics, error log entries;
-  and at once: queues that ended on the worker's side.
-
-A worker that dies is logged, its queues are failed (the host sees their connections close; the
-controller and its other queues live on), and a new worker takes its place.
+``WorkerPool`` starts the workers (target/worker.py), hands each accepted I/O queue (socket and queue state)
+to the one with the fewest queues over its control channel (target/worker_channel.py), mirrors namespaces and
+controller state to them and takes their reports back; ``PooledTarget`` is the Target that does so. What
+travels, when, and what happens when a worker dies: ARCHITECTURE.md, "Worker processes".
 """
 
 from __future__ import annotations

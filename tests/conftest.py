@@ -65,3 +65,14 @@ def service(config_path):  # type: ignore[no-untyped-def]
     from target.service import TargetService
 
     return TargetService(Target(), config_path=config_path, backing_dirs=[config_path.parent])
+
+
+@pytest.fixture
+def client(service):  # type: ignore[no-untyped-def]
+    """A started TestClient of the REST app over ``service`` (tests/api_client.py TOKEN); the target closes after."""
+    from tests.api_client import open_client
+
+    client = open_client(service)
+    yield client
+    client.portal.call(service.target.close)
+    client.__exit__(None, None, None)

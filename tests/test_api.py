@@ -21,6 +21,7 @@ from nvmeof import __version__, defaults
 from target import config as configmod
 from target.core import Target
 from target.service import TargetService
+from tests.api_client import AUTH, TOKEN, open_client
 from tests.ports import free_port
 
 NQN = "nqn.2024-01.com.example:disk1"
@@ -35,25 +36,6 @@ def ns_url(nqn: str = NQN, nsid: int | None = None, action: str = "") -> str:
     if nsid is not None:
         url += f"/{nsid}"
     return url + (f"/{action}" if action else "")
-
-
-TOKEN = "t0ken-for-the-tests"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
-
-
-def open_client(service, *, authorized: bool = True, **app_kw):
-    """A TestClient of the app (token TOKEN); ``authorized`` sends the token with every request."""
-    client = TestClient(create_app(service, token=TOKEN, **app_kw), headers=AUTH if authorized else None)
-    client.__enter__()
-    return client
-
-
-@pytest.fixture
-def client(service):
-    client = open_client(service)
-    yield client
-    client.portal.call(service.target.close)
-    client.__exit__(None, None, None)
 
 
 @pytest.fixture

@@ -10,13 +10,12 @@ import os
 import stat
 
 import pytest
-from fastapi.testclient import TestClient
 
-from api.app import create_app
 from nvmeof.auth import generate_secret
 from target import config as configmod
 from target.core import Target
 from target.service import ServiceError, TargetService
+from tests.api_client import TOKEN
 
 NQN = "nqn.2024-01.com.example:authdisk"
 HOSTNQN = "nqn.2014-08.org.nvmexpress:uuid:0f2d2f36-8a4e-4a3b-9a52-3b1f1f2f7c11"
@@ -24,7 +23,6 @@ HOST2 = "nqn.2014-08.org.nvmexpress:uuid:0f2d2f36-8a4e-4a3b-9a52-3b1f1f2f7c12"
 KEY = generate_secret(key_len=32)
 CTRL_KEY = generate_secret(hmac_id=2, nqn=NQN)
 NEW_KEY = generate_secret(key_len=64)
-TOKEN = "t0ken-for-the-auth-tests"
 SUBS = "/api/v1/subsystems"
 
 
@@ -141,15 +139,6 @@ def test_nvmetcli_import_of_kernel_defaults_and_file_names():
 
 
 # ------------------------------------------------------------------------------------------- REST
-
-
-@pytest.fixture
-def client(service):
-    client = TestClient(create_app(service, token=TOKEN), headers={"Authorization": f"Bearer {TOKEN}"})
-    client.__enter__()
-    yield client
-    client.portal.call(service.target.close)
-    client.__exit__(None, None, None)
 
 
 def _everything(client) -> str:

@@ -20,7 +20,7 @@ from target.gateway.group import GatewayGroup
 from target.gateway.store import StoreError, now
 from target.service import ServiceError
 from tests.ports import free_port
-from tests.test_gateway_group import INACC, LEASE, NONOPT, OPT, SUB, CutStore, Member, until
+from tests.test_gateway_group import INACC, LEASE, NONOPT, OPT, SUB, CutStore, Member, member_pair, until
 
 
 def _io_listeners(m: Member):
@@ -41,9 +41,7 @@ def test_a_new_group_or_listener_is_never_optimized_without_the_lock(tmp_path: P
     """Finding 1: a namespace in a new ANA group, a listener added by REST, or one brought up from the file
     before the member starts its loop, all start in the standby state, not optimized on every member."""
     async def go() -> None:
-        a = await Member(tmp_path, "gw-a").start(first=True)
-        b = await Member(tmp_path, "gw-b").start()
-        try:
+        async with member_pair(tmp_path) as (a, b):
             await until(lambda: a.group.owned == {1} and b.group.owned == {2}, "initial split")
             await a.service.add_namespace(SUB, backend="null", size=1 << 20, nsid=3, anagrpid=3)
             # at once (no ownership step ran yet), and at every moment until one member owns it
@@ -61,9 +59,6 @@ def test_a_new_group_or_listener_is_never_optimized_without_the_lock(tmp_path: P
             extra = await b.service.add_listener("tcp", "127.0.0.1", free_port())
             assert extra.ana_state(1) == NONOPT and extra.ana_state(7) == NONOPT
             assert _optimized_without_lock(a, b, group=1) == []
-        finally:
-            await b.stop()
-            await a.stop()
 
     asyncio.run(go())
 
@@ -246,9 +241,7 @@ def test_manual_ana_states_are_refused_and_stray_states_corrected(tmp_path: Path
     from api.app import create_app
 
     async def go() -> None:
-        a = await Member(tmp_path, "gw-a").start(first=True)
-        b = await Member(tmp_path, "gw-b").start()
-        try:
+        async with member_pair(tmp_path) as (a, b):
             await until(lambda: a.group.owned == {1} and b.group.owned == {2}, "initial split")
             lst = _io_listeners(a)[0]
             with pytest.raises(ServiceError) as err:
@@ -262,9 +255,6 @@ def test_manual_ana_states_are_refused_and_stray_states_corrected(tmp_path: Path
             assert lst.ana_state(2) == NONOPT
             lst.set_ana_state(2, OPT)  # however it got there
             await until(lambda: lst.ana_state(2) == NONOPT, "the group puts group 2 back to standby")
-        finally:
-            await b.stop()
-            await a.stop()
 
     asyncio.run(go())
 
@@ -486,9 +476,7 @@ def test_a_fenced_member_takes_no_part_until_its_addresses_are_off_the_blocklist
     monkeypatch.setattr(fencing, "any_cluster", lambda store=None: Monitor())
 
     async def go() -> None:
-        a = await Member(tmp_path, "gw-a").start(first=True)
-        b = await Member(tmp_path, "gw-b").start()
-        try:
+        async with member_pair(tmp_path) as (a, b):
             await until(lambda: a.group.owned == {1} and b.group.owned == {2}, "split")
             a.group._published = dict(a.group._published or {}, clients=[{"entity": "client.9", "addrs": [addr]}])
             await a.group.fence.fenced_here("RBD image rbd/x: write")
@@ -504,9 +492,6 @@ def test_a_fenced_member_takes_no_part_until_its_addresses_are_off_the_blocklist
             answer["ret"], answer["list"] = 0, [{"addr": "127.0.0.1:0/1", "until": "x"}]  # someone else's
             await until(lambda: a.group.not_taking_part is None, "gw-a takes part again")
             await until(lambda: a.group.owned == {1} and b.group.owned == {2}, "failback of group 1 to gw-a")
-        finally:
-            await b.stop()
-            await a.stop()
 
     asyncio.run(go())
 

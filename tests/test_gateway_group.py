@@ -8,8 +8,9 @@ stops its target. Ticks are short (lease 0.6 s) so every wait below is bounded a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,23 @@ class Member:
         await self.target.close()
 
 
+@contextlib.asynccontextmanager
+async def member_pair(store_dir: Path) -> AsyncIterator[tuple[Member, Member]]:
+    """Members gw-a (which makes the subsystem and NSIDs 1 and 2) and gw-b, started on one dir store; both
+    stopped after, gw-b first."""
+    a = await Member(store_dir, "gw-a").start(first=True)
+    try:
+        b = await Member(store_dir, "gw-b").start()
+    except BaseException:
+        await a.stop()
+        raise
+    try:
+        yield a, b
+    finally:
+        await b.stop()
+        await a.stop()
+
+
 async def until(check: Callable[[], bool], what: str, timeout: float = WAIT) -> float:
     start = time.monotonic()
     while not check():
@@ -86,9 +104,7 @@ def test_preferred_owner_and_candidate_are_stable_by_index() -> None:
 
 def test_two_members_split_groups_and_disjoint_cntlids(tmp_path: Path) -> None:
     async def go() -> None:
-        a = await Member(tmp_path, "gw-a").start(first=True)
-        b = await Member(tmp_path, "gw-b").start()
-        try:
+        async with member_pair(tmp_path) as (a, b):
             await until(lambda: a.group.owned == {1} and b.group.owned == {2}, "a owns 1, b owns 2")
             await until(lambda: a.states() == {1: OPT, 2: NONOPT} and b.states() == {1: NONOPT, 2: OPT},
                         "states follow ownership")
@@ -105,9 +121,6 @@ def test_two_members_split_groups_and_disjoint_cntlids(tmp_path: Path) -> None:
             # each discovery log lists the other's listener
             assert [p.trsvcid for p in a.target.peer_listeners] == [b.port]
             assert [p.trsvcid for p in b.target.peer_listeners] == [a.port]
-        finally:
-            await b.stop()
-            await a.stop()
 
     asyncio.run(go())
 
@@ -192,9 +205,7 @@ def test_inaccessible_standby_uses_change_while_nobody_owns(tmp_path: Path) -> N
 
 def test_a_change_on_any_member_reaches_the_others(tmp_path: Path) -> None:
     async def go() -> None:
-        a = await Member(tmp_path, "gw-a").start(first=True)
-        b = await Member(tmp_path, "gw-b").start()
-        try:
+        async with member_pair(tmp_path) as (a, b):
             ns = await b.service.add_namespace(SUB, backend="null", size=1 << 20, nsid=3, anagrpid=2)
             await until(lambda: 3 in a.service.get_subsystem(SUB).namespaces, "nsid 3 on gw-a")
             assert a.service.get_namespace(SUB, 3).uuid == ns.uuid
@@ -208,9 +219,6 @@ def test_a_change_on_any_member_reaches_the_others(tmp_path: Path) -> None:
             assert 4 not in b.service.get_subsystem(SUB).namespaces
             # listeners stay per gateway
             assert {lst.trsvcid for lst in a.target.listeners.values()} == {a.port}
-        finally:
-            await b.stop()
-            await a.stop()
 
     asyncio.run(go())
 
@@ -292,9 +300,7 @@ def test_rest_gateway_report(tmp_path: Path) -> None:
         alone = TargetService(Target())
         answer = await get(alone)
         assert answer.status_code == 404 and "--gateway-group" in answer.json()["detail"]
-        a = await Member(tmp_path, "gw-a").start(first=True)
-        b = await Member(tmp_path, "gw-b").start()
-        try:
+        async with member_pair(tmp_path) as (a, b):
             await until(lambda: a.group.owned == {1} and b.group.owned == {2}, "split")
             await asyncio.sleep(LEASE)  # b's published info catches up
             body = (await get(a.service)).json()
@@ -307,9 +313,6 @@ def test_rest_gateway_report(tmp_path: Path) -> None:
                  "states": {"gw-a": "optimized", "gw-b": "non-optimized"}, "fenced": None},
                 {"anagrpid": 2, "owner": "gw-b", "preferred": "gw-b",
                  "states": {"gw-a": "non-optimized", "gw-b": "optimized"}, "fenced": None}]
-        finally:
-            await b.stop()
-            await a.stop()
 
     asyncio.run(go())
 
@@ -336,9 +339,7 @@ def test_a_ram_disk_is_refused_in_a_group_and_nothing_reaches_the_store(tmp_path
     """Each gateway would serve its own RAM disk under one NGUID/UUID: a multipath host switching paths
     would silently read another disk. A file on shared storage, RBD and null serve the same data."""
     async def go() -> None:
-        a = await Member(tmp_path, "gw-a").start(first=True)
-        b = await Member(tmp_path, "gw-b").start()
-        try:
+        async with member_pair(tmp_path) as (a, b):
             with pytest.raises(ServiceError) as err:
                 await a.service.add_namespace(SUB, backend="ram", size=1 << 20, nsid=7)
             assert err.value.status == 400
@@ -347,9 +348,6 @@ def test_a_ram_disk_is_refused_in_a_group_and_nothing_reaches_the_store(tmp_path
             await asyncio.sleep(LEASE)
             assert 7 not in a.service.get_subsystem(SUB).namespaces
             assert 7 not in b.service.get_subsystem(SUB).namespaces
-        finally:
-            await b.stop()
-            await a.stop()
 
     asyncio.run(go())
 

@@ -7,11 +7,9 @@ import json
 import logging
 
 import pytest
-from fastapi.testclient import TestClient
 from ports import free_port, free_ports
 
 import initiator
-from api.app import create_app
 from nvmeof import defaults
 from nvmeof.spec.fabrics import (
     TCP_SECTYPE_NONE,
@@ -30,7 +28,6 @@ NQN = "nqn.2024-01.com.example:tlsdisk"
 HOSTNQN = "nqn.2014-08.org.nvmexpress:uuid:0f2d2f36-8a4e-4a3b-9a52-3b1f1f2f7c21"
 KEY = generate_key()
 KEY2 = generate_key(hmac_id=2)
-TOKEN = "t0ken-for-the-tls-tests"
 SUBS = "/api/v1/subsystems"
 
 
@@ -86,15 +83,6 @@ async def test_bad_tls_key_is_refused_without_echo(service, caplog):
     with pytest.raises(ServiceError, match="presence flag"):
         await service.allow_host(NQN, HOSTNQN, tls_key=True)
     await service.target.close()
-
-
-@pytest.fixture
-def client(service):
-    client = TestClient(create_app(service, token=TOKEN), headers={"Authorization": f"Bearer {TOKEN}"})
-    client.__enter__()
-    yield client
-    client.portal.call(service.target.close)
-    client.__exit__(None, None, None)
 
 
 def test_rest_round_trip_redacts_key(client, service):

@@ -27,6 +27,7 @@ from nvmeof.status import NvmeError, Status
 from nvmeof.uri import TransportAddress
 from target.workers import PooledTarget, WorkerPool
 from tests.ports import free_ports
+from tests.procs import child_pids
 
 ROOT = Path(__file__).resolve().parent.parent
 NQN = defaults.DEFAULT_SUBSYSTEM_NQN
@@ -351,20 +352,6 @@ async def test_a_dead_worker_fails_only_its_queues(served: Served) -> None:
             assert await read(q, 1, 0, 8) == block(9)
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            if ppid == pid:
-                out.append(int(name))
-    return out
-
-
 async def test_sigterm_stops_the_target_and_its_workers() -> None:
     io, disc = free_ports(2)
     proc = subprocess.Popen(
@@ -378,7 +365,7 @@ async def test_sigterm_stops_the_target_and_its_workers() -> None:
             line = await loop.run_in_executor(None, proc.stdout.readline)  # type: ignore[union-attr]
             assert line, f"serve exited early:\n{banner}"
             banner += line
-        workers = _children(proc.pid)
+        workers = child_pids(proc.pid)
         assert len(workers) == 2, banner
         async with initiator.connect("127.0.0.1", io, NQN, hostnqn=HOST, nr_io_queues=2, timeout=10) as ctrl:
             await write(ctrl.io_queues[0], 1, 0, block(5))

@@ -1,13 +1,6 @@
 """/ui: the dashboard. A static page (api/static/) that calls the REST API with the login cookie, and
-/ui/stats, the I/O counters /metrics exports, as JSON.
-
-The page, its script and its style sheet hold no data and are open (api/auth.py UI_SHELL), so a browser
-without the cookie gets the page and its token form; everything the page shows comes from
-credentialed calls. Rates and percentiles are computed in the page from two snapshots of
-cumulative counters, as Prometheus' rate() and histogram_quantile() do: the daemon keeps no history
-and runs no sampling task for a page that may never be opened, and any number of open pages cost
-one small JSON answer per second each. The price: a chart starts empty when the page opens (the
-history for longer spans is Prometheus', see examples/grafana/).
+/ui/stats, the I/O counters /metrics exports, as JSON; the page computes rates and percentiles itself (why:
+ARCHITECTURE.md, "Dashboard").
 """
 
 from __future__ import annotations

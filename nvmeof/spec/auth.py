@@ -79,6 +79,8 @@ AuthHeader = Struct(
     "rsvd1" / Padding(2),
     "t_id" / Int16ul,
 )
+# Challenge, Reply and Success1 go on with the hash length HL and a reserved byte.
+_HEADER_AND_HL = (*AuthHeader.subcons, "hl" / Int8ul, "rsvd2" / Padding(1))
 
 ProtocolDescriptor = Struct(   # struct nvmf_auth_dhchap_protocol_descriptor (64 B)
     "authid" / Int8ul,
@@ -98,12 +100,7 @@ Negotiate = Struct(            # struct nvmf_auth_dhchap_negotiate_data (8 B) + 
 )
 
 Challenge = Struct(            # struct nvmf_auth_dhchap_challenge_data (16 B) + C1[hl] + DH[dhvlen]
-    "auth_type" / Int8ul,
-    "auth_id" / Int8ul,
-    "rsvd1" / Padding(2),
-    "t_id" / Int16ul,
-    "hl" / Int8ul,
-    "rsvd2" / Padding(1),
+    *_HEADER_AND_HL,
     "hashid" / Int8ul,
     "dhgid" / Int8ul,
     "dhvlen" / Int16ul,
@@ -111,12 +108,7 @@ Challenge = Struct(            # struct nvmf_auth_dhchap_challenge_data (16 B) +
 )
 
 Reply = Struct(                # struct nvmf_auth_dhchap_reply_data (16 B) + R1[hl] + C2[hl] + DH[dhvlen]
-    "auth_type" / Int8ul,
-    "auth_id" / Int8ul,
-    "rsvd1" / Padding(2),
-    "t_id" / Int16ul,
-    "hl" / Int8ul,
-    "rsvd2" / Padding(1),
+    *_HEADER_AND_HL,
     "cvalid" / Int8ul,
     "rsvd3" / Padding(1),
     "dhvlen" / Int16ul,
@@ -124,29 +116,18 @@ Reply = Struct(                # struct nvmf_auth_dhchap_reply_data (16 B) + R1[
 )
 
 Success1 = Struct(             # struct nvmf_auth_dhchap_success1_data (16 B) + R2[hl] if rvalid
-    "auth_type" / Int8ul,
-    "auth_id" / Int8ul,
-    "rsvd1" / Padding(2),
-    "t_id" / Int16ul,
-    "hl" / Int8ul,
-    "rsvd2" / Padding(1),
+    *_HEADER_AND_HL,
     "rvalid" / Int8ul,
     "rsvd3" / Padding(7),
 )
 
 Success2 = Struct(             # struct nvmf_auth_dhchap_success2_data (16 B)
-    "auth_type" / Int8ul,
-    "auth_id" / Int8ul,
-    "rsvd1" / Padding(2),
-    "t_id" / Int16ul,
+    *AuthHeader.subcons,
     "rsvd2" / Padding(10),
 )
 
 Failure = Struct(              # struct nvmf_auth_dhchap_failure_data (8 B): Failure1 and Failure2
-    "auth_type" / Int8ul,
-    "auth_id" / Int8ul,
-    "rsvd1" / Padding(2),
-    "t_id" / Int16ul,
+    *AuthHeader.subcons,
     "rescode" / Int8ul,
     "rescode_exp" / Int8ul,
 )

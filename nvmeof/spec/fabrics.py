@@ -8,6 +8,7 @@ Layouts: NVMe over Fabrics 1.1 §3 and NVMe Base 2.0 §6; Linux include/linux/nv
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 
 from construct import Bytes, Const, Int8ul, Int16ul, Int32ul, Int64ul, PaddedString, Padding, Struct
 
@@ -109,44 +110,21 @@ QPTYPE_NAMES = {RDMA_QPTYPE_CONNECTED: "connected", 2: "datagram"}
 CMS_NAMES = {RDMA_CMS_RDMA_CM: "rdma-cm"}
 
 
-def _name(table: dict[int, str], value: int) -> str:
-    return table.get(value, UNRECOGNIZED)
+def _namer(table: dict[int, str]) -> Callable[[int], str]:
+    """The name of a code in ``table``, "unrecognized" for one it does not hold: one lookup for every
+    discovery log field, as libnvme's nvmf_*_str() all go through arg_str()."""
+    return lambda value: table.get(value, UNRECOGNIZED)
 
 
-def trtype_str(value: int) -> str:
-    return _name(TRTYPE_NAMES, value)
-
-
-def adrfam_str(value: int) -> str:
-    return _name(ADRFAM_NAMES, value)
-
-
-def subtype_str(value: int) -> str:
-    return _name(SUBTYPE_NAMES, value)
-
-
-def treq_str(value: int) -> str:
-    return _name(TREQ_NAMES, value)
-
-
-def eflags_str(value: int) -> str:
-    return _name(EFLAGS_NAMES, value)
-
-
-def sectype_str(value: int) -> str:
-    return _name(SECTYPE_NAMES, value)
-
-
-def prtype_str(value: int) -> str:
-    return _name(PRTYPE_NAMES, value)
-
-
-def qptype_str(value: int) -> str:
-    return _name(QPTYPE_NAMES, value)
-
-
-def cms_str(value: int) -> str:
-    return _name(CMS_NAMES, value)
+trtype_str = _namer(TRTYPE_NAMES)
+adrfam_str = _namer(ADRFAM_NAMES)
+subtype_str = _namer(SUBTYPE_NAMES)
+treq_str = _namer(TREQ_NAMES)
+eflags_str = _namer(EFLAGS_NAMES)
+sectype_str = _namer(SECTYPE_NAMES)
+prtype_str = _namer(PRTYPE_NAMES)
+qptype_str = _namer(QPTYPE_NAMES)
+cms_str = _namer(CMS_NAMES)
 
 # Connect response DW0 bits used for IATTR/IPO on INVALID_PARAM: IATTR in bits 23:16 (0 = SQE field,
 # 1 = Connect data field), IPO (byte offset) in bits 15:0 (NVMe-oF 1.1 Figure 23).
@@ -163,11 +141,17 @@ def parse_connect_invalid_param(result: int) -> tuple[int, int]:
     return (result >> 16) & 0xFF, result & 0xFFFF
 
 
-ConnectCommand = Struct(
+# Every Fabrics command capsule's SQE starts alike (NVMe-oF "Fabrics Command" format; Linux struct
+# nvmf_common_command): opcode 7Fh, a reserved byte, the command identifier and FCTYPE.
+FABRICS_COMMAND_HEAD = (
     "opcode" / Const(FABRICS_OPCODE, Int8ul),
     "rsvd1" / Int8ul,
     "cid" / Int16ul,
     "fctype" / Int8ul,
+)
+
+ConnectCommand = Struct(
+    *FABRICS_COMMAND_HEAD,
     "rsvd2" / Bytes(19),
     "dptr" / Bytes(16),
     "recfmt" / Int16ul,
@@ -189,10 +173,7 @@ ConnectData = Struct(
 )
 
 PropertySetCommand = Struct(
-    "opcode" / Const(FABRICS_OPCODE, Int8ul),
-    "rsvd1" / Int8ul,
-    "cid" / Int16ul,
-    "fctype" / Int8ul,
+    *FABRICS_COMMAND_HEAD,
     "rsvd2" / Bytes(35),
     "attrib" / Int8ul,
     "rsvd3" / Bytes(3),
@@ -202,10 +183,7 @@ PropertySetCommand = Struct(
 )
 
 PropertyGetCommand = Struct(
-    "opcode" / Const(FABRICS_OPCODE, Int8ul),
-    "rsvd1" / Int8ul,
-    "cid" / Int16ul,
-    "fctype" / Int8ul,
+    *FABRICS_COMMAND_HEAD,
     "rsvd2" / Bytes(35),
     "attrib" / Int8ul,
     "rsvd3" / Bytes(3),
@@ -214,10 +192,7 @@ PropertyGetCommand = Struct(
 )
 
 DisconnectCommand = Struct(
-    "opcode" / Const(FABRICS_OPCODE, Int8ul),
-    "rsvd1" / Int8ul,
-    "cid" / Int16ul,
-    "fctype" / Int8ul,
+    *FABRICS_COMMAND_HEAD,
     "rsvd2" / Bytes(19),
     "dptr" / Bytes(16),
     "recfmt" / Int16ul,
@@ -268,10 +243,7 @@ DiscoveryLogEntryCompiled = DiscoveryLogEntry.compile()
 def _auth_command(length: str) -> Struct:
     """The two differ only in the name of the length field (``tl`` / ``al``)."""
     return Struct(
-        "opcode" / Const(FABRICS_OPCODE, Int8ul),
-        "rsvd1" / Int8ul,
-        "cid" / Int16ul,
-        "fctype" / Int8ul,
+        *FABRICS_COMMAND_HEAD,
         "rsvd2" / Bytes(19),
         "dptr" / Bytes(16),
         "rsvd3" / Int8ul,

@@ -1,23 +1,9 @@
 """When a call that may block runs on the event loop anyway: while such calls stay fast.
 
-A buffered ``pwrite`` on a file system that refuses RWF_NOWAIT for it (ext4, tmpfs) usually only
-copies into the page cache, a few µs, but may sleep: in balance_dirty_pages (mm/page-writeback.c)
-once dirty pages pass the point where the kernel throttles writers, on a page under writeback, or on
-a journal commit. Run on the event loop, such a sleep stalls every queue the loop serves; run on the
-thread pool, every write pays a thread hand-off (about 200 µs of CPU here against 5-10 µs inline).
-
-``InlinePolicy`` serves such calls inline while they complete fast and moves them to the pool for a
-back-off period after one that did not (its duration measured with time.perf_counter_ns) and slept
-in the kernel meanwhile, or while the page cache's dirty and writeback pages have reached the
-background writeback threshold (read from /proc/meminfo at most every ``PRESSURE_CHECK_NS``). A slow
-call whose thread was only preempted (getrusage(RUSAGE_THREAD): an involuntary context switch and no
-voluntary one) does not count: it waited for a CPU, and a pool thread would too; on a shared machine
-that is most slow calls (one 4 KiB write in 700-3,000 here). After the back-off one call is tried
-inline again; if that one is slow too the back-off doubles, up to a cap. So at most one call that
-sleeps per back-off period stalls the loop, and a file whose writes keep blocking ends up on the pool.
-
-It is the write counterpart of the read path's RWF_NOWAIT probe (target/backends/file.py), where the
-kernel itself refuses to wait; there nothing needs timing.
+``InlinePolicy`` runs a buffered write that RWF_NOWAIT cannot bound inline while such writes complete fast,
+and sends them to the thread pool for a doubling back-off after one that slept in the kernel, or while the
+page cache's dirty pages are at the background writeback threshold. The reasons and the measurements:
+ARCHITECTURE.md, "Inline writes".
 """
 
 from __future__ import annotations

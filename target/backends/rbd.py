@@ -1,33 +1,9 @@
 """RBD backend: a namespace stored in a Ceph RBD image, through librbd's Python binding.
 
-I/O uses librbd's asynchronous calls (aio_read, aio_write, aio_flush, aio_write_zeroes,
-aio_discard). librbd calls back on its own threads; each callback hands the result to the event
-loop with ``call_soon_threadsafe``, so the loop never blocks on the cluster and a queue's whole
-depth stays in flight against the OSDs (as SPDK's bdev_rbd does with rbd_aio_*). Opening, resizing,
-metadata and closing are synchronous librbd calls: the service runs ``open`` in a thread, the rest
-here run in threads too.
-
-Faults: the connection is made with ``rados_osd_op_timeout`` / ``rados_mon_op_timeout`` set
-(defaults.RBD_OP_TIMEOUT), so an operation against a stopped OSD fails with ETIMEDOUT instead of
-waiting for ever; on top of that no command waits longer than RBD_OP_TIMEOUT + RBD_WAIT_MARGIN for
-librbd's answer. Either way the command fails with BackendUnavailable, which target/io.py answers
-with a status the host retries. A buffer stays referenced until librbd has called back.
-
-Size rules are FileBackend's: opening never changes an existing image unless asked (``create``
-makes a missing one or grows a smaller one), a smaller ``size`` exports the image's first bytes,
-and ``close_unused`` takes back what the open did. An image resized by someone else (``rbd resize``)
-is noticed by polling its size (the 16.2 binding has no update_watch): a namespace that covered the
-whole image follows it; one exporting a prefix keeps the size it was given unless the image
-shrinks below it.
-
-All images opened with the same Ceph configuration, client id and keyring share one librados
-connection, shut down with the last of them.
-
-A process must not exit while a librados client is still up: exit() destroys libceph-common's static
-objects (the configuration schema among them) under the client's threads, and the next MonClient tick
-aborts the process (``boost::bad_get`` from a configuration read) or crashes it. The 16.2 binding's
-Rados object never shuts its client down by itself, so a stopping process closes its images, waits
-for their clients (``wait_clients_down``) and, if one is stuck, leaves through ``exit_process``.
+I/O through librbd's aio calls completed on the event loop; every operation bounded by RBD_OP_TIMEOUT (+
+RBD_WAIT_MARGIN), failing with BackendUnavailable; FileBackend's size rules, a resize made outside noticed by
+polling; one librados connection per Ceph configuration, client id and keyring; a stopping process waits for
+its clients (``wait_clients_down``) or leaves through ``exit_process``. Why each: ARCHITECTURE.md, "RBD backend".
 """
 
 from __future__ import annotations

@@ -1,31 +1,12 @@
 """Fencing a dead gateway's Ceph clients before its ANA groups are served OPTIMIZED elsewhere.
 
-The store's lease makes sure two members never both *serve* a group optimized; it does not stop a dead (or cut
-off) member's librbd from still holding an RBD image's exclusive lock. After kill -9 that lock's watch lingers
-until the OSD times it out (osd_client_watch_timeout, 30 s), and the survivor's writes wait for it; a member
-that is only cut off could even write again once it reaches the OSDs. Ceph's answer, which ceph-nvmeof and
-librbd itself use (librbd's BreakRequest with rbd_blocklist_on_break_lock): put the old client on the OSD
-blocklist, then break its lock.
-
-So every member publishes the identities (entity client.N and addresses) of each librados client it uses (the
-store's connection, the RBD backend's shared ones: target/backends/rbd.py client_clusters(), and those of its
---workers processes, which they report to the main process), and a member
-taking a group over, when the member record of some gateway is not alive, first:
-  1. blocklists that gateway's client addresses for defaults.GATEWAY_BLOCKLIST_EXPIRE seconds
-     (rados_blocklist_add, as `ceph osd blocklist add`);
-  2. breaks the exclusive lock of each RBD image in the group whose owner is one of those addresses
-     (rbd_lock_get_owners / rbd_lock_break); a lock owned by a live member's client, or ours, is never touched.
-The whole step runs in a thread, bounded by the store timeout. When it fails (no mon caps for the blocklist,
-the monitor out of reach) the takeover still happens (availability), with a WARNING saying what that costs, and
-`gateway list` shows fenced: false for the group.
-
-The other side: a member whose librbd answers ESHUTDOWN (Ceph's EBLOCKLISTED), in the main process or in a
-worker, or whose store client gets it, was fenced by another; it steps down for every group at once, says so
-(ERROR) and takes no part (not eligible; `gateway list` says why) until it can rejoin: at each step it reads the
-OSD blocklist (`osd blocklist ls`, a monitor command, which a blocklisted client may still send); once none of
-its addresses is listed it reconnects the group store through a new client and takes part again, unless an RBD
-namespace still sits on a blocklisted client (images are not re-opened while the daemon runs; it says to
-restart). The RBD registry drops a blocklisted connection, so namespaces opened later connect anew.
+``TakeoverFence``: before a takeover while some member is not alive, blocklist that member's published
+librados client addresses (rados_blocklist_add, GATEWAY_BLOCKLIST_EXPIRE) and break the exclusive lock of each
+of the group's RBD images those clients own (never a live member's or ours), in a thread bounded by the store
+timeout; a failure is a WARNING and the takeover goes on. The other side: a member fenced by another
+(ESHUTDOWN) steps down and takes no part until ``recheck()`` finds none of its addresses on the OSD blocklist.
+Why (the store's lease does not stop a dead member's librbd) and the details: ARCHITECTURE.md, "Gateway group",
+fencing.
 """
 
 from __future__ import annotations

@@ -1,28 +1,10 @@
 """GatewayGroup: one member of a gateway group (asyncio), driving its TargetService.
 
-Who owns (serves as OPTIMIZED) ANA group g is decided by the store's lock for g, never by the
-members agreeing among themselves. What the members agree on is only whom each should *try* for:
-
-- every member has a stable index (assigned at its first join, kept in the store) and the CNTLID
-  range [index * CNTLID_SPAN + 1, (index + 1) * CNTLID_SPAN], so controller IDs never collide;
-- g's preferred owner is the member at position (g - 1) % n of all recorded members sorted by index;
-  when it is not eligible (dead, not ready, no I/O listener left) the next eligible member in that
-  order is g's candidate;
-- the candidate tries to take g's lock at every tick (lease/3) and whenever the store reports a
-  change; an owner renews its locks at every tick and steps down (standby state, lock forgotten)
-  when a renew did not succeed by the fencing deadline (RadosStore: before the lease can expire);
-- failback "auto": an owner that is not g's preferred owner, seeing the preferred one eligible again,
-  sets g to its standby state, then releases the lock; the preferred member takes it next. A group
-  nobody claims is non-optimized (or ANA change, with --ana-standby inaccessible) on every member,
-  never inaccessible everywhere.
-- an owner with no I/O listener left (the operator deleted it) is not eligible: it hands its groups
-  over the same way.
-
-The shared configuration (subsystems with namespaces and hosts; listeners stay per gateway) lives in
-the store: a persisted change on any member is written there first (TargetService.set_change_hook, with
-compare-and-swap on the version) and every member applies a new version with TargetService.reload
-(all or nothing). Discovery: each member publishes its I/O listeners; the others list them in their
-discovery log (Target.peer_listeners).
+Joins the group's store, publishes this member, runs the ownership loop (take, renew, release the ANA group
+locks; failover and failback), sets the ANA states of its listeners, keeps the shared configuration in step
+with the store (change hook with compare-and-swap, TargetService.reload) and the peers' listeners in the
+discovery log. The rules (index, CNTLID range, preferred owner, candidate, failback, states, fencing
+deadline): ARCHITECTURE.md, "Gateway group".
 """
 
 from __future__ import annotations

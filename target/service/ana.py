@@ -20,7 +20,7 @@ from target.service.base import ServiceBase
 from target.service.checks import ServiceError, _ana_state, _anagrpid
 from target.transaction import Undo
 
-log = logging.getLogger("target.service")
+log = logging.getLogger(__name__)
 
 
 class AnaMixin(ServiceBase):

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from target.controller import Controller
     from target.pr import PrStore
 
-log = logging.getLogger("target.service")
+log = logging.getLogger(__name__)
 
 # (where, item) pairs for subsystems/listeners/referrals; (subnqn, where, item) for namespaces.
 Placed = list[tuple[str, Any]]

@@ -15,7 +15,7 @@ from target.model import Subsystem
 from target.service.base import ServiceBase
 from target.service.checks import ServiceError, _host_auth, _nqn
 
-log = logging.getLogger("target.service")
+log = logging.getLogger(__name__)
 
 
 class HostsMixin(ServiceBase):

@@ -21,7 +21,7 @@ from target.service.base import ServiceBase
 from target.service.checks import ServiceError, _bad, _bool, _int, _masking, _nqn, _restore_hosts
 from target.transaction import Undo
 
-log = logging.getLogger("target.service")
+log = logging.getLogger(__name__)
 
 
 class NamespaceSettingsMixin(ServiceBase):

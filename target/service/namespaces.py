@@ -33,7 +33,7 @@ from target.model import BLOCK_SIZES, Namespace
 from target.service.base import ServiceBase, locked
 from target.service.checks import ServiceError, _anagrpid, _bad, _bool, _hex_id, _int, _show, _uuid, _visibility
 
-log = logging.getLogger("target.service")
+log = logging.getLogger(__name__)
 
 
 class NamespacesMixin(ServiceBase):

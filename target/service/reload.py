@@ -33,7 +33,7 @@ from target.service.checks import (
 )
 from target.transaction import Transaction
 
-log = logging.getLogger("target.service")
+log = logging.getLogger(__name__)
 
 
 class ReloadMixin(ServiceBase):

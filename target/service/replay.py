@@ -24,7 +24,7 @@ from target.model import Namespace, Subsystem
 from target.service.base import Placed, PlacedNs, ServiceBase, Unrestored
 from target.service.checks import ServiceError, _given, _split_hosts
 
-log = logging.getLogger("target.service")
+log = logging.getLogger(__name__)
 
 
 class ReplayMixin(ServiceBase):

@@ -89,10 +89,14 @@ class OurTarget:
                 out.append(line)
         return out
 
+    def log_errors(self) -> list[str]:
+        """ERROR and CRITICAL log lines (tracebacks included), and any traceback printed outside logging
+        (an unhandled exception in a callback): what makes a target log unclean."""
+        return self.log_lines("ERROR", "CRITICAL") + [
+            line for line in self.log_text().splitlines() if line.startswith("Traceback")]
+
     def assert_no_errors(self) -> None:
-        bad = self.log_lines("ERROR", "CRITICAL")
-        # A traceback printed outside logging (an unhandled exception in a callback) counts too.
-        bad += [line for line in self.log_text().splitlines() if line.startswith("Traceback")]
+        bad = self.log_errors()
         assert not bad, f"target log {self.log_path} has errors:\n" + "\n".join(bad[:40])
 
 

@@ -117,17 +117,7 @@ mount -t tmpfs tmpfs /dev/shm
 mount -t tmpfs tmpfs /tmp
 hostname nvmeof-guest
 TOKEN=$(cat $R/token)
-for m in @MODULES@; do
-    modprobe "$m" || echo "nvmeof-rootfs init: modprobe $m failed"
-done
-mount -t configfs configfs /sys/kernel/config || echo "nvmeof-rootfs init: configfs mount failed"
-ip link set lo up
-if ip link set eth0 up; then
-    ip addr add @GUEST_ADDR@/@GUEST_PREFIX@ dev eth0
-    ip route add default via @HOST_ADDR@
-else
-    echo "nvmeof-rootfs init: no eth0"
-fi
+""" + vm.GUEST_MODULES_AND_NETWORK.replace("@WHO@", "nvmeof-rootfs") + r"""
 while read -r tag dir opts; do
     [ -n "$tag" ] || continue
     mkdir -p "$dir"

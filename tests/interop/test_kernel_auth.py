@@ -41,7 +41,7 @@ from nvmeof.auth import AuthFailure, generate_secret
 from nvmeof.status import NvmeError
 from tests.interop import vm
 from tests.interop.ourtarget import OurTarget, serve_target
-from tests.interop.test_kernel_host import GUEST_PREAMBLE, Barrier, Report, _parse_guest, drive_guest, guest_script_text
+from tests.interop.test_kernel_host import GUEST_PREAMBLE, Barrier, Report, guest_script_text, run_guest
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(900)]
 
@@ -349,27 +349,16 @@ def kernel_host_run(auth_assets: vm.Assets, tmp_path_factory: pytest.TempPathFac
             _allow(target, hosts["bi"])
             _allow(target, hosts["rotate"], ["sha512"], ["ffdhe2048"])
             guest = vm.Guest(auth_assets, fio=True)
-            try:
-                guest.start(_kernel_host_script(target, barrier.port, matrix, hosts, new_key))
-                report.boot_seconds = guest.boot_seconds
-                drive_guest(guest, report,
-                            lambda step: _host_step(step, target, barrier, report, hosts["rotate"], new_key),
-                            step_timeout=STEP_TIMEOUT)
-            finally:
-                report.console.write_text(guest.output)
-                guest.stop()
-            _parse_guest(guest.output, report)
+            run_guest(guest, _kernel_host_script(target, barrier.port, matrix, hosts, new_key), report,
+                      lambda step: _host_step(step, target, barrier, report, hosts["rotate"], new_key),
+                      step_timeout=STEP_TIMEOUT)
             proc = target.proc
     finally:
         barrier.close()
     report.record("target_clean_exit", proc.returncode == 0, f"nvmeof serve exited {proc.returncode} on SIGTERM")
     log_text = target.log_text()
     report.seconds = time.monotonic() - began
-    print(f"\nkernel host auth: {report.seconds:.1f} s total, boot {report.boot_seconds or 0:.1f} s; "
-          f"console {report.console}; target log {report.target_log}")
-    for name, result in report.checks.items():
-        took = f"{result.seconds:4.0f}s" if result.seconds is not None else "    -"
-        print(f"  {'PASS' if result.ok else 'FAIL'} {took} {name}{'' if result.ok else ': ' + result.reason}")
+    report.print_summary("kernel host auth", detail=f"; target log {report.target_log}")
     yield KernelHostRun(report, matrix, hosts, log_text)
 
 
@@ -475,21 +464,7 @@ printf %s {shlex.quote(new_key)} > {q_rot} && echo "{_KT_ROTATED}"
 while :; do sleep 3600; done
 """
     try:
-        for attempt in range(3):
-            (port,) = vm.free_ports(1)
-            guest = vm.Guest(auth_assets, hostfwd=((port, vm.KERNEL_TARGET_PORT),))
-            try:
-                guest.start(script)
-                guest.wait_for(_KT_READY, 60)
-                break
-            except vm.GuestBootError as exc:
-                guest.stop()
-                if "host forwarding" in exc.output and attempt < 2:
-                    continue
-                raise
-            except BaseException:
-                guest.stop()
-                raise
+        guest, (port,) = vm.boot_with_forwards(auth_assets, (vm.KERNEL_TARGET_PORT,), script, _KT_READY)
         try:
             yield KernelAuthTarget(port, guest, cases, wrong, rotate, new_key, barrier)
         finally:

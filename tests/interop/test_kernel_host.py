@@ -16,7 +16,7 @@ import re
 import shlex
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -401,6 +401,22 @@ class Report:
         assert not problems, ("kernel host checks failed:\n  " + "\n  ".join(problems)
                               + f"\nguest console: {self.console}\ntarget log: {self.target_log}")
 
+    def print_summary(self, title: str, expected: Iterable[str] = (), detail: str = "") -> None:
+        """The run's header line (``title``, total and boot seconds, the console's path, then ``detail``) and
+        print_checks(``expected``): what a kernel VM test prints at the end of its run."""
+        print(f"\n{title}: {self.seconds:.1f} s total, boot {self.boot_seconds or 0:.1f} s; console {self.console}"
+              f"{detail}")
+        self.print_checks(expected)
+
+    def print_checks(self, expected: Iterable[str] = ()) -> None:
+        """One line a check (PASS/FAIL, seconds, the reason of a failure), then MISSING for each ``expected``
+        check the run never reported: the summary every kernel VM test prints under its header line."""
+        for name, result in self.checks.items():
+            took = f"{result.seconds:4.0f}s" if result.seconds is not None else "    -"
+            print(f"  {'PASS' if result.ok else 'FAIL'} {took} {name}{'' if result.ok else ': ' + result.reason}")
+        for name in sorted(set(expected) - set(self.checks)):
+            print(f"  MISSING     {name}")
+
 
 _CHECK_RE = re.compile(r"@@CHECK (\S+) (PASS|FAIL) (\d+)s(?: ([^@\n]*))?@@")
 _INFO_RE = re.compile(r"@@INFO ([^@\n]*)@@")
@@ -445,6 +461,20 @@ def drive_guest(guest: vm.Guest, report: Report, on_step: Callable[[str], bool],
             report.error = f"guest script exited with status {code}"
     except (vm.GuestExited, vm.GuestTimeout) as exc:
         report.error = exc.args[0].splitlines()[0]
+
+
+def run_guest(guest: vm.Guest, script: str, report: Report, on_step: Callable[[str], bool], *,
+              step_timeout: float, on_output: Callable[[str], None] | None = None) -> None:
+    """Start ``guest`` on ``script`` and answer its host steps (drive_guest); the console goes to
+    report.console and the guest is stopped whatever happens, then its checks and info go into ``report``."""
+    try:
+        guest.start(script)
+        report.boot_seconds = guest.boot_seconds
+        drive_guest(guest, report, on_step, step_timeout=step_timeout, on_output=on_output)
+    finally:
+        report.console.write_text(guest.output)
+        guest.stop()
+    _parse_guest(guest.output, report)
 
 
 def _namespace_ids(target: OurTarget) -> set[int]:
@@ -547,32 +577,19 @@ def kernel_host_report(vm_assets: vm.Assets, tmp_path_factory: pytest.TempPathFa
             try:
                 script = guest_script(io_port=target.io_port, disc_port=target.discovery_port,
                                       digest_port=sniffer.port, go_port=barrier.port, subnqn=target.subnqn)
-                guest.start(script)
-                report.boot_seconds = guest.boot_seconds
-                drive_guest(guest, report, lambda step: _host_step(step, target, barrier, sniffer, report),
-                            step_timeout=STEP_TIMEOUT)
+                run_guest(guest, script, report, lambda step: _host_step(step, target, barrier, sniffer, report),
+                          step_timeout=STEP_TIMEOUT)
             finally:
-                report.console.write_text(guest.output)
-                guest.stop()
                 sniffer.close()
-            _parse_guest(guest.output, report)
             target_proc = target.proc
     finally:
         barrier.close()
     code = target_proc.returncode
     report.record("target_clean_exit", code == 0, f"nvmeof serve exited with status {code} on SIGTERM")
-    errors = target.log_lines("ERROR", "CRITICAL") + [
-        line for line in target.log_text().splitlines() if line.startswith("Traceback")]
+    errors = target.log_errors()
     report.record("target_log_clean", not errors, "target log has errors:\n    " + "\n    ".join(errors[:30]))
     report.seconds = time.monotonic() - began
-    missing = set(GUEST_CHECKS + HOST_CHECKS) - set(report.checks)
-    print(f"\nkernel host interop: {report.seconds:.1f} s total, boot {report.boot_seconds or 0:.1f} s; "
-          f"console {report.console}")
-    for name, result in report.checks.items():
-        took = f"{result.seconds:4.0f}s" if result.seconds is not None else "    -"
-        print(f"  {'PASS' if result.ok else 'FAIL'} {took} {name}{'' if result.ok else ': ' + result.reason}")
-    for name in sorted(missing):
-        print(f"  MISSING     {name}")
+    report.print_summary("kernel host interop", GUEST_CHECKS + HOST_CHECKS)
     yield report
 
 

@@ -28,11 +28,11 @@ from tests.interop.test_kernel_host import (
     GUEST_PREAMBLE,
     Barrier,
     Report,
-    _parse_guest,
     _poll,
-    drive_guest,
     guest_script_text,
+    run_guest,
 )
+from tests.procs import child_pids
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(600)]
 
@@ -87,21 +87,6 @@ def guest_script(*, io_port: int, digest_port: int, go_port: int, subnqn: str) -
 
 
 # ------------------------------------------------------------------------------- /proc views
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == pid:
-            out.append(int(name))
-    return sorted(out)
 
 
 def is_worker(pid: int) -> bool:
@@ -171,7 +156,7 @@ class Run:
     def find_workers(self) -> None:
         deadline = time.monotonic() + 10
         while True:
-            pids = [p for p in children(self.target.proc.pid) if is_worker(p)]
+            pids = [p for p in child_pids(self.target.proc.pid) if is_worker(p)]
             if len(pids) >= WORKERS or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
@@ -270,15 +255,10 @@ def workers_report(vm_assets: vm.Assets, tmp_path_factory: pytest.TempPathFactor
             run.find_workers()
             guest = vm.Guest(vm_assets, fio=True)
             try:
-                guest.start(guest_script(io_port=target.io_port, digest_port=sniffer.port, go_port=barrier.port,
-                                         subnqn=target.subnqn))
-                report.boot_seconds = guest.boot_seconds
-                drive_guest(guest, report, run.step, step_timeout=STEP_TIMEOUT)
+                run_guest(guest, guest_script(io_port=target.io_port, digest_port=sniffer.port, go_port=barrier.port,
+                                              subnqn=target.subnqn), report, run.step, step_timeout=STEP_TIMEOUT)
             finally:
-                report.console.write_text(guest.output)
-                guest.stop()
                 sniffer.close()
-            _parse_guest(guest.output, report)
     finally:
         barrier.close()
     code = target.proc.returncode
@@ -289,19 +269,12 @@ def workers_report(vm_assets: vm.Assets, tmp_path_factory: pytest.TempPathFactor
                   f"worker processes {left} of {workers} still running 10 s after the target exited")
     # Workers log "<date> <time> LEVEL workerN ..." to the same stderr, so log_lines sees their errors too.
     text = target.log_text()
-    errors = target.log_lines("ERROR", "CRITICAL")
-    errors += [line for line in text.splitlines() if line.startswith("Traceback")]
+    errors = target.log_errors()
     report.record("target_log_clean", not errors, "target log has errors:\n    " + "\n    ".join(errors[:30]))
     stayed = [line for line in text.splitlines() if "stays in the main process" in line]
     report.record("no_handoff_given_up", not stayed, "I/O queues not handed to a worker:\n    " + "\n    ".join(stayed))
     report.seconds = time.monotonic() - began
-    print(f"\nkernel host vs --workers {WORKERS}: {report.seconds:.1f} s total, boot {report.boot_seconds or 0:.1f} s; "
-          f"console {report.console}; info {report.info}")
-    for name, result in report.checks.items():
-        took = f"{result.seconds:4.0f}s" if result.seconds is not None else "    -"
-        print(f"  {'PASS' if result.ok else 'FAIL'} {took} {name}{'' if result.ok else ': ' + result.reason}")
-    for name in sorted(set(GUEST_CHECKS + HOST_CHECKS) - set(report.checks)):
-        print(f"  MISSING     {name}")
+    report.print_summary(f"kernel host vs --workers {WORKERS}", GUEST_CHECKS + HOST_CHECKS, f"; info {report.info}")
     yield report
 
 

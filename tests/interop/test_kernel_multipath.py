@@ -49,10 +49,9 @@ from tests.interop.test_kernel_host import (
     GUEST_PREAMBLE,
     Barrier,
     Report,
-    _parse_guest,
     _poll,
-    drive_guest,
     guest_script_text,
+    run_guest,
 )
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(1200)]
@@ -799,14 +798,7 @@ def multipath_report(vm_assets: vm.Assets, tmp_path_factory: pytest.TempPathFact
                                {"@GOP@": str(barrier.port)})
     try:
         guest = vm.Guest(vm_assets, fio=True)
-        try:
-            guest.start(script)
-            report.boot_seconds = guest.boot_seconds
-            drive_guest(guest, report, run.step, step_timeout=STEP_TIMEOUT, on_output=run.parse_subsys)
-        finally:
-            report.console.write_text(guest.output)
-            guest.stop()
-        _parse_guest(guest.output, report)
+        run_guest(guest, script, report, run.step, step_timeout=STEP_TIMEOUT, on_output=run.parse_subsys)
         run.parse_subsys(guest.output)
     finally:
         barrier.close()
@@ -846,12 +838,8 @@ def _print_report(report: Report, run: MultipathRun, names: list[str], output: s
                   f"after a answered again (REST {info.get(f'{name}_rest_failback_s', '?')} s; a took "
                   f"{info.get(f'{name}_restart_s', '?')} s to start)")
         print(f"  [{name}] info: {info}")
-    for name, result in report.checks.items():
-        took = f"{result.seconds:4.0f}s" if result.seconds is not None else "    -"
-        print(f"  {'PASS' if result.ok else 'FAIL'} {took} {name}{'' if result.ok else ': ' + result.reason}")
     expected = {c for n in names for c in guest_checks(n) + host_checks(n)} | {"multipath_enabled"}
-    for name in sorted(expected - set(report.checks)):
-        print(f"  MISSING     {name}")
+    report.print_checks(expected)
 
 
 def _ran_or_skip(report: Report, name: str) -> None:

@@ -23,9 +23,8 @@ from tests.interop.test_kernel_host import (
     GUEST_PREAMBLE,
     Barrier,
     Report,
-    _parse_guest,
-    drive_guest,
     guest_script_text,
+    run_guest,
 )
 
 pytestmark = [pytest.mark.vm, pytest.mark.ceph, pytest.mark.timeout(900)]
@@ -46,15 +45,10 @@ check_size() {  # $1: bytes
     [ "$sectors" = $(($1 / 512)) ] || { echo "$DEV has $sectors sectors, expected $(($1 / 512))"; return 1; }
 }
 
-check_dd_export() {  # $1: MiB written at offset 0, then compared by the test through `rbd export`
-    need_dev || return 1
-    dd if=/dev/urandom of=/tmp/data bs=1M count=$1 2>/dev/null || { echo "cannot make random data"; return 1; }
-    dd if=/tmp/data of=$DEV bs=1M oflag=direct conv=fsync || { echo "dd write of $1 MiB to $DEV failed"; return 1; }
-    written=$(sha256sum < /tmp/data | cut -d' ' -f1)
-    read_back=$(dd if=$DEV bs=1M count=$1 iflag=direct 2>/dev/null | sha256sum | cut -d' ' -f1)
-    rm -f /tmp/data
-    echo "@@INFO written_sha256=$written@@" >&3
-    [ "$written" = "$read_back" ] || { echo "sha256 read back through $DEV differs from what was written"; return 1; }
+check_dd_export() {  # $1: MiB written and read back at offset 0 (check_dd), then compared through `rbd export`
+    written=""; check_dd $1; rc=$?
+    [ -z "$written" ] || echo "@@INFO written_sha256=$written@@" >&3
+    return $rc
 }
 
 check_resized() {  # $1: host step, $2: bytes the namespace must grow to
@@ -151,32 +145,21 @@ def rbd_kernel_report(vm_assets: vm.Assets, ceph_cluster: CephCluster,
                 "--ceph-conf", str(ceph_cluster.conf), "--rbd-image", f"{ceph_cluster.pool}/{image}")) as target:
             run = Run(target, ceph_cluster, image, barrier, report)
             guest = vm.Guest(vm_assets, fio=True)
-            try:
-                guest.start(guest_script_text(GUEST_SCRIPT, target.subnqn, {
-                    "@IOP@": str(target.io_port), "@GOP@": str(barrier.port), "@SIZE@": str(IMAGE_SIZE),
-                    "@RESIZED@": str(RESIZED), "@RESIZED_OUTSIDE@": str(RESIZED_OUTSIDE), "@DD_MIB@": str(DD_MIB),
-                }))  # fmt: skip
-                report.boot_seconds = guest.boot_seconds
-                drive_guest(guest, report, run.step, step_timeout=STEP_TIMEOUT)
-            finally:
-                report.console.write_text(guest.output)
-                guest.stop()
-            _parse_guest(guest.output, report)
+            script = guest_script_text(GUEST_SCRIPT, target.subnqn, {
+                "@IOP@": str(target.io_port), "@GOP@": str(barrier.port), "@SIZE@": str(IMAGE_SIZE),
+                "@RESIZED@": str(RESIZED), "@RESIZED_OUTSIDE@": str(RESIZED_OUTSIDE), "@DD_MIB@": str(DD_MIB),
+            })  # fmt: skip
+            run_guest(guest, script, report, run.step, step_timeout=STEP_TIMEOUT)
     finally:
         barrier.close()
         try:
             ceph_cluster.rbd("rm", "--no-progress", f"{ceph_cluster.pool}/{image}")
         except Exception as exc:  # the report says what failed; a leftover image dies with the cluster
             print(f"could not remove {image}: {exc}")
-    errors = target.log_lines("ERROR", "CRITICAL") + [
-        line for line in target.log_text().splitlines() if line.startswith("Traceback")]
+    errors = target.log_errors()
     report.record("target_log_clean", not errors, "target log has errors:\n    " + "\n    ".join(errors[:30]))
     report.seconds = time.monotonic() - began
-    print(f"\nkernel host vs RBD: {report.seconds:.1f} s total, boot {report.boot_seconds or 0:.1f} s; "
-          f"console {report.console}; info {report.info}")
-    for name, result in report.checks.items():
-        took = f"{result.seconds:4.0f}s" if result.seconds is not None else "    -"
-        print(f"  {'PASS' if result.ok else 'FAIL'} {took} {name}{'' if result.ok else ': ' + result.reason}")
+    report.print_summary("kernel host vs RBD", detail=f"; info {report.info}")
     yield report
 
 

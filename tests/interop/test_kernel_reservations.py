@@ -42,7 +42,7 @@ import pytest
 
 from tests.interop import rootfs, vm
 from tests.interop.ourtarget import SUBNQN, OurTarget, start_serve, stop_serve
-from tests.interop.test_kernel_host import Barrier, Report, _parse_guest, _poll, drive_guest
+from tests.interop.test_kernel_host import Barrier, Report, _poll, run_guest
 from tests.interop.test_kernel_multipath import ANAGRPID, Gateway, _file_namespace, _replace_namespace_1
 from tests.interop.test_rdma_guest import debian_rootfs  # noqa: F401  (fixture)
 
@@ -220,8 +220,7 @@ class ResvRun:
 
         self.report.record("single_no_controller_left", _poll(none_left, 10),
                            f"controllers listed 10 s after the guest disconnected: {left}")
-        errors = self.single.log_lines("ERROR", "CRITICAL") + [
-            line for line in self.single.log_text().splitlines() if line.startswith("Traceback")]
+        errors = self.single.log_errors()
         self.single_exit = stop_serve(self.single)
         self.single = None
         self.report.record("single_clean_exit", self.single_exit == 0, f"exit status {self.single_exit} on SIGTERM")
@@ -283,14 +282,7 @@ def resv_report(vm_assets: vm.Assets, debian_rootfs: rootfs.RootfsAssets,  # noq
         }  # fmt: skip
         guest = rootfs.rootfs_guest(debian_rootfs, files={"script.py": GUEST_SCRIPT.read_bytes()},
                                     kernel_args=KERNEL_ARGS)
-        try:
-            guest.start(rootfs.python_run_script(env=env))
-            report.boot_seconds = guest.boot_seconds
-            drive_guest(guest, report, run.step, step_timeout=STEP_TIMEOUT)
-        finally:
-            report.console.write_text(guest.output)
-            guest.stop()
-        _parse_guest(guest.output, report)
+        run_guest(guest, rootfs.python_run_script(env=env), report, run.step, step_timeout=STEP_TIMEOUT)
     finally:
         barrier.close()
         run.close()
@@ -308,11 +300,7 @@ def _print_report(report: Report, scenarios: list[str]) -> None:
     print(f"  kernel: {report.info.get('kernel')} multipath={report.info.get('nvme_core_multipath')} "
           f"{report.info.get('nvme_cli')}; ioctl conflict rc {report.info.get('ioctl_reserve_conflict_rc')}; "
           f"report without EDS: {report.info.get('single_report_without_eds')}")
-    for name, result in report.checks.items():
-        took = f"{result.seconds:4.0f}s" if result.seconds is not None else "    -"
-        print(f"  {'PASS' if result.ok else 'FAIL'} {took} {name}{'' if result.ok else ': ' + result.reason}")
-    for name in sorted(set(_expected(scenarios)) - set(report.checks)):
-        print(f"  MISSING     {name}")
+    report.print_checks(_expected(scenarios))
 
 
 def _expected(scenarios: list[str]) -> list[str]:

@@ -58,23 +58,35 @@ def test_pyverbs_cm_read_write_send(debian_rootfs: rootfs.RootfsAssets, tmp_path
     assert detail["cm-connect"].startswith("crqsize=32 ")
 
 
+# Shell: wait_rdma_dev NQN TRIES sets CTRL and DEV to the first RDMA controller of NQN (of any subsystem when
+# NQN is "") that has a namespace block device, polling every 0.1 s; DEV stays empty if none appears.
+WAIT_RDMA_DEV = r"""
+wait_rdma_dev() {
+    DEV=""; CTRL=""
+    for i in $(seq $2); do
+        for c in /sys/class/nvme/nvme*; do
+            [ "$(cat $c/transport 2>/dev/null)" = rdma ] || continue
+            [ -z "$1" ] || [ "$(cat $c/subsysnqn 2>/dev/null)" = "$1" ] || continue
+            CTRL=/dev/$(basename $c)
+            for n in $c/nvme*n1 /sys/block/$(basename $c)n1; do
+                [ -e "$n" ] && DEV=/dev/$(basename $n | sed 's/c[0-9]*n/n/')
+            done
+        done
+        [ -n "$DEV" ] && [ -b "$DEV" ] && return 0
+        DEV=""; sleep 0.1
+    done
+    return 1
+}
+"""
+
 KERNEL_RDMA_SCRIPT = """
 set -u
 NQN=nqn.2026-11.io.nvmeof-toolkit:rxe-selfcheck
 {rxe}
 {target}
 nvme connect -t rdma -a 10.0.2.15 -s 4420 -n $NQN || {{ echo "nvme connect -t rdma failed"; exit 1; }}
-DEV=""
-for i in $(seq 100); do
-    for c in /sys/class/nvme/nvme*; do
-        [ "$(cat $c/transport 2>/dev/null)" = rdma ] || continue
-        for n in $c/nvme*n1 /sys/block/$(basename $c)n1; do
-            [ -e "$n" ] && DEV=/dev/$(basename $n | sed 's/c[0-9]*n/n/')
-        done
-    done
-    [ -n "$DEV" ] && [ -b "$DEV" ] && break
-    DEV=""; sleep 0.1
-done
+{wait_dev}
+wait_rdma_dev "" 100
 [ -n "$DEV" ] || {{ echo "no rdma namespace block device"; exit 1; }}
 echo "KERNEL-RDMA-DEV $DEV transport=$(cat /sys/class/nvme/*/transport | sort -u | tr '\\n' ' ')"
 head -c 8388608 /dev/urandom > /tmp/pattern
@@ -92,7 +104,7 @@ echo KERNEL-RDMA-OK
 def test_kernel_nvme_rdma_host_and_target_over_rxe(debian_rootfs: rootfs.RootfsAssets) -> None:
     target = vm.guest_kernel_target_script("nqn.2026-11.io.nvmeof-toolkit:rxe-selfcheck", ((1, 4420),),
                                            traddr="10.0.2.15", trtype="rdma", size_mib=16)
-    script = KERNEL_RDMA_SCRIPT.format(rxe=RXE_SETUP, target=target)
+    script = KERNEL_RDMA_SCRIPT.format(rxe=RXE_SETUP, target=target, wait_dev=WAIT_RDMA_DEV)
     res = rootfs.run_rootfs_guest(script, rootfs=debian_rootfs, timeout=240)
     out = res.script_output
     assert res.exit_code == 0, out[-6000:]

@@ -17,7 +17,7 @@ import re
 import pytest
 
 from tests.interop import rootfs, vm
-from tests.interop.test_rdma_guest import RXE_SETUP, debian_rootfs  # noqa: F401  (fixture)
+from tests.interop.test_rdma_guest import RXE_SETUP, WAIT_RDMA_DEV, debian_rootfs  # noqa: F401  (fixture)
 
 # As in test_vm_kernel_attach: the guest's own 900 s deadline is the bound, not pytest-timeout's 300 s default.
 pytestmark = [pytest.mark.vm, pytest.mark.rdma, pytest.mark.slow, pytest.mark.timeout(960)]
@@ -47,19 +47,8 @@ grep -q "trtype:.*rdma" /tmp/disc.txt || fail "discovery log lacks trtype rdma"
 echo "KERNEL-DISCOVER-OK"
 
 nvme connect -t rdma -a 10.0.2.15 -s 4420 -n {nqn} || fail "nvme connect -t rdma"
-DEV=""; CTRL=""
-for i in $(seq 200); do
-    for c in /sys/class/nvme/nvme*; do
-        [ "$(cat $c/transport 2>/dev/null)" = rdma ] || continue
-        [ "$(cat $c/subsysnqn 2>/dev/null)" = {nqn} ] || continue
-        CTRL=/dev/$(basename $c)
-        for n in $c/nvme*n1 /sys/block/$(basename $c)n1; do
-            [ -e "$n" ] && DEV=/dev/$(basename $n | sed 's/c[0-9]*n/n/')
-        done
-    done
-    [ -n "$DEV" ] && [ -b "$DEV" ] && break
-    DEV=""; sleep 0.1
-done
+{wait_dev}
+wait_rdma_dev {nqn} 200
 [ -n "$DEV" ] || fail "no block device for our RDMA namespace"
 echo "KERNEL-CONNECTED $CTRL $DEV"
 dmesg | grep -E "nvme.*(I/O queues|new ctrl)" | tail -n 3
@@ -110,7 +99,7 @@ echo ALL-RDMA-OK
 
 def test_rdma_transport_against_the_kernel(debian_rootfs: rootfs.RootfsAssets) -> None:  # noqa: F811
     ktarget = vm.guest_kernel_target_script(KNQN, ((2, 4421),), traddr="10.0.2.15", trtype="rdma", size_mib=32)
-    script = SCRIPT.format(rxe=RXE_SETUP, nqn=NQN, knqn=KNQN, ktarget=ktarget)
+    script = SCRIPT.format(rxe=RXE_SETUP, nqn=NQN, knqn=KNQN, ktarget=ktarget, wait_dev=WAIT_RDMA_DEV)
     res = rootfs.run_rootfs_guest(script, rootfs=debian_rootfs, timeout=900)
     out = res.script_output
     print(out[-12000:])

@@ -126,6 +126,20 @@ _CACHED_KERNEL_RE: dict[str, re.Pattern[str]] = {
 
 _RUN_DIR = "/etc/nvmeof-vm"
 
+# The part of the guest's /init that loads the modules, mounts configfs and brings up the network; this
+# INIT_SCRIPT and rootfs.py's STAGE2_INIT both use it (@WHO@: the tag of their console messages).
+GUEST_MODULES_AND_NETWORK = r"""for m in @MODULES@; do
+    modprobe "$m" || echo "@WHO@ init: modprobe $m failed"
+done
+mount -t configfs configfs /sys/kernel/config || echo "@WHO@ init: configfs mount failed"
+ip link set lo up
+if ip link set eth0 up; then
+    ip addr add @GUEST_ADDR@/@GUEST_PREFIX@ dev eth0
+    ip route add default via @HOST_ADDR@
+else
+    echo "@WHO@ init: no eth0"
+fi"""
+
 INIT_SCRIPT = r"""#!/bin/sh
 export PATH=/sbin:/usr/sbin:/bin:/usr/bin HOME=/root
 mount -t proc proc /proc
@@ -135,17 +149,7 @@ mkdir -p /dev/pts /dev/shm
 mount -t tmpfs tmpfs /tmp
 mount -t tmpfs tmpfs /run
 TOKEN=$(cat @RUN_DIR@/token)
-for m in @MODULES@; do
-    modprobe "$m" || echo "nvmeof-vm init: modprobe $m failed"
-done
-mount -t configfs configfs /sys/kernel/config || echo "nvmeof-vm init: configfs mount failed"
-ip link set lo up
-if ip link set eth0 up; then
-    ip addr add @GUEST_ADDR@/@GUEST_PREFIX@ dev eth0
-    ip route add default via @HOST_ADDR@
-else
-    echo "nvmeof-vm init: no eth0"
-fi
+""" + GUEST_MODULES_AND_NETWORK.replace("@WHO@", "nvmeof-vm") + r"""
 # QEMU's DMI product UUID is all zeros, which `nvme gen-hostnqn` would turn into the same
 # host NQN for every guest: use a random UUID for both the host NQN and the host ID.
 HOSTID=$(cat /proc/sys/kernel/random/uuid)
@@ -1447,12 +1451,31 @@ def start_kernel_target(
     `namespaces`, `resv_enable`: as for guest_kernel_target_script.
     Host ports are picked free; if one is taken before QEMU binds it, new ports are picked.
     """
+    guest, (io_port, disc_port) = boot_with_forwards(
+        assets, (KERNEL_TARGET_PORT, KERNEL_DISCOVERY_PORT),
+        kernel_target_script(subnqn, size_mib, hosts, namespaces, resv_enable), _KERNEL_TARGET_READY)
+    return KernelTarget(
+        traddr="127.0.0.1",
+        trsvcid=io_port,
+        subnqn=subnqn,
+        discovery_trsvcid=disc_port,
+        size=size_mib << 20,
+        guest=guest,
+    )
+
+
+def boot_with_forwards(assets: Assets, guest_ports: Sequence[int], script: str, ready: str,
+                       timeout: float = 60) -> tuple[Guest, list[int]]:
+    """Boot a guest running ``script`` with each of ``guest_ports`` forwarded from a free host port, and wait
+    for ``ready`` on its console: the guest and the host ports, in the order of ``guest_ports``. A host port
+    taken before QEMU binds it (QEMU refuses the "host forwarding") is picked again, up to three tries; the
+    guest is stopped on any failure."""
     for attempt in range(3):
-        io_port, disc_port = free_ports(2)
-        guest = Guest(assets, hostfwd=((io_port, KERNEL_TARGET_PORT), (disc_port, KERNEL_DISCOVERY_PORT)))
+        ports = free_ports(len(guest_ports))
+        guest = Guest(assets, hostfwd=tuple(zip(ports, guest_ports, strict=True)))
         try:
-            guest.start(kernel_target_script(subnqn, size_mib, hosts, namespaces, resv_enable))
-            guest.wait_for(_KERNEL_TARGET_READY, 60)
+            guest.start(script)
+            guest.wait_for(ready, timeout)
         except GuestBootError as exc:
             guest.stop()
             if "host forwarding" in exc.output and attempt < 2:
@@ -1461,12 +1484,5 @@ def start_kernel_target(
         except BaseException:
             guest.stop()
             raise
-        return KernelTarget(
-            traddr="127.0.0.1",
-            trsvcid=io_port,
-            subnqn=subnqn,
-            discovery_trsvcid=disc_port,
-            size=size_mib << 20,
-            guest=guest,
-        )
+        return guest, list(ports)
     raise AssertionError("unreachable")
