@@ -7,6 +7,7 @@ import json
 import logging
 
 import pytest
+from api_client import TOKEN
 from ports import free_port, free_ports
 
 import initiator
