@@ -39,6 +39,7 @@ from typing import Any
 
 from nvmeof import defaults
 from nvmeof.spec.logs import ANA_STATE_NAMES, AnaState, parse_ana_state
+from target import schema
 from target.backends import BACKEND_OPTIONS
 from target.qos import QosError
 from target.qos import parse_config as parse_qos
@@ -199,9 +200,9 @@ def ana_states_problems(states: dict[Any, Any], where: str) -> list[str]:
     """A listener's ``ana_states``: keys are ANA group ids 1..ANAGRPMAX (strings in JSON), values state words."""
     problems = []
     for key, value in states.items():
-        grp = str(key)
-        if not grp.isdigit() or not 1 <= int(grp) <= defaults.ANAGRPMAX:
-            problems.append(f"{where}: key {key!r} is not an ANA group id 1..{defaults.ANAGRPMAX}")
+        grp, field = str(key), schema.ANAGRPID
+        if not grp.isdigit() or not field.low <= int(grp) <= field.high:
+            problems.append(f"{where}: key {key!r} is not an ANA group id {field.low}..{field.high}")
         try:
             parse_ana_state(value)
         except ValueError as exc:

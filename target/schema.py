@@ -1,0 +1,113 @@
+"""The management inputs' fields, declared once: their limits and the checks of their values.
+
+The REST bodies (api/schemas.py, pydantic) take their bounds from here (``IntField.bounds()``) and the
+service (target/service/checks.py) checks the same fields with ``IntField.check`` and the value parsers
+below, so the API, a config replay and the daemon start-up refuse the same values. Each check raises
+SchemaError (a ValueError) whose message names the field and what was wrong; the service turns it into a
+400. The limits themselves come from nvmeof/defaults.py and nvmeof/spec (one place each).
+"""
+
+from __future__ import annotations
+
+import uuid as uuidlib
+from dataclasses import dataclass
+from typing import Any
+
+from nvmeof import defaults
+from nvmeof.spec.fabrics import PORTID_MAX
+from nvmeof.spec.identify import NSID_MAX
+
+SERIAL_MAX = 20  # Identify Controller SN, bytes
+MODEL_MAX = 40  # Identify Controller MN, bytes
+
+
+class SchemaError(ValueError):
+    """A value a field refuses; the message names the field and the reason."""
+
+
+@dataclass(frozen=True)
+class IntField:
+    """An integer field and its inclusive range."""
+
+    name: str
+    low: int
+    high: int
+
+    def bounds(self) -> dict[str, int]:
+        """The range as pydantic/FastAPI constraints (``Field(**f.bounds())``, ``Path(**f.bounds())``)."""
+        return {"ge": self.low, "le": self.high}
+
+    def check(self, value: Any, high: int | None = None) -> int:
+        """The value as an int (decimal text accepted, as the CLI and the config may give it); ``high``
+        narrows the range (an NSID within the subsystem's max_namespaces)."""
+        high = self.high if high is None else high
+        if isinstance(value, str) and value.strip().isdigit():
+            value = int(value)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise SchemaError(f"{self.name} must be an integer, got {value!r}")
+        if not self.low <= value <= high:
+            raise SchemaError(f"{self.name} {value} is out of range; use {self.low}..{high}")
+        return value
+
+
+NSID = IntField("nsid", 1, NSID_MAX)
+MAX_NAMESPACES = IntField("max_namespaces", 1, NSID_MAX)
+ANAGRPID = IntField("anagrpid", 1, defaults.ANAGRPMAX)
+TRSVCID = IntField("port (trsvcid)", 1, 65535)
+LISTENER_PORTID = IntField("portid", 1, PORTID_MAX)  # 0 is left for referrals that name no port
+REFERRAL_PORTID = IntField("portid", 0, PORTID_MAX)
+CNTLID = IntField("cntlid", 0, 0xFFFF)
+SIZE = IntField("size", 1, defaults.MAX_FILE_SIZE)
+QOS_IOS = IntField("rw_ios_per_second", 0, defaults.QOS_IOS_MAX)
+QOS_MBYTES = IntField("mbytes_per_second", 0, defaults.QOS_MBYTES_MAX)
+NGUID_LEN = 16  # bytes (Identify Namespace NGUID)
+EUI64_LEN = 8  # bytes (Identify Namespace EUI64)
+
+
+def check_bool(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise SchemaError(f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def check_ascii(value: Any, name: str, limit: int) -> str:
+    """A fixed-size ASCII field of Identify (serial, model): printable, non-empty, at most ``limit``."""
+    if not isinstance(value, str) or not value.strip():
+        raise SchemaError(f"{name} must be a non-empty string, got {value!r}")
+    if any(not (0x20 <= ord(ch) <= 0x7E) for ch in value):
+        raise SchemaError(f"{name} {value!r} must be printable ASCII (it goes into a fixed ASCII field)")
+    if len(value) > limit:
+        raise SchemaError(f"{name} {value!r} is {len(value)} characters; the limit is {limit}")
+    return value
+
+
+def check_hex_id(value: Any, name: str, length: int) -> bytes:
+    """An NGUID/EUI-64 given as bytes or hex text (with optional '-' or ':' separators)."""
+    if isinstance(value, bytes | bytearray):
+        raw = bytes(value)
+    elif isinstance(value, str):
+        digits = value.replace("-", "").replace(":", "").strip()
+        try:
+            raw = bytes.fromhex(digits)
+        except ValueError:
+            raise SchemaError(f"{name} {value!r} is not hexadecimal") from None
+    else:
+        raise SchemaError(f"{name} must be hex text, got {value!r}")
+    if len(raw) != length:
+        raise SchemaError(f"{name} {value!r} is {len(raw)} bytes; it must be {length} ({2 * length} hex digits)")
+    if raw == bytes(length):
+        raise SchemaError(f"{name} is all zeros, which tells the host there is none; leave it out to generate one")
+    return raw
+
+
+def check_uuid(value: Any) -> uuidlib.UUID:
+    if isinstance(value, uuidlib.UUID):
+        parsed = value
+    else:
+        try:
+            parsed = uuidlib.UUID(str(value))
+        except ValueError:
+            raise SchemaError(f"uuid {value!r} is not a UUID (8-4-4-4-12 hex digits)") from None
+    if parsed.int == 0:
+        raise SchemaError("uuid is all zeros, which tells the host there is none; leave it out to generate one")
+    return parsed
