@@ -20,11 +20,11 @@ from target.backends import KINDS
 HEX_NGUID = r"^[0-9A-Fa-f]{32}$"
 HEX_EUI64 = r"^[0-9A-Fa-f]{16}$"
 
-TrType = Literal["tcp", "rdma"]
-AdrFam = Literal["ipv4", "ipv6"]
+TrType = Literal[schema.TRTYPES]  # type: ignore[valid-type]  # target/model.py, checked by target/schema.py
+AdrFam = Literal[schema.ADRFAMS]  # type: ignore[valid-type]
 # nvmeof.spec.logs.ANA_STATE_NAMES (tests/test_ana_api.py keeps the two equal)
 AnaStateName = Literal["optimized", "non-optimized", "inaccessible", "persistent-loss", "change"]
-TlsMode = Literal["none", "optional", "required"]   # a TCP listener's TLS (defaults.TLS_MODES)
+TlsMode = Literal[defaults.TLS_MODES]  # type: ignore[valid-type]  # a TCP listener's TLS
 
 
 def _example(example: dict[str, Any]) -> ConfigDict:

@@ -9,6 +9,7 @@ SchemaError (a ValueError) whose message names the field and what was wrong; the
 
 from __future__ import annotations
 
+import ipaddress
 import uuid as uuidlib
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +17,8 @@ from typing import Any
 from nvmeof import defaults
 from nvmeof.spec.fabrics import PORTID_MAX
 from nvmeof.spec.identify import NSID_MAX
+from target.model import ADRFAMS as ADRFAMS  # re-exported: the API bodies name them through here
+from target.model import TRTYPES as TRTYPES
 
 SERIAL_MAX = 20  # Identify Controller SN, bytes
 MODEL_MAX = 40  # Identify Controller MN, bytes
@@ -111,3 +114,20 @@ def check_uuid(value: Any) -> uuidlib.UUID:
     if parsed.int == 0:
         raise SchemaError("uuid is all zeros, which tells the host there is none; leave it out to generate one")
     return parsed
+
+
+def check_address(trtype: Any, traddr: Any, trsvcid: Any, adrfam: Any) -> tuple[str, str, str, int]:
+    """A listener's or referral's transport address as (trtype, adrfam, traddr, port): the family is
+    derived from the address, a given one must agree."""
+    if trtype not in TRTYPES:
+        raise SchemaError(f"transport type {trtype!r} is not supported; use one of {', '.join(TRTYPES)}")
+    try:
+        ip = ipaddress.ip_address(str(traddr).strip("[]"))
+    except ValueError:
+        raise SchemaError(f"address {traddr!r} is not an IPv4 or IPv6 address") from None
+    family = "ipv6" if ip.version == 6 else "ipv4"
+    if adrfam is not None and adrfam != family:
+        if adrfam not in ADRFAMS:
+            raise SchemaError(f"address family {adrfam!r} is not supported; use one of {', '.join(ADRFAMS)}")
+        raise SchemaError(f"address {traddr} is {family}, but the address family given is {adrfam}")
+    return trtype, family, str(ip), TRSVCID.check(trsvcid)

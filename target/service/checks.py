@@ -7,14 +7,13 @@ the service keeps it or raises ServiceError(400) naming what was wrong.
 
 from __future__ import annotations
 
-import ipaddress
 import uuid as uuidlib
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from nvmeof.spec.logs import AnaState, parse_ana_state
 from target import hostauth, masking, schema
-from target.model import ADRFAMS, TRTYPES, Namespace, Subsystem, endpoint_id
+from target.model import Namespace, Subsystem, endpoint_id
 from target.nqn import NqnError, validate_nqn
 from target.schema import SchemaError
 
@@ -83,18 +82,7 @@ def _nqn(value: Any, what: str) -> str:
 
 
 def _address(trtype: Any, traddr: Any, trsvcid: Any, adrfam: Any) -> tuple[str, str, str, int]:
-    if trtype not in TRTYPES:
-        raise _bad(f"transport type {trtype!r} is not supported; use one of {', '.join(TRTYPES)}")
-    try:
-        ip = ipaddress.ip_address(str(traddr).strip("[]"))
-    except ValueError:
-        raise _bad(f"address {traddr!r} is not an IPv4 or IPv6 address") from None
-    family = "ipv6" if ip.version == 6 else "ipv4"
-    if adrfam is not None and adrfam != family:
-        if adrfam not in ADRFAMS:
-            raise _bad(f"address family {adrfam!r} is not supported; use one of {', '.join(ADRFAMS)}")
-        raise _bad(f"address {traddr} is {family}, but the address family given is {adrfam}")
-    return trtype, family, str(ip), _int(schema.TRSVCID, trsvcid)
+    return _checked(schema.check_address, trtype, traddr, trsvcid, adrfam)
 
 
 def _masking(check: Callable[[], Any]) -> Any:
