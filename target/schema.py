@@ -131,3 +131,69 @@ def check_address(trtype: Any, traddr: Any, trsvcid: Any, adrfam: Any) -> tuple[
             raise SchemaError(f"address family {adrfam!r} is not supported; use one of {', '.join(ADRFAMS)}")
         raise SchemaError(f"address {traddr} is {family}, but the address family given is {adrfam}")
     return trtype, family, str(ip), TRSVCID.check(trsvcid)
+
+
+# The fields of each configuration item and their JSON types: the config file's items (target/config.py checks
+# their structure against these), the REST bodies (api/schemas.py; tests/test_schema.py keeps their names in
+# these) and the service's parameters (the same names) are the one set.
+SUBSYSTEM_FIELDS: dict[str, type] = {
+    "nqn": str,
+    "serial": str,
+    "model": str,
+    "allow_any_host": bool,
+    "hosts": list,
+    "max_namespaces": int,
+    "namespaces": list,
+    "dhchap_hash": list,
+    "dhchap_dhgroup": list,
+}
+# A host object in a subsystem's "hosts" list (the kernel's configfs names, hosts/<nqn>/dhchap_*)
+HOST_FIELDS: dict[str, type] = {
+    "nqn": str,
+    "dhchap_key": str,
+    "dhchap_ctrl_key": str,
+    "dhchap_hash": list,
+    "dhchap_dhgroup": list,
+    "tls_key": str,  # the host's NVMe/TCP TLS PSK on the subsystem (NVMeTLSkey-1:NN:...:)
+}
+NAMESPACE_FIELDS: dict[str, type] = {
+    "nsid": int,
+    "backend": str,
+    "path": str,
+    "size": int,
+    "block_size": int,
+    "uuid": str,
+    "nguid": str,
+    "eui64": str,
+    "read_only": bool,
+    "enabled": bool,
+    "anagrpid": int,  # its ANA group, 1..ANAGRPMAX (default 1)
+    "auto_visible": bool,  # false: only the "hosts" listed see it (masking; default true)
+    "hosts": list,
+    "qos": dict,  # QoS limits (target/qos.py): {"rw_ios_per_second": N, ..., "hosts": {"<hostnqn>": {...}}}
+    # and the settings of each backend kind (target.backends.BACKEND_OPTIONS, strings)
+}
+LISTENER_FIELDS: dict[str, type] = {
+    "trtype": str,
+    "adrfam": str,
+    "traddr": str,
+    "trsvcid": int,
+    "portid": int,
+    "discovery": bool,
+    "tls": str,  # NVMe/TCP secure channel: "none" (default), "optional" or "required" (TLS 1.3 with a PSK)
+    "ana_states": dict,  # {"<anagrpid>": state word}: groups not named are optimized on this listener
+}
+REFERRAL_FIELDS: dict[str, type] = {
+    "trtype": str,
+    "adrfam": str,
+    "traddr": str,
+    "trsvcid": int,
+    "subnqn": str,
+    "portid": int,
+}
+REQUIRED: dict[str, tuple[str, ...]] = {
+    "subsystem": ("nqn",),
+    "namespace": ("backend",),
+    "listener": ("traddr", "trsvcid"),
+    "referral": ("traddr", "trsvcid"),
+}

@@ -10,7 +10,8 @@ from api import schemas
 from nvmeof import defaults
 from nvmeof.spec.fabrics import PORTID_MAX
 from nvmeof.spec.identify import NSID_MAX
-from target import schema
+from target import config, schema
+from target.backends import OPTION_KEYS
 from target.service.checks import ServiceError, _address, _int
 
 
@@ -75,3 +76,23 @@ def test_value_checks() -> None:
     assert _address("tcp", "[::1]", "4420", None) == ("tcp", "ipv6", "::1", 4420)
     with pytest.raises(ServiceError, match="is ipv4, but the address family given is ipv6"):
         _address("tcp", "127.0.0.1", 4420, "ipv6")
+
+
+@pytest.mark.parametrize(("body", "fields", "api_only"), [
+    (schemas.SubsystemCreate, schema.SUBSYSTEM_FIELDS, set()),
+    (schemas.NamespaceCreate, schema.NAMESPACE_FIELDS, {"create"}),  # an action, not kept
+    (schemas.HostAdd, schema.HOST_FIELDS, {"hostnqn"}),  # the config's "nqn"
+    (schemas.ListenerCreate, schema.LISTENER_FIELDS, set()),
+    (schemas.ReferralCreate, schema.REFERRAL_FIELDS, set()),
+])
+def test_the_api_bodies_name_the_schema_fields(body: type, fields: dict[str, type], api_only: set[str]) -> None:
+    """A REST body's fields are the configuration item's (the backend settings are a namespace's too)."""
+    extra = set(body.model_fields) - set(fields) - api_only - set(OPTION_KEYS)
+    assert not extra, f"{body.__name__} has fields target/schema.py does not declare: {sorted(extra)}"
+
+
+def test_the_config_checks_the_schema_fields() -> None:
+    assert set(config.LISTENER_KEYS) == set(schema.LISTENER_FIELDS)
+    assert config.NAMESPACE_KEYS["nsid"] == "integer" and config.HOST_KEYS["tls_key"] == "string"
+    with pytest.raises(config.ConfigError, match=r"listeners\[0\]\.trsvcid: expected integer, got str"):
+        config.validate_config({"version": 1, "listeners": [{"traddr": "::1", "trsvcid": "4420"}]})
