@@ -17,8 +17,8 @@ from nvmeof import defaults
 from target import schema
 from target.backends import KINDS
 
-HEX_NGUID = r"^[0-9A-Fa-f]{32}$"
-HEX_EUI64 = r"^[0-9A-Fa-f]{16}$"
+HEX_NGUID = rf"^[0-9A-Fa-f]{{{2 * schema.NGUID_LEN}}}$"
+HEX_EUI64 = rf"^[0-9A-Fa-f]{{{2 * schema.EUI64_LEN}}}$"
 
 TrType = Literal[schema.TRTYPES]  # type: ignore[valid-type]  # target/model.py, checked by target/schema.py
 AdrFam = Literal[schema.ADRFAMS]  # type: ignore[valid-type]
@@ -155,7 +155,7 @@ class NamespaceCreate(_Request):
                                                "allowed block device (backend 'file'); stored resolved")
     size: int | None = Field(None, **schema.SIZE.bounds(),
                              description="Bytes; required for ram/null, or with create=true")
-    block_size: int = Field(defaults.DEFAULT_BLOCK_SIZE, description="512 or 4096")
+    block_size: int = Field(defaults.DEFAULT_BLOCK_SIZE, description=" or ".join(map(str, schema.BLOCK_SIZES)))
     nsid: int | None = Field(None, **schema.NSID.bounds(), description="Lowest free NSID when omitted")
     uuid: uuid_mod.UUID | None = Field(None, strict=False)  # JSON has no UUID type: parsed from its string
     nguid: str | None = Field(None, pattern=HEX_NGUID)

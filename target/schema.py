@@ -18,6 +18,7 @@ from nvmeof import defaults
 from nvmeof.spec.fabrics import PORTID_MAX
 from nvmeof.spec.identify import NSID_MAX
 from target.model import ADRFAMS as ADRFAMS  # re-exported: the API bodies name them through here
+from target.model import BLOCK_SIZES as BLOCK_SIZES
 from target.model import TRTYPES as TRTYPES
 
 SERIAL_MAX = 20  # Identify Controller SN, bytes
@@ -131,6 +132,24 @@ def check_address(trtype: Any, traddr: Any, trsvcid: Any, adrfam: Any) -> tuple[
             raise SchemaError(f"address family {adrfam!r} is not supported; use one of {', '.join(ADRFAMS)}")
         raise SchemaError(f"address {traddr} is {family}, but the address family given is {adrfam}")
     return trtype, family, str(ip), TRSVCID.check(trsvcid)
+
+
+def check_tls_mode(tls: Any, trtype: str) -> str:
+    """A listener's ``tls`` (None: "none"); TLS exists for NVMe/TCP only (TP 8011)."""
+    if tls is None:
+        return "none"
+    if tls not in defaults.TLS_MODES:
+        raise SchemaError(f"tls {tls!r}: use one of {', '.join(defaults.TLS_MODES)}")
+    if tls != "none" and trtype != "tcp":
+        raise SchemaError(f"tls {tls}: TLS is an NVMe/TCP secure channel; a {trtype} listener takes tls none")
+    return str(tls)
+
+
+def check_block_size(value: Any) -> int:
+    if isinstance(value, bool) or value not in BLOCK_SIZES:
+        raise SchemaError(f"block size {value!r} is not supported; use {' or '.join(map(str, BLOCK_SIZES))}")
+    return int(value)
+
 
 
 # The fields of each configuration item and their JSON types: the config file's items (target/config.py checks

@@ -8,13 +8,12 @@ nvmf_stop_listen). A live add supersedes a copy of the same endpoint that a repl
 from __future__ import annotations
 
 import errno
-from typing import Any
 
 from nvmeof import defaults
 from target import schema
 from target.model import Listener, Referral, endpoint_id
 from target.service.base import ServiceBase, locked
-from target.service.checks import ServiceError, _address, _bad, _bool, _endpoint_key, _int, _nqn
+from target.service.checks import ServiceError, _address, _bad, _bool, _checked, _endpoint_key, _int, _nqn
 
 
 class ListenersMixin(ServiceBase):
@@ -30,7 +29,7 @@ class ListenersMixin(ServiceBase):
     ) -> Listener:
         """Listen on an address; ``tls`` none|optional|required (NVMe/TCP only, TP 8011)."""
         trtype, adrfam, traddr, port = _address(trtype, traddr, trsvcid, adrfam)
-        tls = _tls_mode(tls, trtype)
+        tls = _checked(schema.check_tls_mode, tls, trtype)
         discovery = _bool(discovery, "discovery")
         lid = endpoint_id(trtype, traddr, port)
         if lid in self.target.listeners:
@@ -159,14 +158,3 @@ def _listen_error(lid: str, exc: OSError) -> ServiceError:
     if exc.errno in (errno.EADDRNOTAVAIL, errno.EACCES, errno.EPERM):
         return ServiceError(400, f"cannot listen on {lid}: {reason}")
     return ServiceError(500, f"cannot listen on {lid}: {reason}")
-
-
-def _tls_mode(tls: Any, trtype: str) -> str:
-    """A listener's ``tls`` (None: "none"); TLS exists for NVMe/TCP only (TP 8011)."""
-    if tls is None:
-        return "none"
-    if tls not in defaults.TLS_MODES:
-        raise _bad(f"tls {tls!r}: use one of {', '.join(defaults.TLS_MODES)}")
-    if tls != "none" and trtype != "tcp":
-        raise _bad(f"tls {tls}: TLS is an NVMe/TCP secure channel; a {trtype} listener takes tls none")
-    return str(tls)

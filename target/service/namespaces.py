@@ -29,9 +29,20 @@ from target.backends import (
     validate_spec,
 )
 from target.backends.base import close_backends
-from target.model import BLOCK_SIZES, Namespace
+from target.model import Namespace
 from target.service.base import ServiceBase, locked
-from target.service.checks import ServiceError, _anagrpid, _bad, _bool, _hex_id, _int, _show, _uuid, _visibility
+from target.service.checks import (
+    ServiceError,
+    _anagrpid,
+    _bad,
+    _bool,
+    _checked,
+    _hex_id,
+    _int,
+    _show,
+    _uuid,
+    _visibility,
+)
 
 log = logging.getLogger("target.service")
 
@@ -89,8 +100,7 @@ class NamespacesMixin(ServiceBase):
             raise _bad(f"backend {backend!r} cannot be exported by gateway group {self.gateway.group_name}: every "
                        "gateway would serve its own copy under one NGUID/UUID, and a host switching paths would "
                        "read another gateway's data; use --backend file on storage every gateway reaches, or rbd")
-        if block_size not in BLOCK_SIZES:
-            raise _bad(f"block size {block_size!r} is not supported; use 512 or 4096")
+        block_size = _checked(schema.check_block_size, block_size)
         read_only = _bool(read_only, "read_only")
         enabled = _bool(enabled, "enabled")
         create = _bool(create, "create")
