@@ -2,7 +2,8 @@
 
 The REST bodies (api/schemas.py, pydantic) take their bounds from here (``IntField.bounds()``) and the
 service (target/service/checks.py) checks the same fields with ``IntField.check`` and the value parsers
-below, so the API, a config replay and the daemon start-up refuse the same values. Each check raises
+below, so the API, a config replay and the daemon start-up refuse the same values; the manage CLI's ranges
+and target/config.py's item fields come from here too. Each check raises
 SchemaError (a ValueError) whose message names the field and what was wrong; the service turns it into a
 400. The limits themselves come from nvmeof/defaults.py and nvmeof/spec (one place each).
 """
