@@ -169,12 +169,12 @@ def _host_problems(host: dict[str, Any], where: str) -> list[str]:
     for key, value in host.items():
         if key not in HOST_KEYS:
             problems.append(f"{where}: unknown key {key!r} (a host takes {', '.join(HOST_KEYS)})")
-        elif isinstance(value, bool) and key in ("dhchap_key", "dhchap_ctrl_key", "tls_key"):
+        elif isinstance(value, bool) and key in schema.HOST_SECRET_FIELDS:
             # never echo the value: it is a secret, or here the presence flag of an API export
             problems.append(f"{where}.{key}: expected a DHHC-1 secret string, got a boolean (an API export shows "
                             "only whether a secret is set; put the secret itself here)")
         elif value is not None and not _type_ok(value, HOST_KEYS[key]):
-            shown = "a secret" if key in ("dhchap_key", "dhchap_ctrl_key", "tls_key") else repr(value)
+            shown = "a secret" if key in schema.HOST_SECRET_FIELDS else repr(value)
             problems.append(f"{where}.{key}: expected {HOST_KEYS[key]}, got {type(value).__name__} {shown}")
         elif key in ("dhchap_hash", "dhchap_dhgroup") and any(not isinstance(v, str) for v in value or []):
             problems.append(f"{where}.{key}: expected a list of names")

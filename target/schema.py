@@ -176,6 +176,8 @@ HOST_FIELDS: dict[str, type] = {
     "dhchap_dhgroup": list,
     "tls_key": str,  # the host's NVMe/TCP TLS PSK on the subsystem (NVMeTLSkey-1:NN:...:)
 }
+# the host fields that hold secrets: never echoed in a message, never shown by the API
+HOST_SECRET_FIELDS = ("dhchap_key", "dhchap_ctrl_key", "tls_key")
 NAMESPACE_FIELDS: dict[str, type] = {
     "nsid": int,
     "backend": str,

@@ -96,3 +96,11 @@ def test_the_config_checks_the_schema_fields() -> None:
     assert config.NAMESPACE_KEYS["nsid"] == "integer" and config.HOST_KEYS["tls_key"] == "string"
     with pytest.raises(config.ConfigError, match=r"listeners\[0\]\.trsvcid: expected integer, got str"):
         config.validate_config({"version": 1, "listeners": [{"traddr": "::1", "trsvcid": "4420"}]})
+
+
+def test_a_host_secret_of_the_wrong_type_is_not_echoed() -> None:
+    assert set(schema.HOST_SECRET_FIELDS) <= set(schema.HOST_FIELDS)
+    item = {"nqn": "nqn.2024-01.com.example:s", "hosts": [{"nqn": "nqn.2024-01.com.example:h", "tls_key": 12345}]}
+    with pytest.raises(config.ConfigError) as err:
+        config.validate_config({"version": 1, "subsystems": [item]})
+    assert "tls_key: expected string, got int a secret" in str(err.value) and "12345" not in str(err.value)
