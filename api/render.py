@@ -61,6 +61,7 @@ def host(hostnqn: str, entry: Any) -> schemas.HostOut:
         dhchap_hash=hostauth.hash_names(entry.dhchap_hash) if entry is not None else None,
         dhchap_dhgroup=hostauth.dhgroup_names(entry.dhchap_dhgroup) if entry is not None else None,
         tls_key=entry is not None and entry.tls_key is not None,
+        tls_compat=entry is not None and entry.tls_compat,
     )
 
 

@@ -242,6 +242,9 @@ _DHCHAP_KEY = ("The host's DH-HMAC-CHAP secret (DHHC-1:NN:base64: as `nvme gen-d
 _DHCHAP_CTRL_KEY = "The controller's secret for bidirectional authentication (needs dhchap_key); never shown again"
 _TLS_KEY = ("The host's NVMe/TCP TLS PSK on this subsystem (NVMeTLSkey-1:NN:base64: as `nvme gen-tls-key` writes it), "
             "used on listeners with tls optional/required. Never shown again: answers say only whether it is set")
+_TLS_COMPAT = ("Derive the host's TLS PSK for identities without a digest (NVMe0R..) as libnvme's compat functions do: "
+               "for a host (e.g. Linux with nvme-cli 2.13 / libnvme 1.13) whose keyring key was inserted that way. "
+               "Default false (RFC 8446 HKDF-Expand-Label)")
 
 
 class HostAdd(_Request):
@@ -255,6 +258,7 @@ class HostAdd(_Request):
     dhchap_hash: list[str] | None = Field(None, description=_DHCHAP_HASH + "; default: the subsystem's")
     dhchap_dhgroup: list[str] | None = Field(None, description=_DHCHAP_DHGROUP + "; default: the subsystem's")
     tls_key: str | None = Field(None, description=_TLS_KEY)
+    tls_compat: bool | None = Field(None, description=_TLS_COMPAT)
 
 
 class HostAuthSet(_Request):
@@ -268,6 +272,7 @@ class HostAuthSet(_Request):
     dhchap_hash: list[str] | None = Field(None, description=_DHCHAP_HASH + "; null: the subsystem's")
     dhchap_dhgroup: list[str] | None = Field(None, description=_DHCHAP_DHGROUP + "; null: the subsystem's")
     tls_key: str | None = Field(None, description=_TLS_KEY + "; null removes it")
+    tls_compat: bool | None = Field(None, description=_TLS_COMPAT + "; null: false")
 
 
 class SubsystemDhchapSet(_Request):
@@ -284,6 +289,7 @@ class HostOut(BaseModel):
     dhchap_hash: list[str] | None = Field(None, description="The host's allowed hashes (null: the subsystem's)")
     dhchap_dhgroup: list[str] | None = Field(None, description="The host's allowed DH groups (null: the subsystem's)")
     tls_key: bool = Field(False, description="A TLS PSK is set for this host (the key is never shown)")
+    tls_compat: bool = Field(False, description="Its NVMe0R TLS PSK is derived the libnvme compat way")
 
 
 class HostsOut(BaseModel):

@@ -3,7 +3,7 @@
 
     python3 benchmarks/ab.py --a /path/to/before --b /path/to/after            # 2 rounds, 3 s per row
     python3 benchmarks/ab.py --a OLD --b NEW --rounds 3 --seconds 5 --json ab.json
-    python3 benchmarks/ab.py --a . --b . --b-serve-arg=--tcp-engine=stream      # one tree, two settings
+    python3 benchmarks/ab.py --a . --b . --b-serve-arg=--poll-us=20             # one tree, two settings
 
 Each measurement is one `benchmarks/run.py --tree TREE --only ROW` process of *this* checkout (so both
 trees are measured by the same harness and baselines; PYTHONPATH is the measured tree alone), with

@@ -176,7 +176,7 @@ def serving(ramdisk_size: str, *, workers: int | None = None, log_level: str | N
     """`nvmeof serve --api none` with a RAM disk (nsid 1) on free loopback ports: yields the process
     and its I/O port once it listens, and stops it (SIGINT, as Ctrl-C) on the way out. ``file_ns``:
     also a file of the same size, written just before (so in the page cache), as nsid 2 of the same
-    subsystem. ``extra_args`` go to `nvmeof serve` as given (--poll-us N, --tcp-engine ...). ``lag_file``:
+    subsystem. ``extra_args`` go to `nvmeof serve` as given (--poll-us N, --workers N ...). ``lag_file``:
     started through benchmarks/lagprobe.py, which appends the event loop's lateness there."""
     io_port, disc_port = free_port(), free_port()
     launcher = ["-m", "nvmeof.cli"] if lag_file is None else [str(LAGPROBE), str(lag_file)]

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import harness
 import lagprobe
+import tls as tlsbench
 from harness import (
     Row,
     cli_supports,
@@ -55,7 +56,9 @@ class Job:
     row: Row
     nsid: int = 1            # 1: the RAM disk, 2: the file in the page cache
     poll: bool = False       # `serve --poll-us N` and `bench --poll-us N`
-    baseline: str = "stream"  # "stream" (asyncio echo pair), "pingpong" (QD1 pair, same polling), "ram:ROW"
+    baseline: str = "stream"  # "stream" (asyncio echo pair), "pingpong" (QD1 pair, same polling), "ram:ROW",
+    #                           "clear:ROW" (that row of this run: the same I/O in the clear)
+    tls: bool = False        # over NVMe/TCP TLS 1.3 (SHA-256 PSK) to `serve --tls optional` (benchmarks/tls.py)
 
     @property
     def name(self) -> str:
@@ -72,6 +75,10 @@ MATRIX = (
     Job(Row("file-4k-randread-qd32", "randread", 4096, 32), nsid=2, baseline="ram:4k-randread-qd32"),
     Job(Row("file-4k-randwrite-qd32", "randwrite", 4096, 32), nsid=2, baseline="ram:4k-randwrite-qd32"),
     Job(Row("file-128k-read-qd8", "read", 131072, 8), nsid=2, baseline="ram:128k-read-qd8"),
+    # issue 23: the TLS cost per I/O, next to the clear rows of the same run
+    Job(Row("tls-4k-randread-qd32", "randread", 4096, 32), tls=True, baseline="clear:4k-randread-qd32"),
+    Job(Row("tls-128k-read-qd8", "read", 131072, 8), tls=True, baseline="clear:128k-read-qd8"),
+    Job(Row("tls-128k-write-qd8", "write", 131072, 8), tls=True, baseline="clear:128k-write-qd8"),
 )
 
 # issue 12 "Goals"
@@ -111,7 +118,7 @@ def run_pingpong(row: Row, port: int, server_pid: int, poll_us: int, args: argpa
     return run_json(cmd, f"ping-pong client failed for {row.name}", args.runtime * 4 + 60)
 
 
-def precondition(port: int, nsid: int = 1) -> None:
+def precondition(port: int, nsid: int = 1, extra: tuple[str, ...] = ()) -> None:
     """Write the whole namespace once, unmeasured, before its rows (fio users precondition likewise).
 
     A RAM disk is anonymous memory: the first write of each page costs the kernel a page fault and a
@@ -119,7 +126,7 @@ def precondition(port: int, nsid: int = 1) -> None:
     page never written maps the one shared zero page (cache-hot whatever the offset). Without this, a
     write row measures the kernel filling the disk and a read row reads one cached page."""
     cmd = [sys.executable, "-m", "nvmeof.cli", "bench", "-a", "127.0.0.1", "-s", str(port), "--rw", "write",
-           "--bs", "1M", "--iodepth", "8", "--nsid", str(nsid), "--output-format", "json", "--eta", "never"]
+           "--bs", "1M", "--iodepth", "8", "--nsid", str(nsid), "--output-format", "json", "--eta", "never", *extra]
     run_json(cmd, f"writing namespace {nsid} once before the rows failed", 600)
 
 
@@ -129,6 +136,13 @@ def poll_support() -> str | None:
     if not missing:
         return None
     return f"`nvmeof {' / '.join(missing)}` of {harness.TREE} has no --poll-us option"
+
+
+def tls_support() -> str | None:
+    """None if the measured tree's `serve` takes --tls and `bench` --tls-key, else why the TLS rows are skipped."""
+    needed = (("serve", "--tls"), ("bench", "--tls-key"))
+    missing = [f"{sub} {opt}" for sub, opt in needed if not cli_supports(sub, opt)]
+    return f"`nvmeof {' / '.join(missing)}` missing in {harness.TREE}" if missing else None
 
 
 def fmt_rate(bw: float) -> str:
@@ -244,6 +258,20 @@ def goals(by_name: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         add(f"{job.name} next to RAM (file in the page cache)", "info",
             f"{n['iops']:.0f} vs {_f(b and b['iops'], '.0f')} IOPS = {_f(r['throughput_ratio'], '.2f')}x; "
             f"target {_f(n['target_cpu_us_per_io'])} vs {_f(b and b['target_cpu_us_per_io'])} us/IO")
+    for job in MATRIX:
+        if not job.tls:
+            continue
+        r = usable(job.name)
+        if not r or not r["baseline"]:
+            continue
+        n, b = r["nvmeof"], r["baseline"]
+        extra = {k: _f(n[k] - b[k] if n[k] is not None and b[k] is not None else None)
+                 for k in ("target_cpu_us_per_io", "initiator_cpu_us_per_io")}
+        add(f"{job.name}: TLS cost per I/O against the clear row of this run", "info",
+            f"{n['iops']:.0f} vs {b['iops']:.0f} IOPS = {_f(r['throughput_ratio'], '.2f')}x; CPU per I/O target "
+            f"{_f(n['target_cpu_us_per_io'])} vs {_f(b['target_cpu_us_per_io'])} us (+{extra['target_cpu_us_per_io']})"
+            f", initiator {_f(n['initiator_cpu_us_per_io'])} vs {_f(b['initiator_cpu_us_per_io'])} us "
+            f"(+{extra['initiator_cpu_us_per_io']})")
     return out
 
 
@@ -259,6 +287,7 @@ def select(only: list[str] | None) -> list[Job]:
 def measure(jobs: list[Job], args: argparse.Namespace) -> list[dict[str, Any]]:
     """Run ``jobs`` (in MATRIX order) with only the targets and baselines they need started."""
     poll_skip = poll_support() if any(j.poll for j in jobs) else None
+    tls_skip = tls_support() if any(j.tls for j in jobs) else None
     serve_args = tuple(args.serve_arg or ())
     bench_args = tuple(args.bench_arg or ())
     results: list[dict[str, Any]] = []
@@ -267,7 +296,7 @@ def measure(jobs: list[Job], args: argparse.Namespace) -> list[dict[str, Any]]:
         lag_dir = None if args.no_loop_lag else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="lag-")))
         lag_files = {False: None, True: None} if lag_dir is None else {False: lag_dir / "serve.jsonl",
                                                                        True: lag_dir / "serve-poll.jsonl"}
-        plain = [j for j in jobs if not j.poll]
+        plain = [j for j in jobs if not j.poll and not j.tls]
         target = io_port = None
         if plain:
             target, io_port = stack.enter_context(serving(args.ramdisk_size, log_level="warning",
@@ -282,6 +311,15 @@ def measure(jobs: list[Job], args: argparse.Namespace) -> list[dict[str, Any]]:
                 lag_file=lag_files[True]))
             if args.precondition:
                 precondition(poll_port)
+        tls_target = tls_port = None
+        tls_key = None
+        if tls_skip is None and any(j.tls for j in jobs):
+            # its own target: `--tls optional` and the host list with the PSK (benchmarks/tls.py)
+            tls_key = tlsbench.new_key()
+            tls_target, tls_port = stack.enter_context(tlsbench.tls_serving(
+                args.ramdisk_size, tls_key, log_level="warning", extra_args=serve_args))
+            if args.precondition:
+                precondition(tls_port, extra=tlsbench.host_args(None))
         raw: dict[Any, tuple[subprocess.Popen[bytes], int]] = {}
 
         def raw_server(poll_us: int | None) -> tuple[subprocess.Popen[bytes], int]:
@@ -295,9 +333,10 @@ def measure(jobs: list[Job], args: argparse.Namespace) -> list[dict[str, Any]]:
                                      "nsid": job.nsid, "poll_us": args.poll_us if job.poll else 0,
                                      "baseline_kind": job.baseline.split(":")[0], "baseline": None,
                                      "throughput_ratio": None, "latency_ratio": None}
-            if job.poll and poll_skip:
-                entry["skipped"] = poll_skip
-                print(f"skipping {job.name}: {poll_skip}", file=sys.stderr, flush=True)
+            skip = poll_skip if job.poll else tls_skip if job.tls else None
+            if skip:
+                entry["skipped"] = skip
+                print(f"skipping {job.name}: {skip}", file=sys.stderr, flush=True)
                 results.append(entry)
                 continue
             print(f"running {job.name} ...", file=sys.stderr, flush=True)
@@ -308,15 +347,19 @@ def measure(jobs: list[Job], args: argparse.Namespace) -> list[dict[str, Any]]:
             elif job.baseline == "pingpong":
                 proc, port = raw_server(entry["poll_us"])
                 base = run_pingpong(row, port, proc.pid, entry["poll_us"], args)
+            else:   # "ram:ROW" / "clear:ROW": that row of this run
+                same = by_name.get(job.baseline.split(":", 1)[1])
+                base = same["nvmeof"] if same and not same.get("skipped") else None
+            if job.tls:
+                pid, port = tls_target.pid, tls_port  # type: ignore[union-attr]
             else:
-                ram = by_name.get(job.baseline.split(":", 1)[1])
-                base = ram["nvmeof"] if ram and not ram.get("skipped") else None
-            pid, port = (poll_target.pid, poll_port) if job.poll else (target.pid, io_port)  # type: ignore[union-attr]
-            extra = (*bench_args, *(("--poll-us", str(args.poll_us)) if job.poll else ()))
+                pid, port = (poll_target.pid, poll_port) if job.poll else (target.pid, io_port)  # type: ignore[union-attr]
+            extra = (*bench_args, *(("--poll-us", str(args.poll_us)) if job.poll else ()),
+                     *(tlsbench.host_args(tls_key) if job.tls else ()))
             started = time.monotonic_ns()
             ours = run_bench(row, port, pid, runtime=args.runtime, ramp=args.ramp, numjobs=args.numjobs,
                              nsid=job.nsid, extra_args=extra)
-            lag_file = lag_files[job.poll]
+            lag_file = None if job.tls else lag_files[job.poll]
             if lag_file is not None:
                 # the target's event loop from the probe's 100 ms reports (benchmarks/lagprobe.py): over the
                 # last --runtime seconds before the bench exited (about its measured window; the process start,
@@ -358,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="bind targets and baseline servers to the first CPU list and bench and baseline clients "
                          "to the second, e.g. --pin 0:1 (default: not pinned)")
     ap.add_argument("--serve-arg", action="append", metavar="ARG",
-                    help="extra argument for every nvmeof serve, e.g. --serve-arg=--tcp-engine=stream (repeatable)")
+                    help="extra argument for every nvmeof serve, e.g. --serve-arg=--poll-us=20 (repeatable)")
     ap.add_argument("--bench-arg", action="append", metavar="ARG", help="extra argument for every nvmeof bench")
     ap.add_argument("--no-precondition", dest="precondition", action="store_false",
                     help="measure the RAM disks as started, without writing them once first (the first writes "

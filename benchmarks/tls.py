@@ -2,11 +2,11 @@
 """What NVMe/TCP over TLS 1.3 costs per I/O: the same `nvmeof bench` rows over TLS and in the clear, one run.
 
 `nvmeof serve --tls optional` (a RAM disk; the host NQN below allowed with a TLS PSK): TLS queues (host:
-stream engine; target: its TLS path, the stream engine's) against clear queues on the stream engine on both
-sides (`serve --tcp-engine stream`: the same code without the TLS session, so the difference is TLS alone),
-and clear queues on the batch engines (the defaults, for reference). Variants alternate per round so each sees
-the same background. Figures: IOPS, MiB/s, mean latency, CPU µs per I/O on both sides, the TLS/clear-stream
-ratios (IOPS, and the extra CPU µs per I/O TLS costs on each side).
+HostQueue through the TLS session; target: the engine's slow path, every PDU through the sans-IO
+TcpConnection) against clear queues on the one NVMe/TCP engine (batch, fast path included; there is no
+`--tcp-engine stream` any more, issue 26, so the difference is TLS plus the fast path's shortcut). Variants
+alternate per round so each sees the same background. Figures: IOPS, MiB/s, mean latency, CPU µs per I/O on
+both sides, the TLS/clear ratios (IOPS, and the extra CPU µs per I/O TLS costs on each side).
 
     python3 benchmarks/tls.py                    # 2 rounds, 3 s per row
     python3 benchmarks/tls.py --rounds 3 --runtime 5 --json out.json
@@ -17,8 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -34,29 +37,54 @@ ROWS = (
     Row("128k-read-qd8", "read", 131072, 8),
     Row("128k-write-qd8", "write", 131072, 8),
 )
-VARIANTS = ("tls", "clear-stream", "clear-batch")
+VARIANTS = ("tls", "clear")
+
+
+def new_key(hmac_id: int = 1) -> str:
+    """A configured PSK made by the measured tree's nvmeof (harness.TREE must be set)."""
+    if str(harness.TREE) not in sys.path:
+        sys.path.insert(0, str(harness.TREE))
+    from nvmeof.tls.psk import generate_key
+
+    return generate_key(hmac_id=hmac_id)
+
+
+def host_args(key: str | None) -> tuple[str, ...]:
+    """`nvmeof bench` arguments of the allowed host: over TLS with ``key``, in the clear with None."""
+    return ("--hostnqn", HOSTNQN, *(("--tls-key", key) if key is not None else ()))
 
 
 def variant_args(variant: str, key: str) -> tuple[str, ...]:
-    args = ("--hostnqn", HOSTNQN)
     if variant == "tls":
-        return (*args, "--tls-key", key)
-    return (*args, "--tcp-engine", "stream" if variant == "clear-stream" else "batch")
+        return host_args(key)
+    return host_args(None)
 
 
-def run_round(args: argparse.Namespace, key: str, cfg: Path, order: tuple[str, ...]) -> dict[str, dict[str, Any]]:
-    """One target per engine: a TLS queue takes the target's stream path whatever the engine (the batch fast
-    path reads clear PDUs off the socket), so clear-stream runs against `serve --tcp-engine stream`."""
+@contextmanager
+def tls_serving(ramdisk_size: str, key: str, *, extra_args: tuple[str, ...] = (),
+                **kwargs: Any) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """harness.serving with `--tls optional` and a config file of its own (a fresh one: serve saves its state
+    back into it) allowing HOSTNQN with the TLS PSK ``key`` on the RAM disk's subsystem."""
+    with tempfile.TemporaryDirectory(prefix="nvmeof-tls-bench-") as tmp:
+        cfg = Path(tmp) / "config.json"
+        cfg.write_text(json.dumps({"version": 1, "subsystems": [{
+            "nqn": DEFAULT_NQN, "allow_any_host": False, "hosts": [{"nqn": HOSTNQN, "tls_key": key}],
+            "namespaces": [{"nsid": 1, "backend": "ram", "size": harness.parse_size(ramdisk_size)}]}]}))
+        cfg.chmod(0o600)
+        with serving(ramdisk_size, extra_args=("--config", str(cfg), "--tls", "optional", *extra_args),
+                     **kwargs) as served:
+            yield served
+
+
+def run_round(args: argparse.Namespace, key: str, order: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """One target serves both variants (`--tls optional`: the first bytes of a connection decide)."""
     out: dict[str, dict[str, Any]] = {}
-    for engine in ("batch", "stream"):
-        variants = [v for v in order if (v == "clear-stream") == (engine == "stream")]
-        extra = ("--config", str(cfg), "--tls", "optional", "--tcp-engine", engine)
-        with serving(args.ramdisk_size, extra_args=extra) as (target, port):
-            for row in ROWS:
-                for variant in variants:
-                    out[f"{row.name}/{variant}"] = run_bench(row, port, target.pid, runtime=args.runtime,
-                                                             ramp=args.ramp, numjobs=1, nqn=DEFAULT_NQN,
-                                                             extra_args=variant_args(variant, key))
+    with tls_serving(args.ramdisk_size, key) as (target, port):
+        for row in ROWS:
+            for variant in order:
+                out[f"{row.name}/{variant}"] = run_bench(row, port, target.pid, runtime=args.runtime,
+                                                         ramp=args.ramp, numjobs=1, nqn=DEFAULT_NQN,
+                                                         extra_args=variant_args(variant, key))
     return out
 
 
@@ -71,23 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write every measurement here")
     args = parser.parse_args(argv)
     set_tree(args.tree)
-    sys.path.insert(0, str(harness.TREE))
-    from nvmeof.tls.psk import generate_key
-
-    key = generate_key(hmac_id=args.hmac)
-    size = harness.parse_size(args.ramdisk_size)
+    key = new_key(args.hmac)
     runs: list[dict[str, dict[str, Any]]] = []
-    with tempfile.TemporaryDirectory(prefix="nvmeof-tls-bench-") as tmp:
-        cfg = Path(tmp) / "config.json"
-        for rnd in range(args.rounds):
-            # a fresh file each round: serve saves its state back into it
-            cfg.write_text(json.dumps({"version": 1, "subsystems": [{
-                "nqn": DEFAULT_NQN, "allow_any_host": False, "hosts": [{"nqn": HOSTNQN, "tls_key": key}],
-                "namespaces": [{"nsid": 1, "backend": "ram", "size": size}]}]}))
-            cfg.chmod(0o600)
-            order = VARIANTS if rnd % 2 == 0 else tuple(reversed(VARIANTS))
-            print(f"round {rnd + 1}: {', '.join(order)}", file=sys.stderr, flush=True)
-            runs.append(run_round(args, key, cfg, order))
+    for rnd in range(args.rounds):
+        order = VARIANTS if rnd % 2 == 0 else tuple(reversed(VARIANTS))
+        print(f"round {rnd + 1}: {', '.join(order)}", file=sys.stderr, flush=True)
+        runs.append(run_round(args, key, order))
 
     def med(name: str, field: str) -> float:
         vals = [r[name][field] for r in runs if r[name][field] is not None]
@@ -95,10 +112,10 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"machine: {machine()}; tree {harness.TREE}; {args.rounds} round(s), {args.runtime:g} s + {args.ramp:g} s "
           f"ramp per row, 1 job, 1 I/O queue, PSK hash {args.hmac}; medians")
-    print("| job | variant | IOPS | MiB/s | mean lat µs | target µs/IO | initiator µs/IO | TLS vs clear-stream |")
+    print("| job | variant | IOPS | MiB/s | mean lat µs | target µs/IO | initiator µs/IO | TLS vs clear |")
     print("|---|---|---:|---:|---:|---:|---:|---|")
     for row in ROWS:
-        clear = f"{row.name}/clear-stream"
+        clear = f"{row.name}/clear"
         for variant in VARIANTS:
             name = f"{row.name}/{variant}"
             note = ""

@@ -46,20 +46,23 @@ def connect(traddr: str, trsvcid: int | str = defaults.TCP_IO_PORT,
             event_callback: Callable[[AsyncEvent], Any] | None = None, reconnect: bool = False,
             max_reconnect_delay: float = 30.0, reconnect_attempts: int | None = None,
             dhchap_secret: str | DhchapSecret | None = None,
-            dhchap_ctrl_secret: str | DhchapSecret | None = None, engine: str = defaults.HOST_TCP_ENGINE,
+            dhchap_ctrl_secret: str | DhchapSecret | None = None,
             poll_us: int = defaults.POLL_US, tls: bool = False, tls_key: str | TlsKey | None = None,
-            tls_identity_version: int = defaults.TLS_IDENTITY_VERSION, tls_compat: bool = False) -> _Connecting:
+            tls_identity_version: int = defaults.TLS_IDENTITY_VERSION, tls_compat: bool = False,
+            tls_sha256_binder: bool = False) -> _Connecting:
     """Connect to an NVMe-oF controller: ``ctrl = await connect(...)`` or ``async with connect(...) as ctrl``.
 
     With ``reconnect=True`` the result is a :class:`initiator.reconnect.ReconnectingController`.
     ``dhchap_secret`` (and for bidirectional authentication ``dhchap_ctrl_secret``) are DHHC-1 strings as
     ``nvme gen-dhchap-key`` writes them; every queue authenticates when the target asks for it.
-    ``engine`` picks the NVMe/TCP queue implementation: "batch" (initiator/engine.py: one socket per queue,
-    cid-indexed command slots, one sendmsg per wake-up) or "stream" (the asyncio protocol path, for A/B).
+    NVMe/TCP queues run on the batch engine (initiator/engine.py: one socket per queue, cid-indexed command
+    slots, one sendmsg per wake-up; every PDU it does not fast-path goes through the sans-IO TcpConnection).
     ``poll_us`` > 0 (batch engine) busy-polls the socket up to that many µs after a batch before sleeping.
     ``tls_key`` (an ``NVMeTLSkey-1:...:`` configured PSK; implies ``tls=True``) runs every queue over TLS 1.3
-    with the PSK identity of version ``tls_identity_version`` (1: NVMe1R with digest, 0: NVMe0R), on the
-    stream engine.
+    with the PSK identity of version ``tls_identity_version`` (1: NVMe1R with digest, 0: NVMe0R); its bytes
+    go through the TLS session (initiator/queue.py HostQueue). ``tls_sha256_binder=True`` (interop, default off)
+    offers a SHA-384 PSK with a SHA-256 binder and suite, which a Linux nvmet TLS port needs while its tlshd
+    runs on GnuTLS before 3.8.11 (Debian trixie's 3.8.9); TP 8011 binds it to SHA-384.
     """
     # parsed once: a bad secret is refused here, and a kept DhchapSecret never shows its key
     dhchap_secret = parse_secret("dhchap_secret (--dhchap-secret)", dhchap_secret)
@@ -68,8 +71,9 @@ def connect(traddr: str, trsvcid: int | str = defaults.TCP_IO_PORT,
         hostnqn=hostnqn, hostid=hostid, transport=transport, nr_io_queues=nr_io_queues, queue_size=queue_size,
         hdr_digest=hdr_digest, data_digest=data_digest, kato=kato, timeout=timeout, target=target,
         disable_sqflow=disable_sqflow, event_callback=event_callback, dhchap_secret=dhchap_secret,
-        dhchap_ctrl_secret=dhchap_ctrl_secret, engine=engine, poll_us=poll_us, tls=tls,
-        tls_key=tls_key, tls_identity_version=tls_identity_version, tls_compat=tls_compat)
+        dhchap_ctrl_secret=dhchap_ctrl_secret, poll_us=poll_us, tls=tls,
+        tls_key=tls_key, tls_identity_version=tls_identity_version, tls_compat=tls_compat,
+        tls_sha256_binder=tls_sha256_binder)
     if reconnect:
         async def make_reconnecting() -> Any:
             rc = ReconnectingController(traddr, trsvcid, subnqn, max_delay=max_reconnect_delay,

@@ -171,9 +171,10 @@ class HostController(ReservationIo):
                  event_queue: asyncio.Queue[AsyncEvent | None] | None = None,
                  dhchap_secret: str | DhchapSecret | None = None,
                  dhchap_ctrl_secret: str | DhchapSecret | None = None,
-                 engine: str = defaults.HOST_TCP_ENGINE, poll_us: int = defaults.POLL_US,
+                 poll_us: int = defaults.POLL_US,
                  tls: bool = False, tls_key: str | TlsKey | None = None,
-                 tls_identity_version: int = defaults.TLS_IDENTITY_VERSION, tls_compat: bool = False) -> None:
+                 tls_identity_version: int = defaults.TLS_IDENTITY_VERSION, tls_compat: bool = False,
+                 tls_sha256_binder: bool = False) -> None:
         if transport not in ("tcp", "loop", "rdma"):
             raise ValueError(f"transport {transport!r} is not supported by the Python host (tcp, rdma or loop)")
         if transport == "loop" and not callable(getattr(target, "connect_loop", None)):
@@ -185,15 +186,12 @@ class HostController(ReservationIo):
             raise ValueError(f"queue_size must be 2..65536, got {queue_size}")
         if not 0 <= kato <= 0xFFFFFFFF:
             raise ValueError(f"kato must be 0..2**32-1 ms, got {kato}")
-        if engine not in ("batch", "stream"):
-            raise ValueError(f"engine {engine!r} is not a host NVMe/TCP engine: use 'batch' (initiator/engine.py) "
-                             "or 'stream' (the asyncio protocol path)")
         if not isinstance(poll_us, int) or poll_us < 0:
             raise ValueError(f"poll_us must be an integer >= 0 (µs of busy polling after a batch, 0 = off), "
                              f"got {poll_us!r}")
-        if poll_us and (engine != "batch" or transport != "tcp"):
-            raise ValueError(f"poll_us={poll_us} needs the TCP batch engine (transport='tcp', engine='batch'); "
-                             f"got transport={transport!r}, engine={engine!r}")
+        if poll_us and transport != "tcp":
+            raise ValueError(f"poll_us={poll_us} needs the TCP batch engine (transport='tcp'); "
+                             f"got transport={transport!r}")
         # NVMe/TCP over TLS 1.3 with a configured PSK (nvme connect --tls --tls-key); never logged or shown
         self._tls_key = _parse_tls_key(tls_key)
         self.tls = tls or self._tls_key is not None
@@ -206,12 +204,20 @@ class HostController(ReservationIo):
             if tls_identity_version not in (0, 1):
                 raise ValueError(f"tls_identity_version must be 0 (NVMe0R) or 1 (NVMe1R), got {tls_identity_version}")
             if poll_us:
-                raise ValueError("poll_us needs the batch engine; TLS queues run on the stream engine")
+                raise ValueError("poll_us needs the batch engine; TLS queues run on HostQueue (the TLS session)")
         self.tls_identity_version = tls_identity_version
         self.tls_compat = tls_compat   # derive as libnvme before 1.11 did (keys inserted by an older nvme-cli)
-        # The batch engine owns a TCP socket; the loop transport has none, RDMA its own queue; TLS queues run
-        # on the stream engine (their bytes go through the TLS session, initiator/queue.py).
-        self.engine = engine if transport == "tcp" and not self.tls else "stream"
+        if tls_sha256_binder and not self.tls:
+            raise ValueError("tls_sha256_binder needs tls_key (it changes how a SHA-384 TLS PSK is offered)")
+        # interop, default off (TP 8011): a SHA-384 PSK offered under a SHA-256 binder and suite, as a server on
+        # GnuTLS before 3.8.11 (tlshd 1.0.0: Linux nvmet's TLS) takes it; see nvmeof/tls/openssl.py
+        self.tls_sha256_binder = tls_sha256_binder
+        # One NVMe/TCP engine: the batch engine (initiator/engine.py) owns a TCP socket. The loop transport has
+        # no socket and TLS queues' bytes go through the TLS session, so both run HostQueue (initiator/queue.py),
+        # the batch engine's own slow path (every PDU through the sans-IO TcpConnection); RDMA has its own
+        # queue. ``engine`` only says which one serves the queues ("batch" or "stream"), it is not a choice;
+        # `_reference_queues` (tests only) runs plain TCP on HostQueue as the reference model.
+        self.engine = "batch" if transport == "tcp" and not self.tls and not self._reference_queues else "stream"
         self.poll_us = poll_us
         self.traddr = traddr
         self.trsvcid = int(trsvcid)
@@ -276,9 +282,13 @@ class HostController(ReservationIo):
         identity = key.identity(self.hostnqn, self.subnqn, self.tls_identity_version, compat=compat)
         try:
             return TlsSession(server=False, identity=str(identity).encode(), psk=key.tls_psk(identity, compat=compat),
-                              cipher=key.cipher)
+                              cipher=key.cipher, sha256_binder=self.tls_sha256_binder)
         except TlsError as exc:
             raise TransportError(self._queue_name(0), f"TLS unavailable: {exc}") from exc
+
+    # Tests set this (monkeypatch) to serve plain TCP queues with HostQueue alone, the sans-IO reference model
+    # the batch engine's fast path is compared against; not a user option.
+    _reference_queues = False
 
     async def _open_queue(self, qid: int, size: int, incapsule: int) -> HostQueue:
         if self.transport == "rdma":

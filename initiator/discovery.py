@@ -103,16 +103,18 @@ async def discover(traddr: str, trsvcid: int | str = defaults.TCP_DISCOVERY_PORT
                    hdr_digest: bool = False, data_digest: bool = False, timeout: float = 30.0,
                    target: Any = None, dhchap_secret: Any = None,
                    dhchap_ctrl_secret: Any = None, tls_key: Any = None,
-                   tls_identity_version: int = defaults.TLS_IDENTITY_VERSION) -> list[DiscoveryEntry]:
+                   tls_identity_version: int = defaults.TLS_IDENTITY_VERSION,
+                   tls_sha256_binder: bool = False) -> list[DiscoveryEntry]:
     """Connect to a discovery controller (kato 0, no I/O queues), read its log, disconnect.
 
     ``dhchap_secret`` / ``dhchap_ctrl_secret``: DH-HMAC-CHAP for a discovery controller that requires it.
-    ``tls_key``: over TLS, with the PSK identity naming the discovery NQN (nvme discover --tls)."""
+    ``tls_key``: over TLS, with the PSK identity naming the discovery NQN (nvme discover --tls);
+    ``tls_sha256_binder``: as connect()'s."""
     ctrl = HostController(traddr, trsvcid, subnqn, hostnqn=hostnqn, hostid=hostid, transport=transport,
                           nr_io_queues=0, kato=0, hdr_digest=hdr_digest, data_digest=data_digest,
                           timeout=timeout, target=target, dhchap_secret=dhchap_secret,
                           dhchap_ctrl_secret=dhchap_ctrl_secret, tls_key=tls_key,
-                          tls_identity_version=tls_identity_version)
+                          tls_identity_version=tls_identity_version, tls_sha256_binder=tls_sha256_binder)
     await ctrl.open()
     try:
         _, entries = await read_discovery_log(ctrl)
@@ -133,7 +135,8 @@ async def connect_all(traddr: str, trsvcid: int | str = defaults.TCP_DISCOVERY_P
     entries = await discover(traddr, trsvcid, transport, hostnqn, hostid, timeout=timeout, target=target,
                              dhchap_secret=connect_kwargs.get("dhchap_secret"), tls_key=connect_kwargs.get("tls_key"),
                              tls_identity_version=connect_kwargs.get("tls_identity_version",
-                                                                     defaults.TLS_IDENTITY_VERSION))
+                                                                     defaults.TLS_IDENTITY_VERSION),
+                             tls_sha256_binder=connect_kwargs.get("tls_sha256_binder", False))
     wanted = TrType.TCP if transport == "tcp" else None
     ctrls: list[HostController] = []
     seen: set[tuple[str, str, str]] = set()

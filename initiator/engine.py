@@ -1,4 +1,4 @@
-"""The batch engine of a host NVMe/TCP queue (``connect(..., engine="batch")``, the default over TCP).
+"""The host's NVMe/TCP engine: every plain TCP queue of ``connect()`` (no TLS, not the loop transport).
 
 :class:`BatchQueue` is a :class:`initiator.queue.HostQueue` that owns its socket instead of an asyncio
 transport, the way SPDK's initiator (lib/nvme/nvme_tcp.c) drives a qpair from its poller:
@@ -12,7 +12,11 @@ transport, the way SPDK's initiator (lib/nvme/nvme_tcp.c) drives a qpair from it
 - the CapsuleResp and C2HData of those commands are parsed here from their fixed headers; C2HData goes
   straight into the caller's buffer (a payload missing at least ``TCP_DIRECT_PLACEMENT_MIN`` bytes is
   received into it directly);
-- every other PDU (ICResp, R2T, TermReq, anything for a :meth:`submit` command, anything malformed) goes
+- a slot write above the in-capsule size is sent with a transport SGL: its R2Ts are parsed here (the checks
+  of ``TcpConnection._check_r2t``, nvme_tcp_handle_r2t) and answered with H2CData PDUs of at most MAXH2CDATA,
+  each a header packed with one precompiled ``struct`` plus a view of the caller's buffer, in the same
+  ``sendmsg`` (nvme_tcp_setup_h2c_data_pdu);
+- every other PDU (ICResp, TermReq, anything for a :meth:`submit` command, anything malformed) goes
   to the sans-IO ``TcpConnection``, which checks and parses it exactly as on the stream path. With header
   or data digests the slot commands go through ``TcpConnection`` too (it checks the digests);
 - hybrid polling (``poll_us``): after a batch that sent commands, keep trying a non-blocking receive for
@@ -21,7 +25,9 @@ transport, the way SPDK's initiator (lib/nvme/nvme_tcp.c) drives a qpair from it
 The fast parser makes the checks ``TcpConnection`` makes for these PDUs (nvme_tcp_handle_c2h_data,
 nvme_tcp_process_nvme_cqe): a PDU whose header is not exactly the expected layout is handed to
 ``TcpConnection``, which reports the framing error; a C2HData of a slot command at the wrong offset, too
-long, or with SUCCESS but not LAST fails the queue with the same FES/FEI and H2CTermReq.
+long, or with SUCCESS but not LAST, and an R2T asking for nothing, for a command with no data to send, or
+for data outside what is left, fail the queue with the same FES/FEI and H2CTermReq (tests/test_engine.py
+compares them byte for byte with the sans-IO path's).
 """
 
 from __future__ import annotations
@@ -54,6 +60,9 @@ from nvmeof.spec.tcp import (
     OFF_DATAL,
     OFF_DATAO,
     OFF_FLAGS,
+    OFF_R2TL,
+    OFF_R2TO,
+    R2T_SIZE,
     FatalErrorStatus,
     PduType,
 )
@@ -88,6 +97,15 @@ _unpack_le64 = struct.Struct("<Q").unpack_from
 _unpack_le32 = struct.Struct("<I").unpack_from
 _unpack_cid_status = struct.Struct("<HH").unpack_from
 _unpack_data_hdr = struct.Struct("<BBBBIHHII4x").unpack_from
+# An R2T without header digest: type, flags 0, hlen, plen as one integer over bytes 0-2 and 4-7 (pdo is 0 or
+# past the header: checked apart, as TcpConnection._check_header does).
+_R2T_MASK = 0xFFFFFFFF00FFFFFF
+_R2T_KEY = PduType.R2T.value | (R2T_SIZE << 16) | (R2T_SIZE << 32)
+# An H2CData header without digests (nvmeof.spec.tcp.DATA_PDU_HDR): type, flags, hlen, pdo, plen, cccid, ttag,
+# datao, datal; tests/test_engine.py checks it against TcpConnection.send_h2c_data.
+_H2C_HDR = struct.Struct("<BBBBIHHII4x")
+_pack_h2c = _H2C_HDR.pack
+_H2C = PduType.H2C_DATA.value
 _DIRECT_MIN = defaults.TCP_DIRECT_PLACEMENT_MIN
 _M32 = 0xFFFFFFFF
 
@@ -129,6 +147,10 @@ class BatchQueue(HostQueue):
         self._dbuf: list[memoryview | None] = [None] * depth  # read: destination; write: source
         self._dnext = [0] * depth        # read: where the next C2HData must start
         self._dend = [0] * depth         # read: the buffer length
+        # R2T write (no digests): the caller's data, what its R2Ts asked for so far (in _dnext) and its length.
+        # Apart from _dbuf, which stays None for a write: a C2HData for it fails as "reads no data".
+        self._wsrc: list[memoryview | None] = [None] * depth
+        self._wend = [0] * depth
         self._via = [False] * depth      # sent through TcpConnection (digests, R2T writes)
         self._serr: list[NvmeError | None] = [None] * depth
         self._stamp = [0] * depth        # the timeout tick a slot command started in
@@ -204,12 +226,24 @@ class BatchQueue(HostQueue):
             self._tick_due = self._loop.time() + self.timeout / 2
             if self._timer is None or self._tick_due < self._timer_at:
                 self._arm_timer(self._tick_due)
-        if self._fast and (not write or n <= self.incapsule_size):
+        if self._fast:
             self._via[cid] = False
             pdu = self._pdu[cid]
-            if write:
+            if write and n > self.incapsule_size:
+                # An R2T write: the controller asks for the data (R2T), answered in _process with H2CData
+                # headers and views of buf, in the wake-up's sendmsg.
                 self._dbuf[cid] = None
                 self._dend[cid] = 0
+                self._wsrc[cid] = buf
+                self._dnext[cid] = 0
+                self._wend[cid] = n
+                _CMD_PDU.pack_into(pdu, 0, _CMD, 0, _CMD_HLEN, 0, _CMD_HLEN, opcode, SQE_FLAGS_PSDT_SGL, cid, nsid,
+                                   0, 0, 0, 0, n, SGL_ID_TRANSPORT, slba & _M32, slba >> 32, nlb - 1, 0, 0, 0)
+                self._wq.append(pdu)
+            elif write:
+                self._dbuf[cid] = None
+                self._dend[cid] = 0
+                self._wend[cid] = 0
                 _CMD_PDU.pack_into(pdu, 0, _CMD, 0, _CMD_HLEN, _CMD_HLEN, _CMD_HLEN + n, opcode, SQE_FLAGS_PSDT_SGL,
                                    cid, nsid, 0, 0, 0, 0, n, SGL_ID_INCAPSULE, slba & _M32, slba >> 32, nlb - 1,
                                    0, 0, 0)
@@ -218,13 +252,14 @@ class BatchQueue(HostQueue):
                 self._dbuf[cid] = buf
                 self._dnext[cid] = 0
                 self._dend[cid] = n
+                self._wend[cid] = 0
                 _CMD_PDU.pack_into(pdu, 0, _CMD, 0, _CMD_HLEN, 0, _CMD_HLEN, opcode, SQE_FLAGS_PSDT_SGL, cid, nsid,
                                    0, 0, 0, 0, n, SGL_ID_TRANSPORT, slba & _M32, slba >> 32, nlb - 1, 0, 0, 0)
                 self._wq.append(pdu)
             self.commands_submitted += 1
             return
-        # Digests or an R2T write: TcpConnection builds, registers and checks it; the events come back
-        # through _on_response / _on_c2h_data / _on_r2t below.
+        # Digests: TcpConnection builds, registers and checks it; the events come back through _on_response /
+        # _on_c2h_data / _on_r2t below.
         self._via[cid] = True
         self._serr[cid] = None
         self._dbuf[cid] = buf
@@ -251,7 +286,7 @@ class BatchQueue(HostQueue):
         assert cb is not None
         self._cb[cid] = None
         self._tok[cid] = None
-        self._dbuf[cid] = None
+        self._dbuf[cid] = self._wsrc[cid] = None
         self._free_cids.append(cid)
         if self._cid_waiters:
             self._wake_cid_waiter()
@@ -345,6 +380,7 @@ class BatchQueue(HostQueue):
         free = self._free_cids
         depth = len(cbs)
         dbuf, dnext, dend, toks = self._dbuf, self._dnext, self._dend, self._tok
+        wsrc = self._wsrc
         max_data = self._max_data
         waiters = self._cid_waiters
         unpack_key, unpack_cs, unpack_data = _unpack_le64, _unpack_cid_status, _unpack_data_hdr
@@ -379,7 +415,7 @@ class BatchQueue(HostQueue):
                             else:
                                 # _retire_slot, inlined: the commonest completion
                                 tok = toks[cid]
-                                cbs[cid] = toks[cid] = dbuf[cid] = None
+                                cbs[cid] = toks[cid] = dbuf[cid] = wsrc[cid] = None
                                 free.append(cid)
                                 if waiters:
                                     self._wake_cid_waiter()
@@ -418,6 +454,32 @@ class BatchQueue(HostQueue):
                             dnext[cid] = stop
                             pos = end
                         break   # the rest of the PDU is still to come
+                elif key & _R2T_MASK == _R2T_KEY:
+                    if avail < R2T_SIZE:
+                        break
+                    _t, _f, _h, pdo, _l, cid, ttag, r2to, r2tl = unpack_data(mv, pos)
+                    if (pdo == 0 or pdo >= R2T_SIZE) and cid < depth and cbs[cid] is not None and not via[cid]:
+                        # nvme_tcp_handle_r2t: the R2T must ask for data the command has and has not asked
+                        # for yet (TcpConnection._check_r2t, the same FES/FEI when it does not)
+                        src = wsrc[cid]
+                        asked = dnext[cid]
+                        stop = r2to + r2tl
+                        if src is None or r2tl == 0 or r2to < asked or stop > self._wend[cid]:
+                            self._bad_r2t(mv, pos, cid, r2to, r2tl)
+                            break
+                        dnext[cid] = stop
+                        pos += R2T_SIZE
+                        # nvme_tcp_setup_h2c_data_pdu: H2CData of at most MAXH2CDATA each, LAST on the R2T's
+                        # last one; a header packed per PDU and a view of the caller's buffer
+                        chunk = self.maxh2cdata
+                        wq = self._wq
+                        while r2to < stop:
+                            nxt = r2to + chunk if stop - r2to > chunk else stop
+                            n = nxt - r2to
+                            wq += (_pack_h2c(_H2C, DATA_LAST if nxt == stop else 0, _DATA_HLEN, _DATA_HLEN,
+                                             _DATA_HLEN + n, cid, ttag, r2to, n), src[r2to:nxt])
+                            r2to = nxt
+                        continue
             # Not a slot PDU: TcpConnection takes it (all of it, or what is here and the rest as it comes).
             plen = _unpack_le32(mv, pos + 4)[0]
             need = plen if plen > 8 else 8
@@ -462,7 +524,25 @@ class BatchQueue(HostQueue):
         self._flush()
         self._break(TransportError(self.name, f"protocol error from controller: {reason}"))
 
-    # ---- slot commands through TcpConnection (digests, R2T writes) ----------------------------
+    def _bad_r2t(self, mv: memoryview, pos: int, cid: int, r2to: int, r2tl: int) -> None:
+        """The checks of TcpConnection._check_r2t for a slot's R2T; fail the queue like it."""
+        fes, fei = FatalErrorStatus.INVALID_HEADER_FIELD, OFF_R2TL
+        if r2tl == 0:
+            reason = "R2T with r2tl 0"
+        elif self._wsrc[cid] is None:
+            fei = 8   # OFF_CCCID
+            reason = f"R2T for cid {cid}, a command with no data to send by R2T"
+        else:
+            asked, end = self._dnext[cid], self._wend[cid]
+            fes = FatalErrorStatus.DATA_OUT_OF_RANGE
+            fei = OFF_R2TO if r2to < asked else OFF_R2TL
+            reason = (f"R2T for cid {cid} asks offset {r2to} length {r2tl}; the command has {end} bytes, "
+                      f"{asked} already asked for")
+        self._conn.send_term_req(fes, fei, bytes(mv[pos:pos + R2T_SIZE]))
+        self._flush()
+        self._break(TransportError(self.name, f"protocol error from controller: {reason}"))
+
+    # ---- slot commands through TcpConnection (digests) ----------------------------------------
 
     def _is_slot(self, cid: int) -> bool:
         return cid < len(self._cb) and self._cb[cid] is not None

@@ -6,6 +6,11 @@ fits, otherwise a Transport SGL Data Block answered by R2T/H2CData (writes) or C
 Error handling follows the Linux host (drivers/nvme/host/tcp.c): a digest mismatch fails that
 command with Data Transfer Error; a protocol violation, a TermReq, a dropped connection or a
 command timeout breaks the whole queue and every command in flight fails with ``TransportError``.
+
+HostQueue is the slow path of the one host NVMe/TCP engine (initiator/engine.py ``BatchQueue`` is a
+subclass that owns its socket) and, alone, serves the queues without a socket of their own or whose
+bytes go through a TLS session (``transport="loop"``, TLS). Tests run plain TCP on it as the reference
+model the batch engine's fast path is compared against (``HostController._reference_queues``).
 """
 
 from __future__ import annotations

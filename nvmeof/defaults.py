@@ -113,15 +113,15 @@ FILE_INLINE_WRITE_MAX = 128 * 1024    # where pwritev2(RWF_NOWAIT) is unsupporte
 FILE_INLINE_SLOW_US = 1000            # an inline write taking longer moves the file's writes to the thread pool ...
 FILE_INLINE_BACKOFF_MS = 100          # ... for this long, then one is tried inline again; a slow retry doubles it
 FILE_INLINE_BACKOFF_MAX_MS = 5000     # ... up to this
-HOST_TCP_ENGINE = "batch"             # connect(engine=): "batch" (initiator/engine.py) or "stream" (asyncio protocol)
 
 # NVMe/TCP batch engine (target/transports/tcp_batch.py, issue 12)
-TCP_ENGINE = "batch"                  # `nvmeof serve --tcp-engine`: batch, or stream (the event-per-PDU path)
 POLL_US = 0                           # `--poll-us`: µs of non-blocking receives after a batch before sleeping in
                                       # the selector (hybrid polling, SPDK pollers / kernel busy-poll); 0 = off
 TCP_POLL_SLICE_US = 1000              # longest one connection's polling may hold the event loop per wake-up
 TCP_WRITE_HIGH_WATER = 256 * 1024     # unsent reply bytes of a connection before it stops reading commands
 TCP_WRITE_LOW_WATER = 64 * 1024       # ... and reads again once its backlog has drained below this
+TCP_BATCH_TIME_BUDGET_US = 500        # one received batch runs backend calls (file page-cache I/O) this long, then
+                                      # the rest waits behind the loop's other callbacks (a loop stall bound)
 TCP_LISTEN_BACKLOG = 100              # listen() backlog, as asyncio's create_server; also accepts per wake-up
 
 # Asymmetric Namespace Access and the gateway group (target/admin.py, target/gateway/)

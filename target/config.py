@@ -19,7 +19,8 @@ Our format::
      "referrals": [{"trtype", "adrfam", "traddr", "trsvcid", "subnqn", "portid"}]}
 
 A host is its NQN, or an object ``{"nqn", "dhchap_key", "dhchap_ctrl_key", "dhchap_hash",
-"dhchap_dhgroup", "tls_key"}`` when it authenticates (DH-HMAC-CHAP; target/hostauth.py) or has a TLS PSK.
+"dhchap_dhgroup", "tls_key", "tls_compat"}`` when it authenticates (DH-HMAC-CHAP; target/hostauth.py) or has a
+TLS PSK.
 
 Saving is atomic (temp file in the same folder, fsync, rename, fsync the folder), so a crash
 leaves either the old or the new file. The file holds host secrets, so it is always written 0600.

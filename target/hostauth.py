@@ -21,7 +21,9 @@ LIST_FIELDS = ("dhchap_hash", "dhchap_dhgroup")
 DHCHAP_FIELDS = SECRET_FIELDS + LIST_FIELDS
 # NVMe/TCP TLS: the host's configured PSK (NVMeTLSkey-1:NN:...:), kept with the host like its DH-HMAC-CHAP keys
 TLS_KEY = "tls_key"
-FIELDS = (*DHCHAP_FIELDS, TLS_KEY)
+# derive the host's TLS PSK for digest-less (NVMe0R) identities as libnvme's *_compat functions do: not a secret
+TLS_COMPAT = "tls_compat"
+FIELDS = (*DHCHAP_FIELDS, TLS_KEY, TLS_COMPAT)
 REDACTED = (*SECRET_FIELDS, TLS_KEY)   # shown as presence flags only
 # The defaults, in the controller's order of preference (the first the host offers is used): every hash,
 # SHA-256 first (nvmet's default dhchap_hash); every DH group, ffdhe2048 first and null last, which is what
@@ -127,10 +129,16 @@ def build(hostnqn: str, settings: dict[str, Any], base: HostAuth | None = None) 
     if unknown:
         raise AuthSettingError(f"unknown host setting(s) {', '.join(unknown)}; use {', '.join(FIELDS)}")
     entry = HostAuth() if base is None else HostAuth(base.dhchap_key, base.dhchap_ctrl_key, base.dhchap_hash,
-                                                     base.dhchap_dhgroup, base.tls_key)
+                                                     base.dhchap_dhgroup, base.tls_key, base.tls_compat)
     if TLS_KEY in settings:
         value = settings[TLS_KEY]
         entry.tls_key = None if value is None or value == "" else parse_tls_key(value, hostnqn)
+    if TLS_COMPAT in settings:
+        value = settings[TLS_COMPAT]
+        if value is not None and not isinstance(value, bool):
+            raise AuthSettingError(f"{TLS_COMPAT} of host {hostnqn} must be true or false, got "
+                                   f"{type(value).__name__} {value!r}")
+        entry.tls_compat = bool(value)
     for field in SECRET_FIELDS:
         if field in settings:
             value = settings[field]
@@ -170,6 +178,8 @@ def config_entry(hostnqn: str, entry: HostAuth, *, redact: bool = False) -> dict
         out["dhchap_dhgroup"] = dhgroup_names(entry.dhchap_dhgroup)
     if entry.tls_key is not None:   # only when set: a host without a TLS key keeps its entry as it was
         out[TLS_KEY] = True if redact else entry.tls_key.format()
+    if entry.tls_compat:   # only when on, like tls_key; not a secret, shown as it is
+        out[TLS_COMPAT] = True
     return out
 
 

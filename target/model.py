@@ -173,16 +173,20 @@ class HostAuth:
     # NVMe/TCP TLS: the host's configured PSK on this subsystem (SPDK nvmf_subsystem_add_host --psk); a TLS
     # connection whose PSK identity names this host and subsystem uses it (target/tls.py)
     tls_key: TlsKey | None = None
+    # the host's TLS PSK for an identity without a digest (NVMe0R) is derived the way libnvme's *_compat
+    # functions do (nvme-cli 2.13 / libnvme 1.13 insert keys so); off: RFC 8446's HKDF-Expand-Label
+    tls_compat: bool = False
 
     def __repr__(self) -> str:
         return (f"HostAuth(dhchap_key={self.dhchap_key is not None}, "
                 f"dhchap_ctrl_key={self.dhchap_ctrl_key is not None}, dhchap_hash={self.dhchap_hash}, "
-                f"dhchap_dhgroup={self.dhchap_dhgroup}, tls_key={self.tls_key is not None})")
+                f"dhchap_dhgroup={self.dhchap_dhgroup}, tls_key={self.tls_key is not None}, "
+                f"tls_compat={self.tls_compat})")
 
     @property
     def empty(self) -> bool:
         return (self.dhchap_key is None and self.dhchap_ctrl_key is None and self.dhchap_hash is None
-                and self.dhchap_dhgroup is None and self.tls_key is None)
+                and self.dhchap_dhgroup is None and self.tls_key is None and not self.tls_compat)
 
 
 @dataclass(eq=False)

@@ -175,6 +175,7 @@ HOST_FIELDS: dict[str, type] = {
     "dhchap_hash": list,
     "dhchap_dhgroup": list,
     "tls_key": str,  # the host's NVMe/TCP TLS PSK on the subsystem (NVMeTLSkey-1:NN:...:)
+    "tls_compat": bool,  # its NVMe0R TLS PSK derived as libnvme's *_compat functions do (nvme-cli 2.13)
 }
 # the host fields that hold secrets: never echoed in a message, never shown by the API
 HOST_SECRET_FIELDS = ("dhchap_key", "dhchap_ctrl_key", "tls_key")

@@ -125,9 +125,8 @@ class BatchWorkerConnection(BatchMixin, WorkerConnection):
 
 
 class Worker:
-    def __init__(self, sock: socket.socket, index: int, *, tcp_engine: str = defaults.TCP_ENGINE) -> None:
+    def __init__(self, sock: socket.socket, index: int) -> None:
         self.index = index
-        self.tcp_engine = tcp_engine
         self.target = WorkerTarget(self)
         self.channel = Channel(sock, self._on_message, self._on_channel_lost)
         self.subsystems: dict[str, Subsystem] = {}
@@ -285,8 +284,7 @@ class Worker:
                                     bool(msg["enabled"]))
             self.controllers[ctrl.ctrl_id] = ctrl
         ctrl.ana_blocked = {int(g): int(st) for g, st in msg.get("ana_blocked", ())}
-        cls = BatchWorkerConnection if self.tcp_engine == "batch" else WorkerConnection
-        conn = cls(self.target, HandoffState.from_dict(msg["tcp"]),
+        conn = BatchWorkerConnection(self.target, HandoffState.from_dict(msg["tcp"]),
                    on_lost=lambda c, hid=hid: self._connection_lost(hid, c))
         queue = conn.queue
         queue.qid = msg["qid"]
@@ -420,8 +418,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--h2c-budget", type=int, default=0,
                         help="this worker's share of the global H2C budget in bytes (0: the default)")
-    parser.add_argument("--tcp-engine", choices=("batch", "stream"), default=defaults.TCP_ENGINE,
-                        help="what serves the queues handed to this worker (nvmeof serve --tcp-engine)")
     parser.add_argument("--poll-us", type=int, default=defaults.POLL_US,
                         help="batch engine: µs of busy receives after a batch (nvmeof serve --poll-us)")
     args = parser.parse_args(argv)
@@ -432,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     sock = socket.socket(fileno=args.fd)
 
     async def run() -> None:
-        worker = Worker(sock, args.index, tcp_engine=args.tcp_engine)
+        worker = Worker(sock, args.index)
         limits = TcpLimits(poll_us=args.poll_us)
         if args.h2c_budget:
             limits.h2c_global_budget = args.h2c_budget

@@ -38,13 +38,12 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from nvmeof import defaults
 from nvmeof.tcp import HandoffRefused, HandoffState, State
 from target.backends import rbd as rbd_backend
 from target.backends.base import BackendError
 from target.controller import ErrorRecord
 from target.core import Target
-from target.transports.tcp import TargetConnection, TcpListener, TcpPort
+from target.transports.tcp import TargetConnection, TcpPort
 from target.transports.tcp_batch import BatchMixin, BatchTcpListener
 from target.worker_channel import Channel, socket_pair
 
@@ -101,12 +100,10 @@ class _Placed:
 
 
 class WorkerPool:
-    def __init__(self, target: Target, count: int, *, log_level: str | None = None,
-                 tcp_engine: str = defaults.TCP_ENGINE) -> None:
+    def __init__(self, target: Target, count: int, *, log_level: str | None = None) -> None:
         if count < 1:
             raise ValueError(f"a worker pool needs at least 1 worker, got {count}")
         self.target = target
-        self.tcp_engine = tcp_engine   # what the workers serve their queues with (--tcp-engine)
         self.count = count
         self.log_level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
         self.workers = [WorkerHandle(i) for i in range(count)]
@@ -134,7 +131,7 @@ class WorkerPool:
             w.proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "target.worker", "--fd", str(child.fileno()), "--index", str(w.index),
                 "--log-level", str(self.log_level), "--h2c-budget", str(self.h2c_share()),
-                "--tcp-engine", self.tcp_engine, "--poll-us", str(TcpPort.of(self.target).limits.poll_us),
+                "--poll-us", str(TcpPort.of(self.target).limits.poll_us),
                 pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
         finally:
             child.close()
@@ -588,10 +585,6 @@ class PoolConnection(TargetConnection):
         super()._cleanup()
 
 
-class PooledTcpListener(TcpListener):
-    connection_class = PoolConnection   # type: ignore[assignment]
-
-
 class BatchPoolConnection(BatchMixin, PoolConnection):
     """PoolConnection on the batch engine (an I/O queue whose hand-off was given up is served here)."""
 
@@ -608,22 +601,19 @@ class BatchPoolConnection(BatchMixin, PoolConnection):
 
 
 class BatchPooledTcpListener(BatchTcpListener):
+    """The main process's NVMe/TCP listener of a PooledTarget: the batch engine, handing I/O queues over."""
+
     connection_class = BatchPoolConnection   # type: ignore[assignment]
-
-
-POOLED_LISTENERS: dict[str, type[TcpListener]] = {"batch": BatchPooledTcpListener, "stream": PooledTcpListener}
 
 
 class PooledTarget(Target):
     """A Target whose TCP I/O queues are served by a WorkerPool."""
 
-    def __init__(self, workers: int, *, tcp_engine: str = defaults.TCP_ENGINE, **kwargs: Any) -> None:
+    def __init__(self, workers: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        if tcp_engine not in POOLED_LISTENERS:
-            raise ValueError(f"--tcp-engine {tcp_engine!r}: choose one of {', '.join(sorted(POOLED_LISTENERS))}")
         # TCP listeners hand their I/O queues to the workers; every other trtype is served as injected.
-        self.transports = self.transports.with_entries({"tcp": POOLED_LISTENERS[tcp_engine]})
-        self.pool = WorkerPool(self, workers, tcp_engine=tcp_engine)
+        self.transports = self.transports.with_entries({"tcp": BatchPooledTcpListener})
+        self.pool = WorkerPool(self, workers)
         # I/O queues run in the workers, which keep no reservation state: Identify clears ONCS bit 5 and the
         # reservation commands answer Invalid Opcode rather than enforce nothing
         self.reservations_supported = False

@@ -252,7 +252,7 @@ def test_hosts_allow_list_deny(client, service):
     assert r.status_code == 201 and r.json() == {
         "allow_any_host": False, "hosts": [HOSTNQN],
         "entries": [{"hostnqn": HOSTNQN, "dhchap_key": False, "dhchap_ctrl_key": False, "dhchap_hash": None,
-                     "dhchap_dhgroup": None, "tls_key": False}]}
+                     "dhchap_dhgroup": None, "tls_key": False, "tls_compat": False}]}
     assert client.get(hosts).json()["hosts"] == [HOSTNQN]
     assert service.get_subsystem(NQN).host_allowed(HOSTNQN)
     r = client.post(hosts, json={"hostnqn": HOSTNQN})

@@ -168,7 +168,8 @@ def test_rest_set_rotate_remove_keys_and_never_return_them(client, service, conf
     r = client.post(hosts, json={"hostnqn": HOSTNQN, "dhchap_key": KEY, "dhchap_ctrl_key": CTRL_KEY})
     assert r.status_code == 201, r.text
     assert r.json()["entries"] == [{"hostnqn": HOSTNQN, "dhchap_key": True, "dhchap_ctrl_key": True,
-                                    "dhchap_hash": None, "dhchap_dhgroup": None, "tls_key": False}]
+                                    "dhchap_hash": None, "dhchap_dhgroup": None, "tls_key": False,
+                                    "tls_compat": False}]
     assert_no_secret(r.text)
     text = _everything(client)
     assert_no_secret(text)
@@ -186,7 +187,7 @@ def test_rest_set_rotate_remove_keys_and_never_return_them(client, service, conf
     # null removes one field
     r = client.patch(f"{hosts}/{HOSTNQN}", json={"dhchap_ctrl_key": None, "dhchap_dhgroup": ["null"]})
     assert r.json() == {"hostnqn": HOSTNQN, "dhchap_key": True, "dhchap_ctrl_key": False, "dhchap_hash": None,
-                        "dhchap_dhgroup": ["null"], "tls_key": False}
+                        "dhchap_dhgroup": ["null"], "tls_key": False, "tls_compat": False}
     r = client.patch(f"{SUBS}/{NQN}/dhchap", json={"dhchap_hash": None})
     assert r.status_code == 200 and r.json()["dhchap_hash"] is None
     # remove everything: the host stays allowed

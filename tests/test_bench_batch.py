@@ -1,5 +1,6 @@
 """`nvmeof bench` on the host's batch engine: the callback-driven slots (initiator/bench/batch.py) keep
-fio's stop rules and counters, and the stream engine (A/B) and polling give the same counts."""
+fio's stop rules and counters, and the reference model (HostQueue alone: every PDU through the sans-IO
+TcpConnection) and polling give the same counts."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 from initiator.bench import ConnectSpec, JobSpec, run_bench
 from initiator.bench.batch import BatchDriver
+from initiator.controller import HostController
 from target.core import Target
 from target.service import TargetService
 from tests.ports import free_port
@@ -45,9 +47,10 @@ def driver_runs(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
 
 @pytest.mark.parametrize(("engine", "poll_us", "queues"), [("batch", 0, 1), ("batch", 50, 2), ("stream", 0, 1)])
 async def test_size_limit_and_mix_on_each_engine(tcp_target: int, driver_runs: list[Any], engine: str,
-                                                 poll_us: int, queues: int) -> None:
-    cspec = ConnectSpec(traddr="127.0.0.1", trsvcid=tcp_target, subnqn=NQN, engine=engine, poll_us=poll_us,
-                        nr_io_queues=queues)
+                                                 poll_us: int, queues: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # "stream": the reference model the batch engine's fast path is checked against (tests only, no user switch)
+    monkeypatch.setattr(HostController, "_reference_queues", engine == "stream")
+    cspec = ConnectSpec(traddr="127.0.0.1", trsvcid=tcp_target, subnqn=NQN, poll_us=poll_us, nr_io_queues=queues)
     spec = JobSpec(rw="randrw", rwmixread=70, bs=8192, iodepth=8, size=2 << 20, offset=1 << 20)
     report = await run_bench(cspec, spec)
     (r,) = report.results

@@ -73,6 +73,19 @@ def test_large_write_goals_compare_with_the_reads_and_the_raw_baseline() -> None
             "MISSED" in (tput["status"], per_byte["status"])
 
 
+def test_tls_rows_give_their_cost_per_io_against_the_clear_row_of_the_run() -> None:
+    clear = _ours(100, 300, 5.0, 6.0)
+    tls = _entry("tls-4k-randread-qd32", _ours(80, 400, 7.5, 9.0), clear)
+    (g,) = run.goals({tls["name"]: tls})
+    assert g["status"] == "info" and g["goal"].startswith("tls-4k-randread-qd32: TLS cost per I/O")
+    assert "80 vs 100 IOPS = 0.80x" in g["figures"]
+    assert "target 7.5 vs 5.0 us (+2.5)" in g["figures"] and "initiator 9.0 vs 6.0 us (+3.0)" in g["figures"]
+    assert {j.baseline for j in run.MATRIX if j.tls} == {"clear:4k-randread-qd32", "clear:128k-read-qd8",
+                                                         "clear:128k-write-qd8"}
+    skipped = _entry("tls-128k-read-qd8", None, None, skipped="no --tls here")
+    assert run.goals({skipped["name"]: skipped})[0]["status"] == "skipped"
+
+
 def test_goals_of_a_polled_row_compare_with_the_same_polling() -> None:
     ping = {"iops": 1.0, "bw_bytes": 4096.0, "mean_lat_ns": 20e3, "server_cpu_us_per_io": 20.0,
             "client_cpu_us_per_io": 20.0}

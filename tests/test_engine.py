@@ -8,6 +8,7 @@ bad C2HData offset (same FES/FEI and H2CTermReq), TermReq, drop, timeout, and hy
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import os
 import struct
@@ -15,12 +16,12 @@ import struct
 import pytest
 
 import tests.test_initiator_queue as tq
-from initiator.engine import _CMD_PDU, BatchQueue, open_batch_queue
+from initiator.engine import _CMD_PDU, BatchQueue, _pack_h2c, open_batch_queue
 from nvmeof.spec import tcp as tcp_spec
 from nvmeof.spec.nvme import SGL_ID_INCAPSULE, SGL_ID_TRANSPORT, Command
 from nvmeof.spec.tcp import FatalErrorStatus
 from nvmeof.status import NvmeError, Status
-from nvmeof.tcp import Direction, Role, TcpConnection
+from nvmeof.tcp import Direction, ProtocolError, R2TReceived, Role, TcpConnection
 from tests.test_initiator_queue import FakeServer, server  # noqa: F401 -- the fixture, for the tests below
 
 READ, WRITE = 0x02, 0x01
@@ -342,5 +343,124 @@ async def test_bad_pdus_for_a_slot_fail_like_the_stream_path(reply: object, fes:
             break
         await asyncio.sleep(0.01)
     ptype, _f, _h, _p, _l, got_fes, got_fei = tcp_spec.TERM_REQ_HDR.unpack_from(ctl.after)
+    assert (ptype, got_fes, got_fei) == (tcp_spec.PduType.H2C_TERM_REQ, fes, fei)
+    ctl.srv.close()
+
+
+def test_h2c_header_layout_matches_send_h2c_data() -> None:
+    """The precompiled H2CData header is the one TcpConnection.send_h2c_data sends (no digests)."""
+    conn = TcpConnection(Role.HOST)
+    conn.send_icreq()
+    conn.receive_data(struct.pack("<BBBBIHBBI112x", 1, 0, 128, 0, 128, 0, 0, 0, 8192))
+    conn.data_to_send()
+    data = memoryview(bytes(4096))
+    for last in (False, True):
+        conn.send_h2c_data(5, 0x1234, 8192, data, last)
+        hdr, payload = conn.data_to_send()
+        assert _pack_h2c(0x06, 0x04 if last else 0, 24, 24, 24 + 4096, 5, 0x1234, 8192, 4096) == bytes(hdr)
+        assert payload is data
+
+
+async def test_slot_r2t_write_takes_the_fast_path(server: FakeServer) -> None:  # noqa: F811
+    """A slot write above the in-capsule size: its R2Ts are parsed and answered by the engine (TcpConnection
+    never sees the command), 4 MiB in 8 KiB H2CData PDUs through chunked and short sends."""
+    q = await open_batch(server)
+    sent: list[object] = []
+    q._conn.send_h2c_data = lambda *a: sent.append(a)  # type: ignore[method-assign]
+    data = os.urandom(4 << 20)
+    assert await run_slot(q, WRITE, 0, data, write=True) is None
+    assert not sent and not q._conn._cmds
+    assert len(server.h2c_pdus) == (4 << 20) // 8192 and bytes(server.ram[:4 << 20]) == data
+    assert server.h2c_pdus[-1] == ((4 << 20) - 8192, 8192, True)
+    assert q._wsrc == [None] * len(q._wsrc) and q.inflight == 0
+    buf = bytearray(4 << 20)
+    assert await run_slot(q, READ, 0, buf, write=False) is None
+    assert bytes(buf) == data
+    q.close()
+
+
+def r2t(cid: int, *, r2to: int = 0, r2tl: int = 1024, ttag: int = 3, flags: int = 0, pdo: int = 0) -> bytes:
+    return tcp_spec.DATA_PDU_HDR.pack(tcp_spec.PduType.R2T.value, flags, 24, pdo, 24, cid, ttag, r2to, r2tl)
+
+
+class ByteController:
+    """A controller that answers the ICReq, then the first CapsuleCmd with ``reply(cid)`` bytes, and keeps every
+    byte the host sends after that capsule until the host closes."""
+
+    def __init__(self, reply: object) -> None:
+        self.reply = reply
+        self.capsule = b""
+        self.after = b""
+        self.done = asyncio.Event()
+
+    async def start(self) -> int:
+        self.srv = await asyncio.start_server(self.serve, "127.0.0.1", 0)
+        return self.srv.sockets[0].getsockname()[1]
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readexactly(128)
+        writer.write(struct.pack("<BBBBIHBBI112x", 1, 0, 128, 0, 128, 0, 0, 0, 8192))
+        self.capsule = await reader.readexactly(72)
+        writer.write(self.reply(self.capsule[10] | self.capsule[11] << 8))  # type: ignore[operator]
+        with contextlib.suppress(TimeoutError, ConnectionError):
+            self.after = await asyncio.wait_for(reader.read(), 5)
+        self.done.set()
+        writer.close()
+
+
+def sansio_host_sends(capsule: bytes, reply: bytes, write_len: int) -> bytes:
+    """What the stream path (HostQueue over TcpConnection) sends after ``capsule`` when ``reply`` comes: H2CData
+    for every good R2T (HostQueue._on_r2t), then the H2CTermReq of the first bad PDU."""
+    conn = TcpConnection(Role.HOST)
+    conn.send_icreq()
+    conn.receive_data(struct.pack("<BBBBIHBBI112x", 1, 0, 128, 0, 128, 0, 0, 0, 8192))
+    conn.data_to_send()
+    write = capsule[8] == WRITE
+    conn.send_command(capsule[8:72], direction=Direction.H2C if write else Direction.C2H, data_len=write_len)
+    conn.data_to_send()
+    src = bytes(write_len)
+    for ev in conn.receive_data(reply):
+        if isinstance(ev, R2TReceived):
+            offset, end = ev.offset, ev.offset + ev.length
+            while offset < end:
+                n = min(conn.maxh2cdata, end - offset)
+                conn.send_h2c_data(ev.cccid, ev.ttag, offset, src[offset:offset + n], offset + n == end)
+                offset += n
+        else:
+            assert isinstance(ev, ProtocolError), ev
+    return b"".join(bytes(b) for b in conn.data_to_send())
+
+
+@pytest.mark.parametrize(("write", "reply", "fes", "fei"), [
+    (True, lambda cid: r2t(cid, r2tl=0), FatalErrorStatus.INVALID_HEADER_FIELD, tcp_spec.OFF_R2TL),
+    (True, lambda cid: r2t(cid, r2to=7680, r2tl=1024), FatalErrorStatus.DATA_OUT_OF_RANGE, tcp_spec.OFF_R2TL),
+    (True, lambda cid: r2t(cid, r2tl=8704), FatalErrorStatus.DATA_OUT_OF_RANGE, tcp_spec.OFF_R2TL),
+    # a good R2T for the first half (its H2CData leaves), then one asking for part of it again
+    (True, lambda cid: r2t(cid, r2tl=4096) + r2t(cid, r2to=2048, r2tl=4096), FatalErrorStatus.DATA_OUT_OF_RANGE,
+     tcp_spec.OFF_R2TO),
+    (False, lambda cid: r2t(cid), FatalErrorStatus.INVALID_HEADER_FIELD, tcp_spec.OFF_CCCID),
+    (True, lambda cid: r2t(cid + 1), FatalErrorStatus.INVALID_HEADER_FIELD, tcp_spec.OFF_CCCID),
+    # framing the fast path does not take: TcpConnection reports it
+    (True, lambda cid: r2t(cid, flags=0x01), FatalErrorStatus.INVALID_HEADER_FIELD, tcp_spec.OFF_FLAGS),
+    (True, lambda cid: r2t(cid, pdo=8), FatalErrorStatus.INVALID_HEADER_FIELD, tcp_spec.OFF_PDO),
+])
+async def test_bad_r2t_for_a_slot_fails_byte_for_byte_like_the_stream_path(write: bool, reply: object, fes: int,
+                                                                           fei: int) -> None:
+    ctl = ByteController(reply)
+    port = await ctl.start()
+    q = BatchQueue(1, queue_size=8, name="raw qid 1", timeout=5.0, incapsule_size=4096)
+    await open_batch_queue(q, "127.0.0.1", port, 5.0)
+    n = 8192
+    fut: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+    q.start(WRITE if write else READ, 1, 0, n // 512, memoryview(bytearray(n)), write,
+            lambda t, e: fut.set_result(e), None)
+    q.kick()
+    err = await asyncio.wait_for(fut, 5)
+    assert isinstance(err, tq.TransportError) and "protocol error from controller" in str(err)
+    await asyncio.wait_for(ctl.done.wait(), 5)
+    expected = sansio_host_sends(ctl.capsule, reply(ctl.capsule[10] | ctl.capsule[11] << 8), n)  # type: ignore
+    assert ctl.after == expected
+    term = ctl.after[-48:]
+    ptype, _f, _h, _p, _l, got_fes, got_fei = tcp_spec.TERM_REQ_HDR.unpack_from(term)
     assert (ptype, got_fes, got_fei) == (tcp_spec.PduType.H2C_TERM_REQ, fes, fei)
     ctl.srv.close()

@@ -96,11 +96,13 @@ async def test_more_tasks_than_cids_wait_their_turn(tcp_env: Env) -> None:
         assert ctrl.io_queues[0].inflight == 0
 
 
-async def test_status_errors_match_the_submit_path(tcp_env: Env) -> None:
-    """The same exception type, status, DNR and queue name as the stream engine (submit() per command)."""
+async def test_status_errors_match_the_submit_path(tcp_env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same exception type, status, DNR and queue name as the reference model (HostQueue alone, submit()
+    per command, every PDU through the sans-IO TcpConnection)."""
     got: dict[str, list[tuple[type, int, bool]]] = {}
     for engine in ("batch", "stream"):
-        async with tcp_env.connect(engine=engine) as ctrl:
+        monkeypatch.setattr(HostController, "_reference_queues", engine == "stream")
+        async with tcp_env.connect() as ctrl:
             assert isinstance(ctrl.io_queues[0], BatchQueue) == (engine == "batch")
             data = pattern(4096, 1)
             await ctrl.write(1, 0, data)

@@ -80,6 +80,40 @@ async def test_tls_queue_carries_identity_and_suite() -> None:
     assert (ident, "TLS_AES_256_GCM_SHA384") in seen
 
 
+@pytest.mark.parametrize("engine", ["batch", "stream"])
+async def test_sha384_key_offered_with_a_sha256_binder(engine: str, caplog: pytest.LogCaptureFixture) -> None:
+    """connect(tls_sha256_binder=True), the interop option for tlshd/GnuTLS < 3.8.11 targets: every queue offers
+    the SHA-384 PSK under a SHA-256 binder, our target takes it with TLS_AES_128_GCM_SHA256 (its INFO line says
+    so) and I/O runs; without the option the same key gets TLS_AES_256_GCM_SHA384 (see the test above)."""
+    tgt, port = await _serve("required", engine=engine, key=KEY384)
+    seen = []
+    real = tcp.TargetConnection._tls_received
+
+    def spy(self, data):  # type: ignore[no-untyped-def]
+        real(self, data)
+        if self._tls is not None and self._tls.handshake_done:
+            seen.append((self._tls.cipher_name, self._tls.sha256_binder))
+    try:
+        tcp.TargetConnection._tls_received = spy  # type: ignore[method-assign]
+        with caplog.at_level(logging.INFO):
+            async with initiator.connect("127.0.0.1", port, SUBNQN, hostnqn=HOST, nr_io_queues=2, tls_key=KEY384,
+                                         tls_sha256_binder=True) as ctrl:
+                assert ctrl.tls_sha256_binder
+                assert {q._tls.cipher_name for q in [ctrl.admin, *ctrl.io_queues]} == {"TLS_AES_128_GCM_SHA256"}
+                await _rw(ctrl)
+    finally:
+        tcp.TargetConnection._tls_received = real  # type: ignore[method-assign]
+        await tgt.close()
+    assert set(seen) == {("TLS_AES_128_GCM_SHA256", True)}
+    assert KEY384.split(":")[2][:16] not in caplog.text
+
+
+def test_tls_sha256_binder_needs_a_key() -> None:
+    from initiator.controller import HostController
+    with pytest.raises(ValueError, match="tls_sha256_binder needs tls_key"):
+        HostController("127.0.0.1", 4420, SUBNQN, tls_sha256_binder=True)
+
+
 async def test_wrong_key_is_refused(caplog: pytest.LogCaptureFixture) -> None:
     tgt, port = await _serve("required")
     try:
@@ -190,5 +224,35 @@ async def test_compat_host_is_recognised_by_its_digest() -> None:
     try:
         async with initiator.connect("127.0.0.1", port, SUBNQN, hostnqn=HOST, tls_key=KEY, tls_compat=True) as ctrl:
             await _rw(ctrl)
+    finally:
+        await tgt.close()
+
+
+@pytest.mark.parametrize("engine", ["batch", "stream"])
+async def test_compat_host_without_digest_needs_tls_compat(engine: str, caplog: pytest.LogCaptureFixture) -> None:
+    """An NVMe0R identity whose PSK was derived the libnvme compat way (nvme-cli 2.13 inserting a key for the
+    kernel host): refused with a log line naming tls_compat while the host entry is not marked, served once it is;
+    a host marked tls_compat offering an RFC 8446-derived NVMe0R PSK is then refused with the opposite hint."""
+    tgt, port = await _serve("required", engine=engine)
+    entry = tgt.subsystems[SUBNQN].host_auth[HOST]
+    try:
+        with caplog.at_level(logging.WARNING), pytest.raises(TransportError):
+            await initiator.connect("127.0.0.1", port, SUBNQN, hostnqn=HOST, tls_key=KEY, tls_compat=True,
+                                    tls_identity_version=0, timeout=5)
+        lines = [r.getMessage() for r in caplog.records if r.name.startswith("target.")]
+        assert len(lines) == 1 and "--tls-compat" in lines[0] and HOST in lines[0]
+        assert KEY.split(":")[2] not in caplog.text
+        entry.tls_compat = True
+        async with initiator.connect("127.0.0.1", port, SUBNQN, hostnqn=HOST, tls_key=KEY, tls_compat=True,
+                                     tls_identity_version=0) as ctrl:
+            await _rw(ctrl)
+        # the digest still decides for NVMe1R identities: an RFC-derived NVMe1R key works on a compat host
+        async with initiator.connect("127.0.0.1", port, SUBNQN, hostnqn=HOST, tls_key=KEY, nr_io_queues=1) as ctrl:
+            await _rw(ctrl)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING), pytest.raises(TransportError):
+            await initiator.connect("127.0.0.1", port, SUBNQN, hostnqn=HOST, tls_key=KEY, tls_identity_version=0,
+                                    timeout=5)
+        assert any("--no-tls-compat" in r.getMessage() for r in caplog.records)
     finally:
         await tgt.close()

@@ -178,6 +178,41 @@ def test_cli_gen_tls_key_and_tls_options():
     assert res.exit_code == 2 and "--tls needs --tls-key" in res.output
 
 
+def test_cli_tls_sha256_binder(monkeypatch):
+    """--tls-sha256-binder reaches connect() as tls_sha256_binder=True, needs a key, and is the Python host's only
+    (`nvmeof connect`, the kernel host, has no such option)."""
+    from click.testing import CliRunner
+
+    import initiator
+    from nvmeof.cli import cli
+
+    seen = {}
+
+    async def fake_connect(*args, **kwargs):
+        seen.update(kwargs)
+        raise ConnectionRefusedError("not connecting in this test")
+    monkeypatch.setattr(initiator, "connect", fake_connect)
+    key384 = generate_key(hmac_id=2)
+    res = CliRunner().invoke(cli, ["identify", "-a", "127.0.0.1", "-s", "1", "-n", NQN, "--tls-key", key384,
+                                   "--tls-sha256-binder"])
+    assert res.exit_code != 0 and seen["tls_sha256_binder"] is True and seen["tls_key"].hmac_id == 2
+    assert key384.split(":")[2] not in res.output
+    seen.clear()
+    CliRunner().invoke(cli, ["identify", "-a", "127.0.0.1", "-s", "1", "-n", NQN, "--tls-key", key384])
+    assert seen["tls_key"].hmac_id == 2 and not seen.get("tls_sha256_binder")
+    for cmd in (["discover", "-a", "127.0.0.1", "-s", "1"], ["bench", "-a", "127.0.0.1", "-s", "1", "-n", NQN]):
+        res = CliRunner().invoke(cli, [*cmd, "--tls-sha256-binder"])
+        assert res.exit_code == 2 and "--tls-sha256-binder needs --tls-key" in res.output
+    res = CliRunner().invoke(cli, ["connect", "-a", "127.0.0.1", "-n", NQN, "--tls-sha256-binder"])
+    assert res.exit_code == 2 and "No such option" in res.output
+    from initiator.bench.jobspec import ConnectSpec  # bench's connections
+    from nvmeof.tls.psk import TlsKey
+    spec = ConnectSpec(traddr="127.0.0.1", trsvcid=1, subnqn=NQN, tls_key=TlsKey.parse(key384))
+    assert "tls_sha256_binder" not in spec.kwargs()
+    spec.tls_sha256_binder = True
+    assert spec.kwargs()["tls_sha256_binder"] is True
+
+
 def test_nvmetcli_round_trip_keeps_listener_tls():
     from target import config as configmod
 
@@ -211,3 +246,66 @@ def test_kernel_attach_tls_options(tmp_path):
     with pytest.raises(kernel.KernelAttachError, match="invalid --tls-key") as info:
         kernel.insert_tls_key(KEY[:-6] + "AAAA:", HOSTNQN, NQN)
     assert KEY.split(":")[2][:20] not in str(info.value)
+
+
+async def test_tls_compat_persists_and_is_shown(service, config_path, caplog):
+    """tls_compat: off by default, saved in the config file only when on, restored, refused when not a bool,
+    kept when the key rotates; the key stays redacted."""
+    caplog.set_level(logging.DEBUG)
+    await service.add_subsystem(NQN, allow_any_host=False)
+    await service.allow_host(NQN, HOSTNQN, tls_key=KEY)
+    assert service.get_subsystem(NQN).host_auth[HOSTNQN].tls_compat is False
+    await service.set_host_auth(NQN, HOSTNQN, {"tls_compat": True})
+    saved = json.loads(config_path.read_text())
+    assert saved["subsystems"][0]["hosts"] == [{"nqn": HOSTNQN, "tls_key": KEY, "tls_compat": True}]
+    again = TargetService(Target())
+    try:
+        assert await again.restore(saved) == []
+        assert again.get_subsystem(NQN).host_auth[HOSTNQN].tls_compat is True
+    finally:
+        await again.target.close()
+    await service.set_host_auth(NQN, HOSTNQN, {"tls_key": KEY2})
+    assert service.get_subsystem(NQN).host_auth[HOSTNQN].tls_compat is True
+    with pytest.raises(ServiceError, match=r"tls_compat of host .* must be true or false"):
+        await service.set_host_auth(NQN, HOSTNQN, {"tls_compat": "yes"})
+    await service.set_host_auth(NQN, HOSTNQN, {"tls_compat": False})
+    assert "tls_compat" not in json.loads(config_path.read_text())["subsystems"][0]["hosts"][0]
+    assert_no_key(caplog.text)
+    await service.target.close()
+
+
+def test_tls_compat_over_rest_and_cli(client, service, monkeypatch):
+    import httpx
+    from click.testing import CliRunner
+
+    from nvmeof.cli import cli
+    from nvmeof.cli.commands import manage
+
+    assert client.post(SUBS, json={"nqn": NQN, "allow_any_host": False}).status_code == 201
+    r = client.post(f"{SUBS}/{NQN}/hosts", json={"hostnqn": HOSTNQN, "tls_key": KEY, "tls_compat": True})
+    assert r.status_code == 201, r.text
+    assert r.json()["entries"][0]["tls_compat"] is True and r.json()["entries"][0]["tls_key"] is True
+    assert service.get_subsystem(NQN).host_auth[HOSTNQN].tls_compat is True
+    r = client.patch(f"{SUBS}/{NQN}/hosts/{HOSTNQN}", json={"tls_compat": False})
+    assert r.status_code == 200 and r.json()["tls_compat"] is False
+    assert client.patch(f"{SUBS}/{NQN}/hosts/{HOSTNQN}", json={"tls_compat": "maybe"}).status_code == 422
+    monkeypatch.setattr(manage, "make_http_client",
+                        lambda base_url, headers: httpx.Client(transport=client._transport, base_url="http://testserver",
+                                                               headers=headers))
+    monkeypatch.setenv("NVMEOF_API_TOKEN", TOKEN)
+    monkeypatch.setenv("NVMEOF_API", "http://testserver")
+    runner = CliRunner()
+    result = runner.invoke(cli, ["host", "set", NQN, HOSTNQN, "--tls-compat"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert service.get_subsystem(NQN).host_auth[HOSTNQN].tls_compat is True
+    rows = runner.invoke(cli, ["host", "list", NQN], catch_exceptions=False).output.splitlines()
+    assert rows[2].split()[-2:] == ["yes", "(compat)"]
+    other = HOSTNQN[:-2] + "99"
+    result = runner.invoke(cli, ["host", "add", NQN, other, "--tls-key", KEY2, "--tls-compat"],
+                           catch_exceptions=False)
+    assert result.exit_code == 0 and "compat derivation" in result.output, result.output
+    assert service.get_subsystem(NQN).host_auth[other].tls_compat is True
+    result = runner.invoke(cli, ["host", "set-key", NQN, other, "--no-tls-compat"], catch_exceptions=False)
+    assert result.exit_code == 0 and service.get_subsystem(NQN).host_auth[other].tls_compat is False
+    for text in (result.output, client.get(f"{SUBS}/{NQN}/hosts").text, client.get("/api/v1/config").text):
+        assert_no_key(text)

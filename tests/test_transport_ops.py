@@ -37,7 +37,7 @@ from target.transports import TransportRegistry
 from target.transports.rdma import RDMA_OPS, RdmaListener
 from target.transports.tcp import TCP_OPS, TargetConnection, TcpListener
 from target.transports.tcp_batch import BatchTcpListener
-from target.workers import BatchPooledTcpListener, PooledTarget, PooledTcpListener
+from target.workers import BatchPooledTcpListener, PooledTarget
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -123,8 +123,7 @@ def test_registry_entries_are_imported_when_first_asked_for() -> None:
 def test_pooled_target_injects_its_tcp_listener_instead_of_copying_start_listener() -> None:
     assert PooledTarget.start_listener is Target.start_listener
     pooled = PooledTarget(1, transports={"tcp-shadow": ShadowListener})
-    assert pooled.transports.get("tcp") is BatchPooledTcpListener   # the default engine, batch
-    assert PooledTarget(1, tcp_engine="stream").transports.get("tcp") is PooledTcpListener
+    assert pooled.transports.get("tcp") is BatchPooledTcpListener   # the one NVMe/TCP engine, batch
     assert pooled.transports.get("rdma") is RdmaListener
     assert pooled.transports.get("tcp-shadow") is ShadowListener
     assert Target().transports.get("tcp") is BatchTcpListener   # the standard registry is not changed by it

@@ -58,7 +58,8 @@ async def allow_host(nqn: str, body: schemas.HostAdd, service: Service) -> schem
     """Allow the host; with ``dhchap_key`` it must authenticate (DH-HMAC-CHAP) on every queue."""
     sub = await service.allow_host(nqn, body.hostnqn, dhchap_key=body.dhchap_key,
                                    dhchap_ctrl_key=body.dhchap_ctrl_key, dhchap_hash=body.dhchap_hash,
-                                   dhchap_dhgroup=body.dhchap_dhgroup, tls_key=body.tls_key)
+                                   dhchap_dhgroup=body.dhchap_dhgroup, tls_key=body.tls_key,
+                                   tls_compat=body.tls_compat)
     return render.hosts(sub)
 
 

@@ -34,11 +34,11 @@ class ConnectSpec:
     # DH-HMAC-CHAP secrets as nvmeof.auth.DhchapSecret (their repr hides the key)
     dhchap_secret: Any = field(default=None, repr=False)
     dhchap_ctrl_secret: Any = field(default=None, repr=False)
-    engine: str = defaults.HOST_TCP_ENGINE   # connect(engine=): "batch" or "stream" (A/B)
     poll_us: int = defaults.POLL_US          # connect(poll_us=): busy polling after a batch, µs
     disable_sqflow: bool = False             # connect(disable_sqflow=): a read may end with C2HData SUCCESS
     tls_key: Any = field(default=None, repr=False)   # connect(tls_key=): an nvmeof.tls.TlsKey (TLS 1.3 with PSK)
     tls_identity_version: int = defaults.TLS_IDENTITY_VERSION
+    tls_sha256_binder: bool = False          # connect(tls_sha256_binder=): a SHA-384 PSK under SHA-256 (interop)
 
     def kwargs(self) -> dict[str, Any]:
         kw: dict[str, Any] = {
@@ -48,8 +48,6 @@ class ConnectSpec:
         }
         if self.target is not None:
             kw["target"] = self.target
-        if self.engine != defaults.HOST_TCP_ENGINE:
-            kw["engine"] = self.engine
         if self.poll_us != defaults.POLL_US:
             kw["poll_us"] = self.poll_us
         if self.disable_sqflow:
@@ -60,6 +58,8 @@ class ConnectSpec:
         if self.tls_key is not None:
             kw["tls_key"] = self.tls_key
             kw["tls_identity_version"] = self.tls_identity_version
+            if self.tls_sha256_binder:
+                kw["tls_sha256_binder"] = True
         return kw
 
 

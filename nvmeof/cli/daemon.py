@@ -62,7 +62,6 @@ class DaemonOptions:
     ceph_keyrings: list[Path] = field(default_factory=list)  # Ceph keyrings RBD namespaces may name
     rbd_images: list[dict[str, str]] = field(default_factory=list)  # default subsystem's RBD namespaces
     rbd_op_timeout: float = defaults.RBD_OP_TIMEOUT  # seconds an OSD/monitor call of an RBD namespace may take
-    tcp_engine: str = defaults.TCP_ENGINE  # NVMe/TCP data path: "batch" (target/transports/tcp_batch.py) or "stream"
     poll_us: int = defaults.POLL_US  # batch engine: µs of busy receives after a batch before sleeping (0: off)
     gateway_group: str | None = None  # the gateway group this target is a member of (target/gateway/)
     gateway_name: str | None = None  # this member's name in it (default: the host name)
@@ -199,10 +198,6 @@ class _EmbeddedServer:
         self.sock.close()
 
 
-# `serve --tcp-engine`: the listener class serving NVMe/TCP in this process ("module:attr", imported at first use).
-TCP_ENGINES = {"batch": "target.transports.tcp_batch:BatchTcpListener", "stream": "target.transports.tcp:TcpListener"}
-
-
 def configure_tcp_port(target, options: DaemonOptions) -> None:
     """Hand the NVMe/TCP limits to the target's port (and raise RLIMIT_NOFILE for the connection cap
     before worker processes inherit it)."""
@@ -226,16 +221,12 @@ class Daemon:
         self.options = options
         if options.workers < 0:
             raise DaemonError(f"--workers {options.workers}: give 0 (one process) or a positive number of workers")
-        if options.tcp_engine not in TCP_ENGINES:
-            raise DaemonError(f"--tcp-engine {options.tcp_engine!r}: choose one of {', '.join(TCP_ENGINES)}")
-        if options.poll_us and options.tcp_engine != "batch":
-            raise DaemonError(f"--poll-us {options.poll_us} needs the batch engine (--tcp-engine batch)")
         if options.workers:
             from target.workers import PooledTarget
 
-            self.target: Target = PooledTarget(options.workers, tcp_engine=options.tcp_engine)
+            self.target: Target = PooledTarget(options.workers)
         else:
-            self.target = Target(transports={"tcp": TCP_ENGINES[options.tcp_engine]})
+            self.target = Target()   # NVMe/TCP: the batch engine (the standard registry's "tcp" entry)
         configure_tcp_port(self.target, options)
         if self.target.reservations_supported:
             from target.pr import LocalPrStore

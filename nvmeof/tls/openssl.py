@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from nvmeof.tls.psk import CIPHER_SUITES, HMAC_SHA256, HMAC_SHA384
+from nvmeof.tls.psk import CIPHER_SUITES, HASH_LENGTHS, HMAC_SHA256, HMAC_SHA384
 
 _CDEF = """
 typedef struct ssl_ctx_st SSL_CTX;
@@ -90,6 +90,11 @@ SSL_CTRL_SET_MIN_PROTO_VERSION = 123   # SSL_CTX_set_min_proto_version is a macr
 SSL_CTRL_SET_MAX_PROTO_VERSION = 124
 SSL_OP_ALLOW_NO_DHE_KEX = 1 << 10
 SSL_OP_NO_TICKET = 1 << 14
+SSL_OP_CIPHER_SERVER_PREFERENCE = 1 << 22
+# a SHA-384 PSK bound to SHA-256 (server: _client_hello; client: TlsSession(sha256_binder=True)): TP 8011's
+# SHA-256 suite first, then the other SHA-256 suite tlshd 1.0.0 offers for such a key (its ClientHello for a
+# 48-byte PSK has no TLS_AES_128_GCM_SHA256)
+_SHA256_BINDER_SUITES = "TLS_AES_128_GCM_SHA256:TLS_CHACHA20_POLY1305_SHA256"
 SSL_ERROR_SSL = 1
 SSL_ERROR_WANT_READ = 2
 SSL_ERROR_WANT_WRITE = 3
@@ -206,6 +211,17 @@ def _first_psk_identity(ext: bytes) -> bytes | None:
     return bytes(ext[4:4 + n])
 
 
+def _first_binder_length(ext: bytes) -> int | None:
+    """The length of the first binder of a pre_shared_key extension (OfferedPsks: identities<7..2^16-1>, then
+    binders<33..2^16-1> of PskBinderEntry<32..255>): the hash the client bound its PSK to (32: SHA-256)."""
+    if len(ext) < 2:
+        return None
+    at = 2 + int.from_bytes(ext[0:2], "big")   # past the identities
+    if len(ext) < at + 3:
+        return None
+    return ext[at + 2]
+
+
 def _client_hello(ssl, al, arg) -> int:
     b = binding()
     lib, ffi = b.lib, b.ffi
@@ -216,9 +232,10 @@ def _client_hello(ssl, al, arg) -> int:
             return SSL_CLIENT_HELLO_ERROR
         out = ffi.new("const unsigned char **")
         outlen = ffi.new("size_t *")
-        identity = None
+        identity = binder = None
         if lib.SSL_client_hello_get0_ext(ssl, TLSEXT_TYPE_PSK, out, outlen) == 1:
-            identity = _first_psk_identity(bytes(ffi.buffer(out[0], outlen[0])))
+            ext = bytes(ffi.buffer(out[0], outlen[0]))
+            identity, binder = _first_psk_identity(ext), _first_binder_length(ext)
         if identity is None:
             session.failure = "the ClientHello offers no PSK identity (this target takes PSK-only TLS)"
             al[0] = SSL_AD_UNKNOWN_PSK_IDENTITY
@@ -230,6 +247,15 @@ def _client_hello(ssl, al, arg) -> int:
             al[0] = SSL_AD_UNKNOWN_PSK_IDENTITY
             return SSL_CLIENT_HELLO_ERROR
         session._psk, session._cipher = found
+        if session._cipher == HMAC_SHA384 and binder == HASH_LENGTHS[HMAC_SHA256]:
+            # a SHA-384 PSK under a SHA-256 binder: the client's library binds every external PSK to SHA-256
+            # (GnuTLS before 3.8.11, gnutls_psk_allocate_client_credentials: so tlshd on Debian trixie, the Linux
+            # host's handshake agent). TP 8011 wants TLS_AES_256_GCM_SHA384 for it, which that client cannot do;
+            # take the PSK as it bound it, with the SHA-256 suite, rather than refuse every such host
+            session._cipher = HMAC_SHA256
+            session.sha256_binder = True
+            lib.SSL_set_ciphersuites(ssl, _SHA256_BINDER_SUITES.encode())
+            return SSL_CLIENT_HELLO_SUCCESS
         # only the suite of the PSK's hash: OpenSSL skips a PSK whose hash is not the chosen suite's
         lib.SSL_set_ciphersuites(ssl, CIPHER_SUITES[session._cipher].encode())
         return SSL_CLIENT_HELLO_SUCCESS
@@ -299,7 +325,8 @@ class TlsContext:
         lib.SSL_CTX_set_num_tickets(ctx, 0)     # no resumption: every connection proves the PSK again
         if server:
             # a host offering psk_ke only (no (EC)DHE) still connects; OpenSSL takes psk_dhe_ke when offered
-            lib.SSL_CTX_set_options(ctx, SSL_OP_ALLOW_NO_DHE_KEX | SSL_OP_NO_TICKET)
+            # server preference: the order of a suite list set per connection (_SHA256_BINDER_SUITES) decides
+            lib.SSL_CTX_set_options(ctx, SSL_OP_ALLOW_NO_DHE_KEX | SSL_OP_NO_TICKET | SSL_OP_CIPHER_SERVER_PREFERENCE)
             lib.SSL_CTX_set_client_hello_cb(ctx, b.hello_cb, ffi.NULL)
             lib.SSL_CTX_set_psk_find_session_callback(ctx, b.find_cb)
         else:
@@ -334,7 +361,7 @@ class TlsSession:
     """
 
     def __init__(self, *, server: bool, lookup: PskLookup | None = None, identity: bytes | None = None,
-                 psk: bytes | None = None, cipher: int | None = None) -> None:
+                 psk: bytes | None = None, cipher: int | None = None, sha256_binder: bool = False) -> None:
         b = binding()
         self._b = b
         lib, ffi = b.lib, b.ffi
@@ -345,11 +372,23 @@ class TlsSession:
         self._cipher = cipher
         self.failure: str | None = None          # why the handshake failed, from our side
         self.lookup_failure: str | None = None   # set by a lookup that refuses an identity, for the log
+        # a SHA-384 PSK bound to SHA-256 (GnuTLS < 3.8.11's binding): server, the client bound it so; client, asked to
+        self.sha256_binder = False
         self.handshake_done = False
         self.closed = False
         self._pending: list[bytes] = []
         if not server and (identity is None or psk is None or cipher not in _SUITE_IDS):
             raise ValueError("a TLS client session needs an identity, a PSK and its hash")
+        if server and sha256_binder:
+            raise ValueError("sha256_binder is a client option (a server follows the binder the client sent)")
+        suites = CIPHER_SUITES[cipher] if cipher in CIPHER_SUITES else ""
+        if sha256_binder and cipher == HMAC_SHA384:
+            # interop, off by default: a server on GnuTLS before 3.8.11 (tlshd 1.0.0 for Linux nvmet) binds every
+            # external PSK to SHA-256 and takes a SHA-384 PSK only under a SHA-256 suite; TP 8011 wants
+            # TLS_AES_256_GCM_SHA384, which that server refuses (GnuTLS -55). The suites _client_hello takes for it.
+            self._cipher = HMAC_SHA256
+            self.sha256_binder = True
+            suites = _SHA256_BINDER_SUITES
         ctx = (server_context() if server else client_context())._ctx
         ssl = lib.SSL_new(ctx)
         if ssl == ffi.NULL:
@@ -363,7 +402,7 @@ class TlsSession:
         if server:
             lib.SSL_set_accept_state(ssl)
         else:
-            lib.SSL_set_ciphersuites(ssl, CIPHER_SUITES[cipher].encode())
+            lib.SSL_set_ciphersuites(ssl, suites.encode())
             lib.SSL_set_connect_state(ssl)
         # reused buffers, not zeroed on allocation (every byte read out was written by OpenSSL first)
         self._alloc = ffi.new_allocator(should_clear_after_alloc=False)

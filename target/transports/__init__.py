@@ -39,7 +39,7 @@ class ListenerFactory(Protocol):
 TransportEntry = ListenerFactory | str   # a factory, or "module:attr" naming one
 
 STANDARD_TRANSPORTS: Mapping[str, TransportEntry] = {
-    "tcp": "target.transports.tcp_batch:BatchTcpListener",   # the stream engine: tcp:TcpListener
+    "tcp": "target.transports.tcp_batch:BatchTcpListener",   # the one NVMe/TCP engine (issue 26)
     "rdma": "target.transports.rdma:RdmaListener",
 }
 

@@ -20,6 +20,11 @@ files and established hosts need. At a cap, the oldest connection that has not c
 yet makes room for the new one (an attacker's half-open connections cannot lock a host out); with
 none, the new connection is closed at once. Receive buffers start at TCP_RECV_BUFFER_MIN, grow while
 reads fill them and drop back when a read leaves the small buffer enough room.
+
+There is one NVMe/TCP engine (issue 26): target/transports/tcp_batch.py. `TargetConnection` is its slow
+path (the batch connection classes mix its fast path in front of it), the loop transport's connection, and
+alone the reference model tests compare the fast path with. `TcpListener` keeps the caps and deadlines the
+batch listener inherits; its asyncio server (``start``) is not in the registry, only tests start it.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ from nvmeof.tcp import (
 from nvmeof.tls.openssl import TlsError, TlsSession, looks_like_tls
 from target.lifecycle import start_command
 from target.request import Request, TargetQueue
-from target.tls import PskRefused, find_psk
+from target.tls import PskRefused, find_psk, handshake_hint
 from target.transport_ops import TransportOps
 
 if TYPE_CHECKING:
@@ -438,17 +443,22 @@ class TargetConnection(asyncio.BufferedProtocol):
             if not self._closed:
                 self._handle(self.conn.direct_received(nbytes))
             return
+        self.data_received(self._received(nbytes))
+
+    def _received(self, filled: int) -> memoryview:
+        """The ``filled`` bytes at the start of the receive buffer; the next read gets a new buffer when
+        this one was too small or is bigger than needed (the batch engine's receive shares this)."""
         buf = self._recv
         size = len(buf)
-        if nbytes == size:
+        if filled == size:
             if size < RECV_BUFFER_MAX:
                 # The read filled the buffer, so more is waiting: take it in fewer, larger reads.
                 self._recv = memoryview(bytearray(min(size * 4, RECV_BUFFER_MAX)))
-        elif size > RECV_BUFFER_MIN and nbytes < RECV_BUFFER_MIN:
+        elif size > RECV_BUFFER_MIN and filled < RECV_BUFFER_MIN:
             # The socket is drained and the small buffer would have done: give the big one back, so an
             # idle connection holds RECV_BUFFER_MIN (the events below use the old one, which goes then).
             self._recv = memoryview(bytearray(RECV_BUFFER_MIN))
-        self.data_received(buf[:nbytes])
+        return buf[:filled]
 
     def data_received(self, data: bytes | memoryview) -> None:  # type: ignore[override]
         if self._closed:
@@ -508,12 +518,15 @@ class TargetConnection(asyncio.BufferedProtocol):
             out = tls.data_to_send()   # the alert, if any, tells the host why
             if out and self.transport is not None:
                 self.transport.write(out)
-            self._refuse(f"NVMe/TCP TLS handshake with {self.queue.peer or '?'} failed: {exc}; closing it"
+            # a version-0 identity that found a PSK and still failed: name the likely cause (target/tls.py)
+            hint = "" if was_done else handshake_hint(self.target.subsystems, self.queue.tls, str(exc))
+            self._refuse(f"NVMe/TCP TLS handshake with {self.queue.peer or '?'} failed: {exc}; closing it{hint}"
                          if not was_done else f"NVMe/TCP TLS from {self.queue.peer or '?'} failed: {exc}; closing it")
             return
         if not was_done and tls.handshake_done:
-            log.info("NVMe/TCP TLS from %s: %s %s, PSK identity %s", self.queue.peer, tls.version, tls.cipher_name,
-                     self.queue.tls, extra=self._fields("tls", "handshake done"))
+            log.info("NVMe/TCP TLS from %s: %s %s, PSK identity %s%s", self.queue.peer, tls.version, tls.cipher_name,
+                     self.queue.tls, " (the host bound its SHA-384 PSK to a SHA-256 binder, as GnuTLS before 3.8.11 "
+                     "does: SHA-256 suite)" if tls.sha256_binder else "", extra=self._fields("tls", "handshake done"))
             if self._deadline is not None:   # the ICReq gets its own window after the handshake
                 self._arm_deadline(self._port.limits.ic_timeout, "ICReq")
         if plain:
@@ -533,6 +546,8 @@ class TargetConnection(asyncio.BufferedProtocol):
         self.close()
 
     def _handle(self, events: list[Any]) -> None:
+        # Inside a wider batch (the batch engine's wake-up, tcp_batch._receive) its end does the one write.
+        outer = self._batching
         self._batching = True
         try:
             for event in events:
@@ -561,10 +576,12 @@ class TargetConnection(asyncio.BufferedProtocol):
                 if self._closed:
                     return   # a command tore the connection down; close() flushed what it queued
         finally:
-            self._batching = False
+            if not self._closed:
+                self._batching = outer
         if self._deadline is not None and self.queue.ctrl is not None:
             self._connected()
-        self._flush()
+        if not outer:
+            self._flush()
 
     def eof_received(self) -> bool:
         return False   # let the transport close; connection_lost cleans up
@@ -745,6 +762,11 @@ class TargetConnection(asyncio.BufferedProtocol):
         # The event's views die at the next receive_data: keep a copy of in-capsule data.
         req.incapsule = bytes(event.data) if event.data is not None else None
         req.digest_ok = event.digest_ok
+        # Digest connections run every command here: the replies of I/O commands that complete later in one
+        # loop iteration (woken together: a backend, a QoS release) leave in one write too (_flush_soon). Not
+        # a Connect (ctrl still None): its reply takes _send_cqe, where PoolConnection starts the hand-off.
+        conn = self.conn
+        req.coalesce = (conn.hdgst or conn.ddgst) and self.queue.ctrl is not None
         task = start_command(self.target, self, req)
         if task is None:
             return   # completed without waiting: no Task

@@ -19,7 +19,10 @@ fast path in front of it for the commands that dominate a data plane and can fin
   ``socket.sendmsg`` with the list of buffers; a batch stops taking commands once its replies pass
   ``TCP_WRITE_HIGH_WATER`` bytes and, while the socket does not take them, the rest of the receive
   buffer waits (carried) until the backlog drained (a host that never reads cannot make one wake-up
-  queue more than that).
+  queue more than that); it also stops after the first command whose backend call (a file's inline write
+  or page-cache read; never a RAM disk's view) ends past ``TCP_BATCH_TIME_BUDGET_US`` from the start of
+  the receive, and the rest is carried to a ``call_soon`` (nvmet_tcp_io_work's budget): 32 inline file
+  writes do not hold the event loop, every other connection and timer, for all of them at once.
 
 An R2T Write whose H2C budgets fit takes the fast path too: its R2T leaves with the batch's replies
 through ``TcpConnection.send_r2t``, so the sans-IO layer registers the transfer and checks every
@@ -79,7 +82,7 @@ from nvmeof.spec.nvme import (
 )
 from target.lifecycle import start_command
 from target.model import LATENCY_SHIFT
-from target.transports.tcp import RECV_BUFFER_MAX, RECV_BUFFER_MIN, TargetConnection, TcpListener, TcpRequest
+from target.transports.tcp import RECV_BUFFER_MIN, TargetConnection, TcpListener, TcpRequest
 
 if TYPE_CHECKING:
     from target.model import Listener
@@ -126,6 +129,7 @@ _MAX_TRANSFER = defaults.MAX_TRANSFER
 # a slot each, ~737 bytes apiece, one queue would hold ~48 MB. Only so many CIDs keep theirs.
 _MAX_SLOTS = defaults.TCP_BATCH_REPLY_SLOTS
 _HIGH_WATER = defaults.TCP_WRITE_HIGH_WATER
+_TIME_BUDGET_NS = defaults.TCP_BATCH_TIME_BUDGET_US * 1000
 _WRITE_POOL = defaults.TCP_BATCH_WRITE_POOL
 _SQHD_DISABLED = 0xFFFF
 _NO_OFFSET = bytes(8)
@@ -213,6 +217,8 @@ class BatchMixin:
     _release_h2c: Any
     _task_done: Any
     _flush: Any
+    _received: Any
+    _batching: bool
 
     def _batch_init(self) -> None:
         self._carry = 0                       # bytes of a partial CapsuleCmd kept at the start of _recv
@@ -221,6 +227,9 @@ class BatchMixin:
         self.fast_commands = 0                # commands the fast path completed (tests, diagnostics)
         self._fast_full = False               # the last _fast stopped at its bound of queued reply bytes
         self._held = False                    # the carry is the rest of a read waiting for the socket to drain
+                                              # (or for the next loop iteration: the batch's time budget ran out)
+        self._yield_at = 0                    # perf_counter_ns past which _fast stops after a backend call
+        self._fast_over = False               # the last _fast stopped there
         self._wbufs: dict[int, list[bytearray]] = {}   # length -> R2T write buffers free for reuse
         self._wbuf_bytes = 0                  # ... their bytes (at most TCP_BATCH_WRITE_POOL)
 
@@ -237,18 +246,10 @@ class BatchMixin:
         if self._recv_direct:
             super().buffer_updated(nbytes)   # type: ignore[misc]
             return
-        buf = self._recv
-        size = len(buf)
         total = self._carry + nbytes
         self._carry = 0
         self._held = False   # what was held goes now, with what came behind it
-        if total == size:
-            if size < RECV_BUFFER_MAX:
-                # The read filled the buffer, so more is waiting: take it in fewer, larger reads.
-                self._recv = memoryview(bytearray(min(size * 4, RECV_BUFFER_MAX)))
-        elif size > RECV_BUFFER_MIN and total < RECV_BUFFER_MIN:
-            self._recv = memoryview(bytearray(RECV_BUFFER_MIN))
-        self._receive(buf[:total])
+        self._receive(self._received(total))
 
     def data_received(self, data: bytes | memoryview) -> None:
         """Bytes handed over without get_buffer (a transport that is not buffered)."""
@@ -263,32 +264,67 @@ class BatchMixin:
     # --- the fast path --------------------------------------------------------------------------
 
     def _receive(self, mv: memoryview) -> None:
+        # What the slow path queues in this wake-up (every PDU of a digest connection, admin commands, the
+        # replies of R2T writes completing now) leaves in one write at its end, not one per PDU handed over.
+        # (An exception closes the connection, and close() flushes.)
+        self._batching = True
+        streamed = False
+        try:
+            streamed = self._receive_batch(mv)
+        finally:
+            if not self._closed:
+                self._batching = False
+                if streamed:
+                    self._flush()
+
+    def _receive_batch(self, mv: memoryview) -> bool:
+        """Take the PDUs of ``mv``: True when the slow path got any whose output is still queued."""
         end = len(mv)
         pos = 0
+        streamed = False
+        self._yield_at = _perf_ns() + _TIME_BUDGET_NS
         while not self._closed:
             if self._fast_ready():
+                if streamed:
+                    streamed = False
+                    self._send_queued()   # the slow path's replies so far go ahead of the fast path's
                 pos = self._fast(mv, pos)
+                if self._fast_over and pos < end:
+                    # The batch's backend calls (inline file writes, page-cache reads) ran past its time budget:
+                    # the rest waits behind the loop's other callbacks (every connection, timers), as nvmet's
+                    # io_work stops after its budget and requeues itself (nvmet_tcp_io_work). Its replies so
+                    # far have left; a read meanwhile takes the carried rest with it (buffer_updated).
+                    self._hold(mv, pos, end - pos)
+                    asyncio.get_running_loop().call_soon(self._release_held)
+                    return False   # (streamed is False here: what the slow path queued left before _fast)
                 if self._fast_full and pos < end:
                     # The batch's replies reached the high-water mark: if the socket did not take them
                     # (pause_writing came), the rest waits for the backlog to drain (resume_writing).
                     if self._write_paused:
                         self._hold(mv, pos, end - pos)
-                        return
+                        return False
                     continue
             rest = end - pos
             if not rest or self._closed or self._fast_tail(mv, pos, rest):
-                return
-            # One whole PDU the fast path did not take goes through the stream engine, then the fast
+                return streamed
+            # One whole PDU the fast path did not take goes through the slow path, then the fast
             # path goes on; a PDU cut by the end of the read (or anything while the sans-IO layer
             # holds bytes) goes there with everything after it.
             if rest >= 8 and self.conn.idle_ready():
                 plen = _unpack_u32(mv, pos + 4)[0]
                 if 8 <= plen <= rest:
                     self._stream(mv[pos:pos + plen])
+                    streamed = True
                     pos += plen
                     continue
             self._stream(mv[pos:] if pos else mv)
-            return
+            return True
+        return False
+
+    def _send_queued(self) -> None:
+        out = self.conn.data_to_send()
+        if out and self.transport is not None:
+            self.transport.writelines(out)
 
     def _hold(self, mv: memoryview, pos: int, rest: int) -> None:
         """Keep the unread rest of a batch at the start of the receive buffer, with room behind it."""
@@ -388,7 +424,11 @@ class BatchMixin:
         # Reply bytes this batch may queue: past them it stops, so that a host that does not read its
         # replies cannot make one wake-up queue what a whole receive buffer of reads asks for.
         budget = _HIGH_WATER
-        while end - pos >= _CMD_HLEN and read_bytes < budget:
+        # A backend call that is not a RAM disk's view (file page cache) checks the clock after it: past
+        # _yield_at the batch stops after that command (over), and _receive leaves the rest for later.
+        yield_at = self._yield_at
+        over = False
+        while end - pos >= _CMD_HLEN and read_bytes < budget and not over:
             head, opcode, flags, cid, nsid, sgl_len, sgl_id, slba, cdw12 = _unpack_cmd(mv, pos)
             # The hot lane: a RAM-disk read of the namespace and length this CID had last time. Every
             # check of the general path below, in the fewest steps; anything else goes there.
@@ -469,6 +509,7 @@ class BatchMixin:
                         if qos is not None:
                             qos.refund(hostnqn, True, length)   # the stream path charges it again
                         break
+                    over = _perf_ns() >= yield_at
                 reads += 1
                 read_bytes += length
             elif plen == _CMD_HLEN:
@@ -511,6 +552,7 @@ class BatchMixin:
                     if qos is not None:
                         qos.refund(hostnqn, False, length)   # the stream path charges it again
                     break
+                over = _perf_ns() >= yield_at
                 writes += 1
                 write_bytes += length
             pos += plen
@@ -534,6 +576,7 @@ class BatchMixin:
                 _pack_sqhd(slot.buf, _SLOT_SQHD, sqhd)
             append(slot.resp)
         self._fast_full = read_bytes >= budget
+        self._fast_over = over
         if last_nsid != -1 and ns is not None and (reads or writes):
             self._count(ns, reads, read_bytes, writes, write_bytes, start)
         if out:

@@ -12,6 +12,10 @@ sysfs `tls_key` names the very key inserted, 16 MiB dd with sha256, disconnect; 
 TLS port is refused (nvmet answers the ICReq with a handshake that fails), `--tls` for a host with no key in
 the keyring is refused by the host kernel itself (no PSK to offer).
 
+The kernel host against our target (`nvmeof serve --tls required` on the VM host): keys derived by
+nvmeof.tls.psk (keyctl padd), and keys inserted by nvme-cli 2.13 itself (libnvme's compat derivation, NVMe0R01),
+served for a host marked tls_compat and refused, with a log line naming the flag, for one that is not.
+
 6.1 has no NVMe/TCP TLS (Linux 6.7+): its half skips with that reason.
 """
 
@@ -206,13 +210,20 @@ ours_sha384() {
     check_dd 4 && check_disconnect
 }
 run ours_sha384 ours_sha384
-# the key as trixie's nvme-cli 2.13 (libnvme 1.13) derives it from the same configured PSK
+# the key as trixie's nvme-cli 2.13 (libnvme 1.13) derives it from the same configured PSK (compat encoding, an
+# NVMe0R01 identity): our target serves it for a host marked tls_compat, refuses it for one that is not
 run ours_nvmecli_key insert_key CLI @CLI_NQN@ @OSUB@ @CLI_KEY@ 0
 cli_connect() {
-    tls_connect @HOST_ADDR@ @OPORT@ @OSUB@ "${KEY_CLI:-none}" @CLI_ARGS@ --nr-io-queues=1 || return 1
-    check_dd 4 && check_disconnect
+    tls_connect @HOST_ADDR@ @OPORT@ @OSUB@ "${KEY_CLI:-none}" @CLI_ARGS@ --nr-io-queues=2 || return 1
+    check_dd @DD_MIB@ && check_disconnect
 }
-run ours_nvmecli_connect cli_connect
+run ours_nvmecli_compat_connect cli_connect
+cli_plain() {
+    insert_key CLIPLAIN @CLIPLAIN_NQN@ @OSUB@ @CLIPLAIN_KEY@ 0 || return 1
+    refused "an nvme-cli 2.13 key for a host not marked tls_compat" \
+        $T/nvme connect -t tcp -a @HOST_ADDR@ -s @OPORT@ -n @OSUB@ --tls @CLIPLAIN_ARGS@
+}
+run ours_nvmecli_without_compat_refused cli_plain
 """
 
 # ---- keys of our initiator (host side, through the forwarded port) for nvmet: made on the VM host by trixie's
@@ -265,6 +276,7 @@ class TlsRun:
     target: OurTarget  # `nvmeof serve --tls required` on the VM host
     oi_raw: Identity  # our initiator's identity whose TLS PSKs the guest got as bytes (keyctl padd)
     oi_raw_keys: dict[int, str] = dataclasses.field(repr=False)  # its configured PSKs by hmac id
+    cli_plain: Identity  # a host with an nvme-cli 2.13-inserted key that our target does not mark tls_compat
 
 
 def gen_tls_key(tools: tlstools.TlsTools, hmac_id: int, hostnqn: str, subnqn: str) -> str:
@@ -299,10 +311,12 @@ def _raw(key: str, ident: Identity, subnqn: str, version: int = 0) -> tuple[str,
     return str(identity), tk.tls_psk(identity).hex()
 
 
-def _allow(target: OurTarget, ident: Identity, key: str | None) -> None:
+def _allow(target: OurTarget, ident: Identity, key: str | None, compat: bool = False) -> None:
     body: dict[str, object] = {"hostnqn": ident.hostnqn}
     if key is not None:
         body["tls_key"] = key
+    if compat:
+        body["tls_compat"] = True
     target.api("POST", f"/subsystems/{OSUB}/hosts", json=body)
 
 
@@ -312,12 +326,13 @@ def tls_run(tls_assets: vm.Assets, tls_tools: tlstools.TlsTools, debian_rootfs: 
     log_dir = tmp_path_factory.mktemp("kernel-tls")
     report = Report(console=log_dir / "guest-console.log", target_log=log_dir / "nvmeof-serve.log")
     kk, nokey, oi = Identity.new(), Identity.new(), Identity.new()
-    ours, wrong, nokey2, cli = Identity.new(), Identity.new(), Identity.new(), Identity.new()
+    ours, wrong, nokey2, cli, cli_plain = (Identity.new() for _ in range(5))
     kk384, ours384 = Identity.new(), Identity.new()
     ours384_key = gen_tls_key(tls_tools, 2, ours384.hostnqn, OSUB)
     ours384_ident, ours384_psk = _raw(ours384_key, ours384, OSUB)
     oi_keys = {h: gen_tls_key(tls_tools, h, oi.hostnqn, KSUB) for h in (1, 2)}
-    ours_key, wrong_key, cli_key = (gen_tls_key(tls_tools, 1, i.hostnqn, OSUB) for i in (ours, wrong, cli))
+    ours_key, wrong_key, cli_key, cli_plain_key = (gen_tls_key(tls_tools, 1, i.hostnqn, OSUB)
+                                                   for i in (ours, wrong, cli, cli_plain))
     ours_ident, ours_psk = _raw(ours_key, ours, OSUB)
     # the guest holds a key for `wrong` that our target does not; our target holds none at all for `nokey2`
     wrong_ident, wrong_psk = _raw(gen_tls_key(tls_tools, 1, wrong.hostnqn, OSUB), wrong, OSUB)
@@ -336,9 +351,10 @@ def tls_run(tls_assets: vm.Assets, tls_tools: tlstools.TlsTools, debian_rootfs: 
         target.api("POST", "/subsystems", json={"nqn": OSUB, "allow_any_host": False})
         target.api("POST", f"/subsystems/{OSUB}/namespaces", json={"backend": "ram", "size": 64 << 20,
                                                                   "block_size": BLOCK})
-        for ident, key in ((ours, ours_key), (wrong, wrong_key), (nokey2, None), (cli, cli_key),
+        for ident, key in ((ours, ours_key), (wrong, wrong_key), (nokey2, None), (cli_plain, cli_plain_key),
                            (ours384, ours384_key)):
             _allow(target, ident, key)
+        _allow(target, cli, cli_key, compat=True)   # its key is nvme-cli 2.13's NVMe0R01 (compat derivation)
         values = {"@KK_NQN@": q(kk.hostnqn), "@KK_ARGS@": kk.args(), "@NOKEY_ARGS@": nokey.args(),
                   "@OI_NQN@": q(oi.hostnqn), "@OI_KEY256@": q(oi_keys[1]), "@OI_KEY384@": q(oi_keys[2]),
                   "@RAW_IDENT_V0@": q(raw_v0[0]), "@RAW_PSK_V0@": raw_v0[1],
@@ -350,6 +366,8 @@ def tls_run(tls_assets: vm.Assets, tls_tools: tlstools.TlsTools, debian_rootfs: 
                   "@WRONG_IDENT@": q(wrong_ident), "@WRONG_PSK@": wrong_psk, "@WRONG_ARGS@": wrong.args(),
                   "@NOKEY_IDENT@": q(nokey_ident), "@NOKEY_PSK@": nokey_psk, "@NOKEY2_ARGS@": nokey2.args(),
                   "@CLI_NQN@": q(cli.hostnqn), "@CLI_KEY@": q(cli_key), "@CLI_ARGS@": cli.args(),
+                  "@CLIPLAIN_NQN@": q(cli_plain.hostnqn), "@CLIPLAIN_KEY@": q(cli_plain_key),
+                  "@CLIPLAIN_ARGS@": cli_plain.args(),
                   "@KK384_NQN@": q(kk384.hostnqn), "@KK384_ARGS@": kk384.args(),
                   "@OURS384_IDENT@": q(ours384_ident), "@OURS384_PSK@": ours384_psk, "@OURS384_ARGS@": ours384.args()}
         script = guest_script(values, (KERNEL_PART, OURS_PART, OI_PART))
@@ -372,7 +390,7 @@ def tls_run(tls_assets: vm.Assets, tls_tools: tlstools.TlsTools, debian_rootfs: 
                 took = f"{result.seconds:4.0f}s" if result.seconds is not None else "    -"
                 print(f"  {'PASS' if result.ok else 'FAIL'} {took} {name}{'' if result.ok else ': ' + result.reason}")
             yield TlsRun(report, guest, tls_port, clear_port, tls_tools, oi, oi_keys, target, oi_raw,
-                         {1: oi_raw_key, 2: oi_raw_key384})
+                         {1: oi_raw_key, 2: oi_raw_key384}, cli_plain)
         finally:
             report.console.write_text(guest.output)
             guest.stop()
@@ -390,29 +408,46 @@ BLOCK = 512
 
 
 def _connect(run: TlsRun, *, port: int | None = None, key: str | None = None, version: int = 1,
-             nr_io_queues: int = 2, ident: Identity | None = None, compat: bool = False) -> Any:
+             nr_io_queues: int = 2, ident: Identity | None = None, compat: bool = False,
+             sha256_binder: bool = False) -> Any:
     ident = ident or run.oi
     return initiator.connect("127.0.0.1", port or run.tls_port, KSUB, hostnqn=ident.hostnqn, hostid=ident.hostid,
                              nr_io_queues=nr_io_queues, timeout=60, tls_key=key, tls_identity_version=version,
-                             **({"tls_compat": True} if compat else {}))
+                             **({"tls_compat": True} if compat else {}),
+                             **({"tls_sha256_binder": True} if sha256_binder else {}))
 
 
-SHA384_TLSHD = pytest.mark.xfail(strict=True, reason=(
-    "SHA-384 PSKs between tlshd 1.0.0 (GnuTLS 3.8.9) and our OpenSSL TLS session fail both ways (our target: "
-    "'bad extension' on tlshd's ClientHello; tlshd on ours: GnuTLS -55, received illegal parameter) while tlshd to "
-    "tlshd works (kk_sha384) by negotiating CHACHA20-POLY1305, a SHA-256 suite, for the SHA-384 PSK; ours offers "
-    "only TLS_AES_256_GCM_SHA384 for it: issue 23"))
+# tlshd 1.0.0 as the server (nvmet's handshakes) takes every PSK with a SHA-256 binder and a SHA-256 suite: GnuTLS
+# before 3.8.11 (trixie: 3.8.9) cannot bind an external PSK to SHA-384 (gnutls_psk_allocate_server_credentials2 is
+# 3.8.11's), so tlshd to tlshd (kk_sha384) negotiates CHACHA20-POLY1305-SHA256 for a SHA-384 PSK. Our host binds it
+# to SHA-384 and offers TLS_AES_256_GCM_SHA384 as TP 8011 says, which tlshd refuses (GnuTLS -55, illegal parameter)
+# unless the host is told tls_sha256_binder=True: the SHA-384 rows below pass it, and
+# test_initiator_sha384_without_sha256_binder_is_refused keeps the default's refusal shown.
+HASH_CASES = [(1, 0), (1, 1), (2, 0), (2, 1)]
+HASH_IDS = ["sha256-NVMe0R", "sha256-NVMe1R", "sha384-NVMe0R", "sha384-NVMe1R"]
 
 
-@pytest.mark.parametrize(("hmac_id", "version"), [(1, 0), (1, 1), pytest.param(2, 0, marks=SHA384_TLSHD),
-                                                  pytest.param(2, 1, marks=SHA384_TLSHD)],
-                         ids=["sha256-NVMe0R", "sha256-NVMe1R", "sha384-NVMe0R", "sha384-NVMe1R"])
+@pytest.mark.parametrize(("hmac_id", "version"), HASH_CASES, ids=HASH_IDS)
 async def test_initiator_over_tls_against_kernel_target(tls_run: TlsRun, hmac_id: int, version: int) -> None:
     """The TLS PSK (as nvmeof.tls.psk derives it) under the identity our initiator offers, added with keyctl:
-    connect through tlshd, identify, write/read 1 MiB (sha256), flush."""
+    connect through tlshd (a SHA-384 key with tls_sha256_binder), identify, write/read 1 MiB (sha256), flush."""
     tls_run.report.assert_passed(*OI_RAW_CHECKS)
-    async with _connect(tls_run, key=tls_run.oi_raw_keys[hmac_id], version=version, ident=tls_run.oi_raw) as ctrl:
+    async with _connect(tls_run, key=tls_run.oi_raw_keys[hmac_id], version=version, ident=tls_run.oi_raw,
+                        sha256_binder=hmac_id == 2) as ctrl:
+        assert {q._tls.cipher_name for q in [ctrl.admin, *ctrl.io_queues]} <= {
+            "TLS_AES_128_GCM_SHA256", "TLS_CHACHA20_POLY1305_SHA256"}
         await _identify_and_rw(ctrl, 4 + (hmac_id - 1) * 2 + version)
+
+
+@pytest.mark.parametrize("version", [0, 1], ids=["NVMe0R", "NVMe1R"])
+async def test_initiator_sha384_without_sha256_binder_is_refused(tls_run: TlsRun, version: int) -> None:
+    """The default (TP 8011: a SHA-384 PSK bound to SHA-384, TLS_AES_256_GCM_SHA384) against tlshd on GnuTLS 3.8.9:
+    refused, the reason tls_sha256_binder exists. Should tlshd learn SHA-384 binders, this fails and says so."""
+    tls_run.report.assert_passed(*OI_RAW_CHECKS)
+    with pytest.raises(TransportError, match="qid 0"):
+        async with _connect(tls_run, key=tls_run.oi_raw_keys[2], version=version, ident=tls_run.oi_raw,
+                            nr_io_queues=1):
+            pass
 
 
 @pytest.mark.parametrize(("hmac_id", "version"), [(1, 0), (1, 1), (2, 0), (2, 1)],
@@ -427,15 +462,14 @@ async def test_initiator_refused_with_nvme_cli_2_13_derived_keys(tls_run: TlsRun
             pass
 
 
-@pytest.mark.parametrize(("hmac_id", "version"), [(1, 0), (1, 1), pytest.param(2, 0, marks=SHA384_TLSHD),
-                                                  pytest.param(2, 1, marks=SHA384_TLSHD)],
-                         ids=["sha256-NVMe0R", "sha256-NVMe1R", "sha384-NVMe0R", "sha384-NVMe1R"])
+@pytest.mark.parametrize(("hmac_id", "version"), HASH_CASES, ids=HASH_IDS)
 async def test_initiator_tls_compat_with_nvme_cli_2_13_derived_keys(tls_run: TlsRun, hmac_id: int,
                                                                     version: int) -> None:
-    """The same keys with ``tls_compat=True`` (libnvme's derivation without the length prefixes): connect through
-    tlshd, identify, write/read 1 MiB (sha256), flush."""
+    """The same keys with ``tls_compat=True`` (libnvme's derivation without the length prefixes; a SHA-384 key with
+    tls_sha256_binder): connect through tlshd, identify, write/read 1 MiB (sha256), flush."""
     tls_run.report.assert_passed(*OI_KEY_CHECKS)
-    async with _connect(tls_run, key=tls_run.oi_keys[hmac_id], version=version, compat=True) as ctrl:
+    async with _connect(tls_run, key=tls_run.oi_keys[hmac_id], version=version, compat=True,
+                        sha256_binder=hmac_id == 2) as ctrl:
         await _identify_and_rw(ctrl, 8 + (hmac_id - 1) * 2 + version)
 
 
@@ -487,24 +521,21 @@ def test_our_target_refuses_clear_wrong_and_missing_keys(tls_run: TlsRun) -> Non
     assert not [c for c in tls_run.target.controllers() if c["subnqn"] == OSUB]
 
 
-@SHA384_TLSHD
 def test_kernel_host_sha384_against_our_target(tls_run: TlsRun) -> None:
-    """nvme connect --tls with a SHA-384 PSK (NVMe0R02) to our target: dd 4 MiB sha256, disconnect."""
+    """nvme connect --tls with a SHA-384 PSK (NVMe0R02) to our target: dd 4 MiB sha256, disconnect. tlshd
+    (GnuTLS 3.8.9) binds the PSK to SHA-256 and offers no TLS_AES_128_GCM_SHA256 for it; our target sees the
+    32-byte binder and takes the PSK with TLS_CHACHA20_POLY1305_SHA256 (nvmeof/tls/openssl.py), logging why."""
     tls_run.report.assert_passed("ours_sha384")
+    assert "SHA-256 binder" in tls_run.target.log_text()
 
 
-def test_nvme_cli_2_13_derived_key_is_not_ours(tls_run: TlsRun) -> None:
-    """What is, today (issue 23): Debian trixie's nvme-cli 2.13 / libnvme 1.13 derive the retained PSK (and from it
-    the NVMe1R digest and the TLS PSK) with HKDF-Expand-Label *without* RFC 8446's length prefixes, the form
-    nvmeof.tls.psk calls ``compat``. Our target tells that form from an NVMe1R identity's digest, but Linux 6.12's
-    host offers NVMe0R identities only (no digest), for which it uses the RFC form: a kernel host whose key was
-    inserted by that nvme-cli is refused, while the same configured key added as our derivation
-    (test_kernel_host_against_our_target_over_tls) works. When our side learns to take both this test fails and
-    becomes a positive one."""
-    tls_run.report.assert_passed("ours_nvmecli_key")
-    result = tls_run.report.checks.get("ours_nvmecli_connect")
-    assert result is not None and not result.ok, "the nvme-cli 2.13 key now works against our target: update this test"
-    # the NVMe1R digest nvme-cli prints is the compat derivation's, not the RFC one
+def test_kernel_host_with_nvme_cli_2_13_key_and_tls_compat(tls_run: TlsRun) -> None:
+    """Debian trixie's nvme-cli 2.13 / libnvme 1.13 insert the kernel host's key derived with HKDF-Expand-Label
+    *without* RFC 8446's length prefixes (nvmeof.tls.psk's ``compat``) under an NVMe0R01 identity, which carries no
+    digest to tell the derivation by (Linux 6.12's nvme_tls_psk_default looks up NVMe0R identities only). With the
+    host marked tls_compat on our target: nvme connect --tls, 2 I/O queues, dd 16 MiB sha256, disconnect."""
+    tls_run.report.assert_passed("ours_nvmecli_key", "ours_nvmecli_compat_connect")
+    # the NVMe1R digest nvme-cli prints is the compat derivation's, not the RFC one: the derivation is nvme-cli's
     ident = Identity.new()
     key = gen_tls_key(tls_run.tools, 1, ident.hostnqn, OSUB)
     proc = subprocess.run([str(tls_run.tools.bin("nvme")), "check-tls-key", f"--keydata={key}",
@@ -514,3 +545,13 @@ def test_nvme_cli_2_13_derived_key_is_not_ours(tls_run: TlsRun) -> None:
     tk = TlsKey.parse(key)
     assert printed == str(tk.identity(ident.hostnqn, OSUB, 1, compat=True))
     assert printed != str(tk.identity(ident.hostnqn, OSUB, 1))
+
+
+def test_nvme_cli_2_13_key_without_tls_compat_is_refused_with_the_cause(tls_run: TlsRun) -> None:
+    """The same kind of key for a host not marked tls_compat: refused (the binder does not verify), and the
+    target's one log line for it names the likely cause and the flag to set (and never the key)."""
+    tls_run.report.assert_passed("ours_nvmecli_without_compat_refused")
+    host = tls_run.cli_plain.hostnqn
+    lines = [line for line in tls_run.target.log_lines("WARNING") if "TLS handshake" in line and host in line]
+    assert lines, f"no TLS handshake refusal naming {host} in {tls_run.target.log_path}"
+    assert all("--tls-compat" in line and "libnvme" in line for line in lines), lines

@@ -15,7 +15,7 @@ from nvmeof import __version__, defaults
 from nvmeof.spec.identify import NSID_MAX
 
 from .common import parse_size, run_async
-from .host import dhchap_options, tls_kwargs, tls_options
+from .host import dhchap_options, tls_binder_option, tls_kwargs, tls_options
 
 _TIME = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(us|ms|s|m|h)?\s*$", re.IGNORECASE)
 _TIME_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -265,14 +265,12 @@ def format_normal(report: Any) -> str:
 @click.option("--poll-us", "poll_us", type=click.IntRange(0, 1_000_000), default=defaults.POLL_US,
               help="Hybrid polling: after a batch, busy-try non-blocking receives this many µs before sleeping "
                    "(0 = off; its CPU shows in the CPU-per-I/O figures).")
-@click.option("--tcp-engine", "tcp_engine", type=click.Choice(["batch", "stream"]), default=defaults.HOST_TCP_ENGINE,
-              help="Host NVMe/TCP queue implementation: batch (one socket, cid slots, one sendmsg per wake-up) or "
-                   "stream (the asyncio protocol path, for A/B).")
 @click.option("--disable-sqflow", "disable_sqflow", is_flag=True,
               help="Connect with SQ flow control disabled (nvme-cli --disable-sqflow): the target may end a "
                    "successful read with a C2HData SUCCESS flag instead of a CapsuleResp.")
 @dhchap_options
 @tls_options
+@tls_binder_option
 def bench(**opts: Any) -> None:
     """Measure a namespace the way fio does, through the Python initiator.
 
@@ -303,19 +301,18 @@ def bench(**opts: Any) -> None:
         spec.validate()
     except BenchError as e:
         raise click.UsageError(str(e)) from None
-    if opts["poll_us"] and (opts["tcp_engine"] != "batch" or opts["transport"] != "tcp"):
+    if opts["poll_us"] and opts["transport"] != "tcp":
         raise click.UsageError(f"--poll-us {opts['poll_us']}: poll_us=N needs the TCP batch engine "
-                               f"(--transport tcp --tcp-engine batch), not --transport {opts['transport']} "
-                               f"--tcp-engine {opts['tcp_engine']}")
-    tls = tls_kwargs(opts["tls"], opts["tls_key"], opts["tls_identity_version"])
+                               f"(--transport tcp), not --transport {opts['transport']}")
+    tls = tls_kwargs(opts["tls"], opts["tls_key"], opts["tls_identity_version"], opts["tls_sha256_binder"])
     if tls and opts["poll_us"]:
-        raise click.UsageError("--poll-us needs the batch engine; TLS queues run on the stream engine")
+        raise click.UsageError("--poll-us needs the batch engine's socket; TLS queues read through the TLS session")
     cspec = ConnectSpec(
         transport=opts["transport"], traddr=opts["traddr"], trsvcid=opts["trsvcid"], subnqn=opts["nqn"],
         hostnqn=opts["hostnqn"], hdr_digest=opts["hdr_digest"], data_digest=opts["data_digest"],
         nr_io_queues=opts["nr_io_queues"], queue_size=opts["queue_size"],
         dhchap_secret=opts["dhchap_secret"], dhchap_ctrl_secret=opts["dhchap_ctrl_secret"],
-        engine=opts["tcp_engine"], poll_us=opts["poll_us"], disable_sqflow=opts["disable_sqflow"], **tls,
+        poll_us=opts["poll_us"], disable_sqflow=opts["disable_sqflow"], **tls,
     )
     show = opts["eta"] == "always" or (opts["eta"] == "auto" and sys.stderr.isatty())
     progress = None

@@ -73,11 +73,23 @@ def tls_options(f: Callable) -> Callable:
                         "`connect`, the kernel host, may find its key in the .nvme keyring).")(f)
 
 
-def tls_kwargs(tls: bool, tls_key: object, version: int) -> dict[str, object]:
+def tls_binder_option(f: Callable) -> Callable:
+    """--tls-sha256-binder, the Python host's interop switch (the kernel host's tlshd binds as its GnuTLS does)."""
+    return click.option("--tls-sha256-binder", "tls_sha256_binder", is_flag=True,
+                        help="Offer a SHA-384 PSK (NVMeTLSkey-1:02:) with a SHA-256 binder and suite, as a Linux "
+                        "nvmet TLS port whose tlshd runs on GnuTLS before 3.8.11 needs (TP 8011: SHA-384).")(f)
+
+
+def tls_kwargs(tls: bool, tls_key: object, version: int, sha256_binder: bool = False) -> dict[str, object]:
     """connect()'s TLS arguments from the command line; --tls alone is refused (no keyring is read)."""
     if tls and tls_key is None:
         raise click.UsageError("--tls needs --tls-key NVMeTLSkey-1:...: (this host reads no kernel keyring)")
-    return {"tls_key": tls_key, "tls_identity_version": version} if tls_key is not None else {}
+    if sha256_binder and tls_key is None:
+        raise click.UsageError("--tls-sha256-binder needs --tls-key NVMeTLSkey-1:02:...: (a SHA-384 PSK)")
+    if tls_key is None:
+        return {}
+    return {"tls_key": tls_key, "tls_identity_version": version,
+            **({"tls_sha256_binder": True} if sha256_binder else {})}
 
 
 def connection_options(default_port: int, *, nqn_required: bool = True) -> Callable:
@@ -100,8 +112,8 @@ def connection_options(default_port: int, *, nqn_required: bool = True) -> Calla
         if nqn_required:
             opts.append(click.option("-n", "--nqn", required=True, help="Subsystem NQN."))
         names = ["transport", "traddr", "trsvcid", "hostnqn", "hostid", "hdr_digest", "data_digest", "timeout",
-                 "dhchap_secret", "dhchap_ctrl_secret", "tls", "tls_key", "tls_identity_version"] + (
-                     ["nqn"] if nqn_required else [])
+                 "dhchap_secret", "dhchap_ctrl_secret", "tls", "tls_key", "tls_identity_version",
+                 "tls_sha256_binder"] + (["nqn"] if nqn_required else [])
 
         @functools.wraps(f)
         def collect(**kwargs):
@@ -111,7 +123,7 @@ def connection_options(default_port: int, *, nqn_required: bool = True) -> Calla
 
         for opt in reversed(opts):
             collect = opt(collect)
-        return output_format_options(dhchap_options(tls_options(collect)))
+        return output_format_options(dhchap_options(tls_options(tls_binder_option(collect))))
     return deco
 
 
@@ -141,7 +153,8 @@ async def _open(conn: dict, *, nr_io_queues: int = 1):
                                    hdr_digest=conn["hdr_digest"], data_digest=conn["data_digest"],
                                    timeout=conn["timeout"], nr_io_queues=nr_io_queues,
                                    dhchap_secret=conn["dhchap_secret"], dhchap_ctrl_secret=conn["dhchap_ctrl_secret"],
-                                   **tls_kwargs(conn["tls"], conn["tls_key"], conn["tls_identity_version"]))
+                                   **tls_kwargs(conn["tls"], conn["tls_key"], conn["tls_identity_version"],
+                                              conn["tls_sha256_binder"]))
 
 
 @click.command()
@@ -164,7 +177,8 @@ async def _discover(conn: dict) -> tuple[int, list]:
                           hostid=conn["hostid"], transport=conn["transport"], nr_io_queues=0, kato=0,
                           hdr_digest=conn["hdr_digest"], data_digest=conn["data_digest"], timeout=conn["timeout"],
                           dhchap_secret=conn["dhchap_secret"], dhchap_ctrl_secret=conn["dhchap_ctrl_secret"],
-                          **tls_kwargs(conn["tls"], conn["tls_key"], conn["tls_identity_version"]))
+                          **tls_kwargs(conn["tls"], conn["tls_key"], conn["tls_identity_version"],
+                                              conn["tls_sha256_binder"]))
     await ctrl.open()
     try:
         return await read_discovery_log(ctrl)

@@ -651,12 +651,19 @@ def _dhchap_options(func: Callable) -> Callable:
 
 
 def _auth_summary(entry: dict[str, Any]) -> tuple[str, str, str, str, str]:
+    tls = _yes(entry.get("tls_key", False)) + (" (compat)" if entry.get("tls_compat") else "")
     return (_yes(entry.get("dhchap_key", False)), _yes(entry.get("dhchap_ctrl_key", False)),
             ",".join(entry.get("dhchap_hash") or []) or "default",
-            ",".join(entry.get("dhchap_dhgroup") or []) or "default", _yes(entry.get("tls_key", False)))
+            ",".join(entry.get("dhchap_dhgroup") or []) or "default", tls)
+
+
+_TLS_COMPAT_HELP = ("Derive the host's TLS PSK for identities without a digest (NVMe0R..) the way libnvme's compat "
+                    "functions do: for a Linux host whose key nvme-cli 2.13 / libnvme 1.13 inserted (gen-tls-key or "
+                    "check-tls-key --insert). Off by default (RFC 8446).")
 
 
 def _tls_key_option(func: Callable) -> Callable:
+    func = click.option("--tls-compat/--no-tls-compat", "tls_compat", default=None, help=_TLS_COMPAT_HELP)(func)
     return click.option("--tls-key", metavar="NVMeTLSkey-1:NN:...:",
                         help="The host's NVMe/TCP TLS PSK on this subsystem (`nvme gen-tls-key` / `nvmeof "
                              "gen-tls-key`), for listeners with --tls optional|required. Never printed back.")(func)
@@ -668,13 +675,14 @@ def _tls_key_option(func: Callable) -> Callable:
 @_dhchap_options
 @_tls_key_option
 def host_allow(api: Api, as_json: bool, nqn: str, hostnqn: str, dhchap_key: str | None, dhchap_ctrl_key: str | None,
-               dhchap_hash: tuple[str, ...], dhchap_dhgroup: tuple[str, ...], tls_key: str | None) -> None:
+               dhchap_hash: tuple[str, ...], dhchap_dhgroup: tuple[str, ...], tls_key: str | None,
+               tls_compat: bool | None) -> None:
     """Let HOSTNQN connect to subsystem NQN (the subsystem must not allow any host); with --dhchap-key it
     must authenticate (DH-HMAC-CHAP), with --tls-key it may connect over TLS."""
     body: dict[str, Any] = {"hostnqn": hostnqn}
     for key, value in (("dhchap_key", dhchap_key), ("dhchap_ctrl_key", dhchap_ctrl_key),
                        ("dhchap_hash", _names(dhchap_hash)), ("dhchap_dhgroup", _names(dhchap_dhgroup)),
-                       ("tls_key", tls_key)):
+                       ("tls_key", tls_key), ("tls_compat", tls_compat)):
         if value is not None:
             body[key] = value
     result = api.call("POST", f"/api/v1/subsystems/{_nqn(nqn)}/hosts", json_body=body)
@@ -682,7 +690,7 @@ def host_allow(api: Api, as_json: bool, nqn: str, hostnqn: str, dhchap_key: str 
         echo_json(result)
     else:
         how = " after DH-HMAC-CHAP authentication" if dhchap_key else ""
-        how += " (TLS PSK set)" if tls_key else ""
+        how += " (TLS PSK set{})".format(", compat derivation" if tls_compat else "") if tls_key else ""
         click.echo(f"host {hostnqn} may connect to {nqn}{how}")
 
 
@@ -698,13 +706,13 @@ host.add_command(host_allow, "add")   # `host add` as SPDK's nvmf_subsystem_add_
 @click.option("--no-tls-key", is_flag=True, help="Remove the host's TLS PSK.")
 def host_set_key(api: Api, as_json: bool, nqn: str, hostnqn: str, dhchap_key: str | None,
                  dhchap_ctrl_key: str | None, dhchap_hash: tuple[str, ...], dhchap_dhgroup: tuple[str, ...],
-                 no_dhchap_ctrl_key: bool, tls_key: str | None, no_tls_key: bool) -> None:
-    """Set or rotate the DH-HMAC-CHAP keys (and lists) of allowed host HOSTNQN on NQN; options not given stay
-    as they are. Connected controllers keep running; the next authentication uses the new keys."""
+                 no_dhchap_ctrl_key: bool, tls_key: str | None, no_tls_key: bool, tls_compat: bool | None) -> None:
+    """Set or rotate the DH-HMAC-CHAP keys (and lists) and the TLS PSK of allowed host HOSTNQN on NQN; options not
+    given stay as they are. Connected controllers keep running; the next authentication uses the new keys."""
     body: dict[str, Any] = {}
     for key, value in (("dhchap_key", dhchap_key), ("dhchap_ctrl_key", dhchap_ctrl_key),
                        ("dhchap_hash", _names(dhchap_hash)), ("dhchap_dhgroup", _names(dhchap_dhgroup)),
-                       ("tls_key", tls_key)):
+                       ("tls_key", tls_key), ("tls_compat", tls_compat)):
         if value is not None:
             body[key] = value
     if no_tls_key:
@@ -717,13 +725,16 @@ def host_set_key(api: Api, as_json: bool, nqn: str, hostnqn: str, dhchap_key: st
         body["dhchap_ctrl_key"] = None
     if not body:
         raise click.UsageError("nothing to change: give --dhchap-key, --dhchap-ctrl-key, --no-dhchap-ctrl-key, "
-                               "--dhchap-hash, --dhchap-dhgroup, --tls-key or --no-tls-key")
+                               "--dhchap-hash, --dhchap-dhgroup, --tls-key, --no-tls-key or --[no-]tls-compat")
     result = api.call("PATCH", f"/api/v1/subsystems/{_nqn(nqn)}/hosts/{_nqn(hostnqn)}", json_body=body)
     if as_json:
         echo_json(result)
     else:
         click.echo(f"settings of host {hostnqn} on {nqn} updated ({', '.join(sorted(body))}); "
                    "connected controllers keep running, new authentications use them")
+
+
+host.add_command(host_set_key, "set")   # `host set`: the same command (the settings are more than keys)
 
 
 @api_command(host, "remove-key")

@@ -129,9 +129,6 @@ def _api(value: str):
               show_default=True, metavar="SECONDS",
               help="An RBD namespace's command fails (retryably) when the cluster does not answer in time, "
                    "instead of waiting for it forever.")
-@click.option("--tcp-engine", type=click.Choice(["batch", "stream"]), default=defaults.TCP_ENGINE, show_default=True,
-              help="NVMe/TCP data path: batch runs RAM/page-cache reads and in-capsule writes inline per received "
-                   "batch and sends each batch's replies in one sendmsg; stream is the event-per-PDU path (A/B).")
 @click.option("--poll-us", type=click.IntRange(min=0), default=defaults.POLL_US, show_default=True, metavar="N",
               help="Batch engine: after a batch, keep trying non-blocking receives for up to N microseconds before "
                    f"sleeping (hybrid polling: lower QD1 latency for CPU time); 0 turns it off, at most "
@@ -198,7 +195,6 @@ def serve(**kw) -> None:
     fields["ceph_keyrings"] = list(kw["ceph_keyrings"])
     fields["rbd_images"] = [_rbd_image(text) for text in kw["rbd_images"]]
     fields["rbd_op_timeout"] = kw["rbd_op_timeout"]
-    fields["tcp_engine"] = kw["tcp_engine"]
     fields["poll_us"] = kw["poll_us"]
     fields["gateway_group"] = kw["gateway_group"]
     fields["gateway_name"] = kw["gateway_name"]
