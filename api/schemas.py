@@ -14,18 +14,17 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from nvmeof import defaults
-from nvmeof.spec.fabrics import PORTID_MAX
-from nvmeof.spec.identify import NSID_MAX
+from target import schema
 from target.backends import KINDS
 
-HEX_NGUID = r"^[0-9A-Fa-f]{32}$"
-HEX_EUI64 = r"^[0-9A-Fa-f]{16}$"
+HEX_NGUID = rf"^[0-9A-Fa-f]{{{2 * schema.NGUID_LEN}}}$"
+HEX_EUI64 = rf"^[0-9A-Fa-f]{{{2 * schema.EUI64_LEN}}}$"
 
-TrType = Literal["tcp", "rdma"]
-AdrFam = Literal["ipv4", "ipv6"]
+TrType = Literal[schema.TRTYPES]  # type: ignore[valid-type]  # target/model.py, checked by target/schema.py
+AdrFam = Literal[schema.ADRFAMS]  # type: ignore[valid-type]
 # nvmeof.spec.logs.ANA_STATE_NAMES (tests/test_ana_api.py keeps the two equal)
 AnaStateName = Literal["optimized", "non-optimized", "inaccessible", "persistent-loss", "change"]
-TlsMode = Literal["none", "optional", "required"]   # a TCP listener's TLS (defaults.TLS_MODES)
+TlsMode = Literal[defaults.TLS_MODES]  # type: ignore[valid-type]  # a TCP listener's TLS
 
 
 def _example(example: dict[str, Any]) -> ConfigDict:
@@ -61,13 +60,13 @@ class SubsystemCreate(_Request):
     model_config = _example({"nqn": "nqn.2024-01.com.example:disk1", "allow_any_host": True})
 
     nqn: str | None = Field(None, description="NQN; generated (UUID form) when omitted")
-    serial: str | None = Field(None, max_length=20, description="Serial number; generated when omitted")
-    model: str = Field(defaults.MODEL, min_length=1, max_length=40)
+    serial: str | None = Field(None, max_length=schema.SERIAL_MAX, description="Serial number; generated when omitted")
+    model: str = Field(defaults.MODEL, min_length=1, max_length=schema.MODEL_MAX)
     allow_any_host: bool | None = Field(
         None, description="Let every host connect; defaults to true when no hosts are listed"
     )
     hosts: list[str] = Field(default_factory=list, description="Host NQNs allowed to connect")
-    max_namespaces: int = Field(defaults.MAX_NAMESPACES, ge=1, le=NSID_MAX)
+    max_namespaces: int = Field(defaults.MAX_NAMESPACES, **schema.MAX_NAMESPACES.bounds())
     dhchap_hash: list[str] | None = Field(None, description=_DHCHAP_HASH)
     dhchap_dhgroup: list[str] | None = Field(None, description=_DHCHAP_DHGROUP)
 
@@ -154,15 +153,16 @@ class NamespaceCreate(_Request):
     backend: Literal[KINDS]  # type: ignore[valid-type]  # the registry in target/backends
     path: str | None = Field(None, description="Absolute path of a file under a backing directory, or of an "
                                                "allowed block device (backend 'file'); stored resolved")
-    size: int | None = Field(None, ge=1, description="Bytes; required for ram/null, or with create=true")
-    block_size: int = Field(defaults.DEFAULT_BLOCK_SIZE, description="512 or 4096")
-    nsid: int | None = Field(None, ge=1, le=NSID_MAX, description="Lowest free NSID when omitted")
+    size: int | None = Field(None, **schema.SIZE.bounds(),
+                             description="Bytes; required for ram/null, or with create=true")
+    block_size: int = Field(defaults.DEFAULT_BLOCK_SIZE, description=" or ".join(map(str, schema.BLOCK_SIZES)))
+    nsid: int | None = Field(None, **schema.NSID.bounds(), description="Lowest free NSID when omitted")
     uuid: uuid_mod.UUID | None = Field(None, strict=False)  # JSON has no UUID type: parsed from its string
     nguid: str | None = Field(None, pattern=HEX_NGUID)
     eui64: str | None = Field(None, pattern=HEX_EUI64)
     read_only: bool = False
     enabled: bool = True
-    anagrpid: int = Field(defaults.DEFAULT_ANAGRPID, ge=1, le=defaults.ANAGRPMAX,
+    anagrpid: int = Field(defaults.DEFAULT_ANAGRPID, **schema.ANAGRPID.bounds(),
                           description="ANA group: hosts with native multipath pick paths by its state on each listener")
     create: bool = Field(False, description="Create the file (or RBD image) with the given size if it is missing, "
                                             "or grow a shorter one to it; without it an existing one is never changed")
@@ -184,7 +184,7 @@ class NamespaceCreate(_Request):
 class NamespaceAnaGroup(_Request):
     model_config = _example({"anagrpid": 2})
 
-    anagrpid: int = Field(ge=1, le=defaults.ANAGRPMAX, description="The namespace's new ANA group")
+    anagrpid: int = Field(**schema.ANAGRPID.bounds(), description="The namespace's new ANA group")
 
 
 class NamespaceHostAdd(_Request):
@@ -211,8 +211,8 @@ class NamespaceQosOut(QosLimitsOut):
     hosts: dict[str, QosLimitsOut] = Field(default_factory=dict, description="Limits of single hosts (host NQN)")
 
 
-_IOS = Field(None, ge=0, le=defaults.QOS_IOS_MAX, description="Commands per second; 0 removes the limit")
-_MBYTES = Field(None, ge=0, le=defaults.QOS_MBYTES_MAX, description="MiB per second; 0 removes the limit")
+_IOS = Field(None, **schema.QOS_IOS.bounds(), description="Commands per second; 0 removes the limit")
+_MBYTES = Field(None, **schema.QOS_MBYTES.bounds(), description="MiB per second; 0 removes the limit")
 
 
 class NamespaceQosSet(_Request):
@@ -229,7 +229,7 @@ class NamespaceQosSet(_Request):
 class NamespaceResize(_Request):
     model_config = _example({"size": 2 << 30})
 
-    size: int = Field(ge=1, description="New capacity in bytes, a multiple of the block size")
+    size: int = Field(**schema.SIZE.bounds(), description="New capacity in bytes, a multiple of the block size")
     allow_shrink: bool = Field(False, description="Allow a smaller size: hosts lose the namespace's tail, and a "
                                                   "file namespace that covered its whole file cuts the file")
 
@@ -307,10 +307,11 @@ class ListenerCreate(_Request):
 
     trtype: TrType = "tcp"
     traddr: str = Field(min_length=1, description="IPv4 or IPv6 address to listen on")
-    trsvcid: int = Field(defaults.TCP_IO_PORT, ge=1, le=65535)
+    trsvcid: int = Field(defaults.TCP_IO_PORT, **schema.TRSVCID.bounds())
     adrfam: AdrFam | None = Field(None, description="Derived from traddr when omitted")
     discovery: bool = Field(False, description="Serve the discovery subsystem on this listener")
-    portid: int | None = Field(None, ge=1, le=PORTID_MAX, description="Discovery log port ID; a free one if omitted")
+    portid: int | None = Field(None, **schema.LISTENER_PORTID.bounds(),
+                               description="Discovery log port ID; a free one if omitted")
     tls: TlsMode = Field("none", description="NVMe/TCP TLS 1.3 with PSKs: none, optional (TLS or clear) or required")
 
 
@@ -360,10 +361,10 @@ class ReferralCreate(_Request):
 
     trtype: TrType = "tcp"
     traddr: str = Field(min_length=1)
-    trsvcid: int = Field(defaults.TCP_DISCOVERY_PORT, ge=1, le=65535)
+    trsvcid: int = Field(defaults.TCP_DISCOVERY_PORT, **schema.TRSVCID.bounds())
     adrfam: AdrFam | None = None
     subnqn: str = defaults.DISCOVERY_NQN
-    portid: int = Field(0, ge=0, le=PORTID_MAX)
+    portid: int = Field(0, **schema.REFERRAL_PORTID.bounds())
 
 
 class ReferralOut(BaseModel):

@@ -40,6 +40,7 @@ from typing import Any
 
 from nvmeof import defaults
 from nvmeof.spec.logs import ANA_STATE_NAMES, AnaState, parse_ana_state
+from target import schema
 from target.backends import BACKEND_OPTIONS
 from target.qos import QosError
 from target.qos import parse_config as parse_qos
@@ -65,70 +66,23 @@ POLICY_KEYS: dict[str, tuple[str, str]] = {
     "ceph_confs": ("--ceph-conf", "ceph_confs"),
     "ceph_keyrings": ("--ceph-keyring", "ceph_keyrings"),
 }
-SUBSYSTEM_KEYS: dict[str, str] = {
-    "nqn": _STR,
-    "serial": _STR,
-    "model": _STR,
-    "allow_any_host": _BOOL,
-    "hosts": _LIST,
-    "max_namespaces": _INT,
-    "namespaces": _LIST,
-    "dhchap_hash": _LIST,
-    "dhchap_dhgroup": _LIST,
-}
-# A host object in a subsystem's "hosts" list (the kernel's configfs names, hosts/<nqn>/dhchap_*)
-HOST_KEYS: dict[str, str] = {
-    "nqn": _STR,
-    "dhchap_key": _STR,
-    "dhchap_ctrl_key": _STR,
-    "dhchap_hash": _LIST,
-    "dhchap_dhgroup": _LIST,
-    "tls_key": _STR,  # the host's NVMe/TCP TLS PSK on the subsystem (NVMeTLSkey-1:NN:...:)
-    "tls_compat": _BOOL,  # its NVMe0R TLS PSK derived as libnvme's *_compat functions do (nvme-cli 2.13)
-}
-NAMESPACE_KEYS: dict[str, str] = {
-    "nsid": _INT,
-    "backend": _STR,
-    "path": _STR,
-    "size": _INT,
-    "block_size": _INT,
-    "uuid": _STR,
-    "nguid": _STR,
-    "eui64": _STR,
-    "read_only": _BOOL,
-    "enabled": _BOOL,
-    "anagrpid": _INT,  # its ANA group, 1..ANAGRPMAX (default 1)
-    "auto_visible": _BOOL,  # false: only the "hosts" listed see it (masking; default true)
-    "hosts": _LIST,
-    "qos": _DICT,  # QoS limits (target/qos.py): {"rw_ios_per_second": N, ..., "hosts": {"<hostnqn>": {...}}}
-    # and the settings of each backend kind (target.backends.BACKEND_OPTIONS, strings): _allowed_keys
-}
+# The items' fields and their JSON types are declared once, in target/schema.py; these name the types
+# the way this module's messages do.
+_KIND_NAMES = {int: _INT, str: _STR, bool: _BOOL, list: _LIST, dict: _DICT}
+
+
+def _kinds(fields: dict[str, type]) -> dict[str, str]:
+    return {key: _KIND_NAMES[kind] for key, kind in fields.items()}
+
+
+SUBSYSTEM_KEYS = _kinds(schema.SUBSYSTEM_FIELDS)
+HOST_KEYS = _kinds(schema.HOST_FIELDS)
+NAMESPACE_KEYS = _kinds(schema.NAMESPACE_FIELDS)  # and each backend's settings (strings): _allowed_keys
 # a listener's tls as nvmet's port addr_treq (with addr_tsas "tls1.3" for the two TLS modes)
 _NVMET_TREQ = {"none": "not specified", "optional": "not required", "required": "required"}
-LISTENER_KEYS: dict[str, str] = {
-    "trtype": _STR,
-    "adrfam": _STR,
-    "traddr": _STR,
-    "trsvcid": _INT,
-    "portid": _INT,
-    "discovery": _BOOL,
-    "tls": _STR,  # NVMe/TCP secure channel: "none" (default), "optional" or "required" (TLS 1.3 with a PSK)
-    "ana_states": _DICT,  # {"<anagrpid>": state word}: groups not named are optimized on this listener
-}
-REFERRAL_KEYS: dict[str, str] = {
-    "trtype": _STR,
-    "adrfam": _STR,
-    "traddr": _STR,
-    "trsvcid": _INT,
-    "subnqn": _STR,
-    "portid": _INT,
-}
-REQUIRED: dict[str, tuple[str, ...]] = {
-    "subsystem": ("nqn",),
-    "namespace": ("backend",),
-    "listener": ("traddr", "trsvcid"),
-    "referral": ("traddr", "trsvcid"),
-}
+LISTENER_KEYS = _kinds(schema.LISTENER_FIELDS)
+REFERRAL_KEYS = _kinds(schema.REFERRAL_FIELDS)
+REQUIRED = schema.REQUIRED
 ITEM_KEYS: dict[str, dict[str, str]] = {
     "subsystem": SUBSYSTEM_KEYS,
     "namespace": NAMESPACE_KEYS,
@@ -201,9 +155,9 @@ def ana_states_problems(states: dict[Any, Any], where: str) -> list[str]:
     """A listener's ``ana_states``: keys are ANA group ids 1..ANAGRPMAX (strings in JSON), values state words."""
     problems = []
     for key, value in states.items():
-        grp = str(key)
-        if not grp.isdigit() or not 1 <= int(grp) <= defaults.ANAGRPMAX:
-            problems.append(f"{where}: key {key!r} is not an ANA group id 1..{defaults.ANAGRPMAX}")
+        grp, field = str(key), schema.ANAGRPID
+        if not grp.isdigit() or not field.low <= int(grp) <= field.high:
+            problems.append(f"{where}: key {key!r} is not an ANA group id {field.low}..{field.high}")
         try:
             parse_ana_state(value)
         except ValueError as exc:
@@ -216,12 +170,12 @@ def _host_problems(host: dict[str, Any], where: str) -> list[str]:
     for key, value in host.items():
         if key not in HOST_KEYS:
             problems.append(f"{where}: unknown key {key!r} (a host takes {', '.join(HOST_KEYS)})")
-        elif isinstance(value, bool) and key in ("dhchap_key", "dhchap_ctrl_key", "tls_key"):
+        elif isinstance(value, bool) and key in schema.HOST_SECRET_FIELDS:
             # never echo the value: it is a secret, or here the presence flag of an API export
             problems.append(f"{where}.{key}: expected a DHHC-1 secret string, got a boolean (an API export shows "
                             "only whether a secret is set; put the secret itself here)")
         elif value is not None and not _type_ok(value, HOST_KEYS[key]):
-            shown = "a secret" if key in ("dhchap_key", "dhchap_ctrl_key", "tls_key") else repr(value)
+            shown = "a secret" if key in schema.HOST_SECRET_FIELDS else repr(value)
             problems.append(f"{where}.{key}: expected {HOST_KEYS[key]}, got {type(value).__name__} {shown}")
         elif key in ("dhchap_hash", "dhchap_dhgroup") and any(not isinstance(v, str) for v in value or []):
             problems.append(f"{where}.{key}: expected a list of names")

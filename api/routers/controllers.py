@@ -7,6 +7,7 @@ from fastapi import APIRouter, Path, Response, status
 from api import render, schemas
 from api.deps import Service
 from api.errors import ERRORS
+from target import schema
 
 router = APIRouter(prefix="/controllers", tags=["controllers"], responses=ERRORS)
 
@@ -17,6 +18,6 @@ async def list_controllers(service: Service) -> list[schemas.ControllerOut]:
 
 
 @router.delete("/{cntlid}", status_code=status.HTTP_204_NO_CONTENT)
-async def disconnect_controller(service: Service, cntlid: int = Path(ge=0, le=0xFFFF)) -> Response:
+async def disconnect_controller(service: Service, cntlid: int = Path(**schema.CNTLID.bounds())) -> Response:
     await service.disconnect_controller(cntlid)
     return Response(status_code=status.HTTP_204_NO_CONTENT)

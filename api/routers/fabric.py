@@ -14,12 +14,13 @@ from api import render, schemas
 from api.deps import JsonRoute, Service
 from api.errors import ERRORS
 from nvmeof import defaults
+from target import schema
 from target.model import endpoint_id
 
 listeners = APIRouter(prefix="/listeners", tags=["listeners"], responses=ERRORS, route_class=JsonRoute)
 referrals = APIRouter(prefix="/referrals", tags=["referrals"], responses=ERRORS, route_class=JsonRoute)
 
-Port = Path(ge=1, le=65535, description="Transport service ID (TCP port)")
+Port = Path(**schema.TRSVCID.bounds(), description="Transport service ID (TCP port)")
 AnaGroup = Path(ge=1, le=defaults.ANAGRPMAX, description="ANA group ID")
 
 

@@ -8,13 +8,13 @@ from fastapi import APIRouter, Path, Response, status
 from api import render, schemas
 from api.deps import JsonRoute, Service
 from api.errors import ERRORS
-from nvmeof.spec.identify import NSID_MAX
+from target import schema
 from target.backends import OPTION_KEYS
 
 router = APIRouter(prefix="/subsystems/{nqn}/namespaces", tags=["namespaces"], responses=ERRORS,
                    route_class=JsonRoute)
 
-Nsid = Path(ge=1, le=NSID_MAX, description="Namespace ID")
+Nsid = Path(**schema.NSID.bounds(), description="Namespace ID")
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=schemas.NamespaceOut)

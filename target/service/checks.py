@@ -7,16 +7,17 @@ the service keeps it or raises ServiceError(400) naming what was wrong.
 
 from __future__ import annotations
 
-import ipaddress
 import uuid as uuidlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
-from nvmeof import defaults
 from nvmeof.spec.logs import AnaState, parse_ana_state
-from target import hostauth, masking
-from target.model import ADRFAMS, TRTYPES, Namespace, Subsystem, endpoint_id
+from target import hostauth, masking, schema
+from target.model import Namespace, Subsystem, endpoint_id
 from target.nqn import NqnError, validate_nqn
+from target.schema import SchemaError
+
+T = TypeVar("T")
 
 
 class ServiceError(Exception):
@@ -33,18 +34,21 @@ def _bad(message: str) -> ServiceError:
     return ServiceError(400, message)
 
 
-def _int(value: Any, name: str, low: int, high: int) -> int:
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value)
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise _bad(f"{name} must be an integer, got {value!r}")
-    if not low <= value <= high:
-        raise _bad(f"{name} {value} is out of range; use {low}..{high}")
-    return value
+def _checked(check: Callable[..., T], *args: Any) -> T:
+    """A target/schema.py check with its refusal as a 400 (the message as the schema words it)."""
+    try:
+        return check(*args)
+    except SchemaError as exc:
+        raise _bad(str(exc)) from None
+
+
+def _int(field: schema.IntField, value: Any, high: int | None = None) -> int:
+    """``value`` checked against a field declared in target/schema.py (``high`` narrows its range)."""
+    return _checked(field.check, value, high)
 
 
 def _anagrpid(value: Any) -> int:
-    return _int(value, "anagrpid", 1, defaults.ANAGRPMAX)
+    return _int(schema.ANAGRPID, value)
 
 
 def _ana_state(value: Any) -> AnaState:
@@ -55,51 +59,19 @@ def _ana_state(value: Any) -> AnaState:
 
 
 def _bool(value: Any, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise _bad(f"{name} must be true or false, got {value!r}")
-    return value
+    return _checked(schema.check_bool, value, name)
 
 
 def _ascii_field(value: Any, name: str, limit: int) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise _bad(f"{name} must be a non-empty string, got {value!r}")
-    if any(not (0x20 <= ord(ch) <= 0x7E) for ch in value):
-        raise _bad(f"{name} {value!r} must be printable ASCII (it goes into a fixed ASCII field)")
-    if len(value) > limit:
-        raise _bad(f"{name} {value!r} is {len(value)} characters; the limit is {limit}")
-    return value
+    return _checked(schema.check_ascii, value, name, limit)
 
 
 def _hex_id(value: Any, name: str, length: int) -> bytes:
-    """Parse an NGUID/EUI-64 given as bytes or hex text (with optional '-' or ':' separators)."""
-    if isinstance(value, bytes | bytearray):
-        raw = bytes(value)
-    elif isinstance(value, str):
-        digits = value.replace("-", "").replace(":", "").strip()
-        try:
-            raw = bytes.fromhex(digits)
-        except ValueError:
-            raise _bad(f"{name} {value!r} is not hexadecimal") from None
-    else:
-        raise _bad(f"{name} must be hex text, got {value!r}")
-    if len(raw) != length:
-        raise _bad(f"{name} {value!r} is {len(raw)} bytes; it must be {length} ({2 * length} hex digits)")
-    if raw == bytes(length):
-        raise _bad(f"{name} is all zeros, which tells the host there is none; leave it out to generate one")
-    return raw
+    return _checked(schema.check_hex_id, value, name, length)
 
 
 def _uuid(value: Any) -> uuidlib.UUID:
-    if isinstance(value, uuidlib.UUID):
-        parsed = value
-    else:
-        try:
-            parsed = uuidlib.UUID(str(value))
-        except ValueError:
-            raise _bad(f"uuid {value!r} is not a UUID (8-4-4-4-12 hex digits)") from None
-    if parsed.int == 0:
-        raise _bad("uuid is all zeros, which tells the host there is none; leave it out to generate one")
-    return parsed
+    return _checked(schema.check_uuid, value)
 
 
 def _nqn(value: Any, what: str) -> str:
@@ -110,18 +82,7 @@ def _nqn(value: Any, what: str) -> str:
 
 
 def _address(trtype: Any, traddr: Any, trsvcid: Any, adrfam: Any) -> tuple[str, str, str, int]:
-    if trtype not in TRTYPES:
-        raise _bad(f"transport type {trtype!r} is not supported; use one of {', '.join(TRTYPES)}")
-    try:
-        ip = ipaddress.ip_address(str(traddr).strip("[]"))
-    except ValueError:
-        raise _bad(f"address {traddr!r} is not an IPv4 or IPv6 address") from None
-    family = "ipv6" if ip.version == 6 else "ipv4"
-    if adrfam is not None and adrfam != family:
-        if adrfam not in ADRFAMS:
-            raise _bad(f"address family {adrfam!r} is not supported; use one of {', '.join(ADRFAMS)}")
-        raise _bad(f"address {traddr} is {family}, but the address family given is {adrfam}")
-    return trtype, family, str(ip), _int(trsvcid, "port (trsvcid)", 1, 65535)
+    return _checked(schema.check_address, trtype, traddr, trsvcid, adrfam)
 
 
 def _masking(check: Callable[[], Any]) -> Any:

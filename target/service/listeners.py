@@ -8,13 +8,12 @@ nvmf_stop_listen). A live add supersedes a copy of the same endpoint that a repl
 from __future__ import annotations
 
 import errno
-from typing import Any
 
 from nvmeof import defaults
-from nvmeof.spec.fabrics import PORTID_MAX
+from target import schema
 from target.model import Listener, Referral, endpoint_id
 from target.service.base import ServiceBase, locked
-from target.service.checks import ServiceError, _address, _bad, _bool, _endpoint_key, _int, _nqn
+from target.service.checks import ServiceError, _address, _bad, _bool, _checked, _endpoint_key, _int, _nqn
 
 
 class ListenersMixin(ServiceBase):
@@ -30,18 +29,19 @@ class ListenersMixin(ServiceBase):
     ) -> Listener:
         """Listen on an address; ``tls`` none|optional|required (NVMe/TCP only, TP 8011)."""
         trtype, adrfam, traddr, port = _address(trtype, traddr, trsvcid, adrfam)
-        tls = _tls_mode(tls, trtype)
+        tls = _checked(schema.check_tls_mode, tls, trtype)
         discovery = _bool(discovery, "discovery")
         lid = endpoint_id(trtype, traddr, port)
         if lid in self.target.listeners:
             raise ServiceError(409, f"listener {lid} already exists")
         used = {lst.portid for lst in self.target.listeners.values()}
         if portid is None:
-            portid = next((p for p in range(1, PORTID_MAX + 1) if p not in used), None)
+            ports = range(schema.LISTENER_PORTID.low, schema.LISTENER_PORTID.high + 1)
+            portid = next((p for p in ports if p not in used), None)
             if portid is None:
-                raise ServiceError(409, f"every port id 1..{PORTID_MAX} is used by a listener")
+                raise ServiceError(409, f"every port id 1..{schema.LISTENER_PORTID.high} is used by a listener")
         else:
-            portid = _int(portid, "portid", 1, PORTID_MAX)
+            portid = _int(schema.LISTENER_PORTID, portid)
             if portid in used:
                 raise ServiceError(
                     409,
@@ -106,7 +106,7 @@ class ListenersMixin(ServiceBase):
         trtype, adrfam, traddr, port = _address(trtype, traddr, trsvcid, adrfam)
         if subnqn != defaults.DISCOVERY_NQN:
             subnqn = _nqn(subnqn, "referral subsystem NQN")
-        portid = _int(portid, "portid", 0, PORTID_MAX)
+        portid = _int(schema.REFERRAL_PORTID, portid)
         rid = endpoint_id(trtype, traddr, port)
         if any(r.id == rid for r in self.target.referrals):
             raise ServiceError(409, f"a referral to {rid} already exists")
@@ -142,7 +142,7 @@ class ListenersMixin(ServiceBase):
             self.target.discovery_changed()
 
     async def disconnect_controller(self, cntlid: int) -> None:
-        cntlid = _int(cntlid, "cntlid", 0, 0xFFFF)
+        cntlid = _int(schema.CNTLID, cntlid)
         if not self.target.disconnect_controller(cntlid):
             raise ServiceError(404, f"no connected controller with cntlid {cntlid}")
         await self._settle()  # with worker processes: its I/O queues there are closed before this returns
@@ -158,14 +158,3 @@ def _listen_error(lid: str, exc: OSError) -> ServiceError:
     if exc.errno in (errno.EADDRNOTAVAIL, errno.EACCES, errno.EPERM):
         return ServiceError(400, f"cannot listen on {lid}: {reason}")
     return ServiceError(500, f"cannot listen on {lid}: {reason}")
-
-
-def _tls_mode(tls: Any, trtype: str) -> str:
-    """A listener's ``tls`` (None: "none"); TLS exists for NVMe/TCP only (TP 8011)."""
-    if tls is None:
-        return "none"
-    if tls not in defaults.TLS_MODES:
-        raise _bad(f"tls {tls!r}: use one of {', '.join(defaults.TLS_MODES)}")
-    if tls != "none" and trtype != "tcp":
-        raise _bad(f"tls {tls}: TLS is an NVMe/TCP secure channel; a {trtype} listener takes tls none")
-    return str(tls)

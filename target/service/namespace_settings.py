@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from nvmeof import defaults
-from target import masking, pr
+from target import masking, pr, schema
 from target import qos as qosmod
 from target.backends import BackendError
 from target.model import Namespace, Subsystem
@@ -41,7 +41,7 @@ class NamespaceSettingsMixin(ServiceBase):
 
     async def _resize_step(self, ns: Namespace, size: int, *, allow_shrink: bool) -> Undo | None:
         """The resize itself, unsaved and unannounced (resize_namespace and reload); None: no change."""
-        size = _int(size, "size", 1, defaults.MAX_FILE_SIZE)
+        size = _int(schema.SIZE, size)
         if size % ns.block_size:
             raise _bad(f"size {size} is not a multiple of the block size {ns.block_size}")
         old_size = ns.backend.size

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from nvmeof import defaults
-from target import masking, pr
+from target import masking, pr, schema
 from target.backends import (
     BackendError,
     BackendSpec,
@@ -29,9 +29,20 @@ from target.backends import (
     validate_spec,
 )
 from target.backends.base import close_backends
-from target.model import BLOCK_SIZES, Namespace
+from target.model import Namespace
 from target.service.base import ServiceBase, locked
-from target.service.checks import ServiceError, _anagrpid, _bad, _bool, _hex_id, _int, _show, _uuid, _visibility
+from target.service.checks import (
+    ServiceError,
+    _anagrpid,
+    _bad,
+    _bool,
+    _checked,
+    _hex_id,
+    _int,
+    _show,
+    _uuid,
+    _visibility,
+)
 
 log = logging.getLogger(__name__)
 
@@ -89,13 +100,12 @@ class NamespacesMixin(ServiceBase):
             raise _bad(f"backend {backend!r} cannot be exported by gateway group {self.gateway.group_name}: every "
                        "gateway would serve its own copy under one NGUID/UUID, and a host switching paths would "
                        "read another gateway's data; use --backend file on storage every gateway reaches, or rbd")
-        if block_size not in BLOCK_SIZES:
-            raise _bad(f"block size {block_size!r} is not supported; use 512 or 4096")
+        block_size = _checked(schema.check_block_size, block_size)
         read_only = _bool(read_only, "read_only")
         enabled = _bool(enabled, "enabled")
         create = _bool(create, "create")
         if size is not None:
-            size = _int(size, "size", 1, defaults.MAX_FILE_SIZE)
+            size = _int(schema.SIZE, size)
             if size % block_size:
                 raise _bad(
                     f"size {size} is not a multiple of the block size {block_size}; "
@@ -129,7 +139,7 @@ class NamespacesMixin(ServiceBase):
                     409, f"subsystem {subnqn} already has its maximum of {sub.max_namespaces} namespaces"
                 )
         else:
-            nsid = _int(nsid, "nsid", 1, sub.max_namespaces)
+            nsid = _int(schema.NSID, nsid, sub.max_namespaces)
             if nsid in sub.namespaces:
                 free = next((n for n in range(1, sub.max_namespaces + 1) if n not in taken), None)
                 hint = f"; NSID {free} is free" if free else ""
@@ -142,13 +152,13 @@ class NamespacesMixin(ServiceBase):
         ns_nguid = self._unique_id(
             "nguid",
             "NGUID",
-            None if nguid is None else _hex_id(nguid, "nguid", 16),
+            None if nguid is None else _hex_id(nguid, "nguid", schema.NGUID_LEN),
             lambda: secrets.token_bytes(16),
         )
         ns_eui64 = self._unique_id(
             "eui64",
             "EUI-64",
-            None if eui64 is None else _hex_id(eui64, "eui64", 8),
+            None if eui64 is None else _hex_id(eui64, "eui64", schema.EUI64_LEN),
             lambda: defaults.IEEE_OUI + secrets.token_bytes(5),
         )
 
@@ -233,8 +243,8 @@ class NamespacesMixin(ServiceBase):
         try:
             ids = (
                 _uuid(stored["uuid"]),
-                _hex_id(stored["nguid"], "nguid", 16),
-                _hex_id(stored["eui64"], "eui64", 8),
+                _hex_id(stored["nguid"], "nguid", schema.NGUID_LEN),
+                _hex_id(stored["eui64"], "eui64", schema.EUI64_LEN),
             )
         except (KeyError, TypeError, ServiceError) as exc:
             raise _bad(f"{shown} carries an unreadable namespace identity ({exc}); remove its metadata key "

@@ -13,8 +13,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from nvmeof import defaults
-from nvmeof.spec.identify import NSID_MAX
-from target import hostauth
+from target import hostauth, schema
 from target.model import Subsystem
 from target.nqn import generate_nqn
 from target.service.base import ServiceBase, locked
@@ -44,8 +43,11 @@ class SubsystemsMixin(ServiceBase):
         for u in self._pending("subsystem"):
             if u.item.get("nqn") == nqn:
                 raise self._pending_conflict(f"subsystem {nqn}", u)
-        serial = secrets.token_hex(SERIAL_MAX // 2) if serial is None else _ascii_field(serial, "serial", SERIAL_MAX)
-        model = _ascii_field(model, "model", MODEL_MAX)
+        if serial is None:
+            serial = secrets.token_hex(schema.SERIAL_MAX // 2)
+        else:
+            serial = _ascii_field(serial, "serial", schema.SERIAL_MAX)
+        model = _ascii_field(model, "model", schema.MODEL_MAX)
         if isinstance(hosts, str):
             raise _bad("hosts must be a list of host NQNs, not a single string")
         host_set = {_nqn(h, "host NQN") for h in hosts}
@@ -56,7 +58,7 @@ class SubsystemsMixin(ServiceBase):
                 "give either allow_any_host or a list of hosts, not both: "
                 "with allow_any_host every host may connect and the list would mean nothing"
             )
-        max_namespaces = _int(max_namespaces, "max_namespaces", 1, NSID_MAX)
+        max_namespaces = _int(schema.MAX_NAMESPACES, max_namespaces)
         auth = {}
         for hostnqn, settings in (host_auth or {}).items():
             if hostnqn not in host_set:
@@ -173,8 +175,3 @@ class SubsystemsMixin(ServiceBase):
             await self._commit(True, undo)
             return sub
 
-
-SERIAL_MAX = 20  # Identify Controller SN, bytes
-
-
-MODEL_MAX = 40  # Identify Controller MN, bytes

@@ -24,10 +24,9 @@ from urllib.parse import quote
 import click
 
 from nvmeof import defaults
-from nvmeof.spec.fabrics import PORTID_MAX
-from nvmeof.spec.identify import NSID_MAX
 from nvmeof.spec.logs import ANA_STATE_NAMES
 from nvmeof.uri import parse_address
+from target import schema
 from target.backends import KINDS
 
 from ..render import OUTPUT_FORMATS, wants_json
@@ -40,6 +39,11 @@ DEFAULT_API = f"http://{defaults.LISTEN_ADDRESS}:{defaults.API_PORT}"
 EXIT_API_ERROR = 1
 EXIT_UNREACHABLE = 3
 TIMEOUT = 60.0  # opening or creating a large file namespace takes a while
+
+
+def _range(field: schema.IntField) -> click.IntRange:
+    """A field's range (target/schema.py, the one the API and the service check) as a click type."""
+    return click.IntRange(field.low, field.high)
 
 
 class ApiError(Exception):
@@ -224,7 +228,7 @@ def subsystem() -> None:
 @click.option("--allow-any-host/--no-allow-any-host", default=None,
               help="Let any host connect (the default when no --host is given).")
 @click.option("--host", "hosts", multiple=True, metavar="HOSTNQN", help="Allowed host NQN (repeatable).")
-@click.option("--max-namespaces", type=click.IntRange(1, NSID_MAX), default=defaults.MAX_NAMESPACES,
+@click.option("--max-namespaces", type=_range(schema.MAX_NAMESPACES), default=defaults.MAX_NAMESPACES,
               show_default=True)
 @click.option("--dhchap-hash", "dhchap_hash", multiple=True, metavar="HASH[,HASH]",
               help="DH-HMAC-CHAP hashes its hosts may use, in order of preference (default: all).")
@@ -380,7 +384,7 @@ def _ns_path(nqn: str, nsid: int | None = None, action: str = "") -> str:
                              "--backing-dir), or of a block device it allows (file backend).")
 @click.option("--size", callback=_size, metavar="SIZE", help="Bytes, or with K/M/G/T (ram, null, --create).")
 @click.option("--block-size", type=click.Choice(["512", "4096"]), default="512", show_default=True)
-@click.option("--nsid", type=click.IntRange(1, NSID_MAX), help="Namespace ID; the lowest free one if omitted.")
+@click.option("--nsid", type=_range(schema.NSID), help="Namespace ID; the lowest free one if omitted.")
 @click.option("--uuid", "ns_uuid", help="Namespace UUID; generated if omitted.")
 @click.option("--nguid", help="32 hexadecimal digits; generated if omitted.")
 @click.option("--eui64", help="16 hexadecimal digits; generated if omitted.")
@@ -388,7 +392,7 @@ def _ns_path(nqn: str, nsid: int | None = None, action: str = "") -> str:
 @click.option("--disabled", is_flag=True, help="Add it detached; enable it later.")
 @click.option("--create", is_flag=True, help="Create the file (or RBD image) with --size if it does not exist, "
                                              "or grow a shorter one to it; without it the storage is never changed.")
-@click.option("--anagrpid", type=click.IntRange(1, defaults.ANAGRPMAX), default=defaults.DEFAULT_ANAGRPID,
+@click.option("--anagrpid", type=_range(schema.ANAGRPID), default=defaults.DEFAULT_ANAGRPID,
               show_default=True, help="ANA group: hosts with native multipath choose paths by its state per listener.")
 @click.option("--no-auto-visible", is_flag=True,
               help="Visible only to the hosts given with --host (and added later with `ns host add`), not to every "
@@ -436,7 +440,7 @@ def ns_list(api: Api, as_json: bool, nqn: str) -> None:
 
 @api_command(ns, "show")
 @click.argument("nqn")
-@click.argument("nsid", type=click.IntRange(1, NSID_MAX))
+@click.argument("nsid", type=_range(schema.NSID))
 def ns_show(api: Api, as_json: bool, nqn: str, nsid: int) -> None:
     """Show one namespace and its I/O statistics."""
     namespace = api.call("GET", _ns_path(nqn, nsid))
@@ -452,7 +456,7 @@ def ns_show(api: Api, as_json: bool, nqn: str, nsid: int) -> None:
 
 @api_command(ns, "resize")
 @click.argument("nqn")
-@click.argument("nsid", type=click.IntRange(1, NSID_MAX))
+@click.argument("nsid", type=_range(schema.NSID))
 @click.argument("size", callback=_size)
 @click.option("--allow-shrink", is_flag=True,
               help="Allow a smaller SIZE: hosts lose the namespace's tail (its file is cut if it covered it all).")
@@ -473,7 +477,7 @@ def ns_resize(api: Api, as_json: bool, nqn: str, nsid: int, size: int, allow_shr
 def _ns_state(action: str) -> Callable:
     @api_command(ns, action)
     @click.argument("nqn")
-    @click.argument("nsid", type=click.IntRange(1, NSID_MAX))
+    @click.argument("nsid", type=_range(schema.NSID))
     def change(api: Api, as_json: bool, nqn: str, nsid: int) -> None:
         result = api.call("POST", _ns_path(nqn, nsid, action))
         if as_json:
@@ -491,8 +495,8 @@ ns_disable = _ns_state("disable")
 
 @api_command(ns, "set-anagrpid")
 @click.argument("nqn")
-@click.argument("nsid", type=click.IntRange(1, NSID_MAX))
-@click.argument("anagrpid", type=click.IntRange(1, defaults.ANAGRPMAX))
+@click.argument("nsid", type=_range(schema.NSID))
+@click.argument("anagrpid", type=_range(schema.ANAGRPID))
 def ns_set_anagrpid(api: Api, as_json: bool, nqn: str, nsid: int, anagrpid: int) -> None:
     """Move a namespace to ANA group ANAGRPID (connected hosts are told and re-read the ANA log)."""
     result = api.call("PUT", _ns_path(nqn, nsid, "anagrpid"), json_body={"anagrpid": anagrpid})
@@ -504,7 +508,7 @@ def ns_set_anagrpid(api: Api, as_json: bool, nqn: str, nsid: int, anagrpid: int)
 
 @api_command(ns, "set-auto-visible")
 @click.argument("nqn")
-@click.argument("nsid", type=click.IntRange(1, NSID_MAX))
+@click.argument("nsid", type=_range(schema.NSID))
 @click.argument("setting", type=click.Choice(["on", "off"]))
 def ns_set_auto_visible(api: Api, as_json: bool, nqn: str, nsid: int, setting: str) -> None:
     """Show a namespace to every allowed host (on; its host list is dropped) or only to the hosts added with
@@ -527,7 +531,7 @@ def ns_host() -> None:
 
 @api_command(ns_host, "add")
 @click.argument("nqn")
-@click.argument("nsid", type=click.IntRange(1, NSID_MAX))
+@click.argument("nsid", type=_range(schema.NSID))
 @click.argument("hostnqn")
 def ns_host_add(api: Api, as_json: bool, nqn: str, nsid: int, hostnqn: str) -> None:
     """Make namespace NSID of NQN visible to HOSTNQN (a host allowed on the subsystem)."""
@@ -537,7 +541,7 @@ def ns_host_add(api: Api, as_json: bool, nqn: str, nsid: int, hostnqn: str) -> N
 
 @api_command(ns_host, "remove")
 @click.argument("nqn")
-@click.argument("nsid", type=click.IntRange(1, NSID_MAX))
+@click.argument("nsid", type=_range(schema.NSID))
 @click.argument("hostnqn")
 def ns_host_remove(api: Api, as_json: bool, nqn: str, nsid: int, hostnqn: str) -> None:
     """Hide namespace NSID of NQN from HOSTNQN again."""
@@ -547,14 +551,14 @@ def ns_host_remove(api: Api, as_json: bool, nqn: str, nsid: int, hostnqn: str) -
 
 @api_command(ns, "set-qos")
 @click.argument("nqn")
-@click.argument("nsid", type=click.IntRange(1, NSID_MAX))
-@click.option("--rw-ios-per-second", type=click.IntRange(0, defaults.QOS_IOS_MAX),
+@click.argument("nsid", type=_range(schema.NSID))
+@click.option("--rw-ios-per-second", type=_range(schema.QOS_IOS),
               help="Read and write commands per second (0: unlimited).")
-@click.option("--rw-mbytes-per-second", type=click.IntRange(0, defaults.QOS_MBYTES_MAX),
+@click.option("--rw-mbytes-per-second", type=_range(schema.QOS_MBYTES),
               help="Read plus written MiB per second (0: unlimited).")
-@click.option("--r-mbytes-per-second", type=click.IntRange(0, defaults.QOS_MBYTES_MAX),
+@click.option("--r-mbytes-per-second", type=_range(schema.QOS_MBYTES),
               help="Read MiB per second (0: unlimited).")
-@click.option("--w-mbytes-per-second", type=click.IntRange(0, defaults.QOS_MBYTES_MAX),
+@click.option("--w-mbytes-per-second", type=_range(schema.QOS_MBYTES),
               help="Written MiB per second (0: unlimited).")
 @click.option("--host", "hostnqn", help="Limit this host (NQN) on the namespace instead of the whole namespace.")
 def ns_set_qos(api: Api, as_json: bool, nqn: str, nsid: int, hostnqn: str | None, **limits: int | None) -> None:
@@ -580,7 +584,7 @@ def ns_set_qos(api: Api, as_json: bool, nqn: str, nsid: int, hostnqn: str | None
 
 @api_command(ns, "reservations")
 @click.argument("nqn")
-@click.argument("nsid", type=click.IntRange(1, NSID_MAX))
+@click.argument("nsid", type=_range(schema.NSID))
 def ns_reservations(api: Api, as_json: bool, nqn: str, nsid: int) -> None:
     """Show a namespace's persistent reservation: holder, type, registrants (keys redacted), generation."""
     resv = api.call("GET", _ns_path(nqn, nsid, "reservations"))
@@ -604,7 +608,7 @@ def ns_reservations(api: Api, as_json: bool, nqn: str, nsid: int) -> None:
 
 @api_command(ns, "del")
 @click.argument("nqn")
-@click.argument("nsid", type=click.IntRange(1, NSID_MAX))
+@click.argument("nsid", type=_range(schema.NSID))
 def ns_del(api: Api, as_json: bool, nqn: str, nsid: int) -> None:
     """Remove a namespace (its file is kept)."""
     api.call("DELETE", _ns_path(nqn, nsid))
@@ -820,7 +824,7 @@ def listener() -> None:
 @api_command(listener, "add")
 @click.argument("address", metavar="[tcp|rdma://]ADDR[:PORT]", callback=_address(defaults.TCP_IO_PORT))
 @click.option("--discovery", is_flag=True, help="Serve the discovery subsystem here (usually port 8009).")
-@click.option("--portid", type=click.IntRange(1, PORTID_MAX), help="Port ID in the discovery log.")
+@click.option("--portid", type=_range(schema.LISTENER_PORTID), help="Port ID in the discovery log.")
 @click.option("--tls", "tls", type=click.Choice(list(defaults.TLS_MODES)), default="none", show_default=True,
               help="NVMe/TCP over TLS 1.3 with PSKs (hosts' keys: host add --tls-key): required, optional "
                    "(TLS or clear) or none.")
@@ -859,7 +863,7 @@ def listener_list(api: Api, as_json: bool) -> None:
 
 @api_command(listener, "set-ana")
 @click.argument("address", metavar="LISTENER", callback=_listener_address)
-@click.argument("anagrpid", type=click.IntRange(1, defaults.ANAGRPMAX))
+@click.argument("anagrpid", type=_range(schema.ANAGRPID))
 @click.argument("state", type=click.Choice(list(ANA_STATE_NAMES.values()), case_sensitive=False))
 def listener_set_ana(api: Api, as_json: bool, address, anagrpid: int, state: str) -> None:
     """Set ANA group ANAGRPID's STATE on LISTENER ([tcp|rdma://]ADDR[:PORT] or its id tcp:ADDR:PORT); hosts
@@ -901,7 +905,7 @@ def referral() -> None:
 @api_command(referral, "add")
 @click.argument("address", metavar="[tcp|rdma://]ADDR[:PORT]", callback=_address(defaults.TCP_DISCOVERY_PORT))
 @click.option("--subnqn", default=defaults.DISCOVERY_NQN, show_default=True)
-@click.option("--portid", type=click.IntRange(0, PORTID_MAX), default=0, show_default=True)
+@click.option("--portid", type=_range(schema.REFERRAL_PORTID), default=0, show_default=True)
 def referral_add(api: Api, as_json: bool, address, subnqn: str, portid: int) -> None:
     """Add a referral to ADDRESS (default port 8009)."""
     body = {"trtype": address.trtype, "traddr": address.traddr, "trsvcid": address.trsvcid,
@@ -961,7 +965,7 @@ def controller_list(api: Api, as_json: bool) -> None:
 
 
 @api_command(controller, "disconnect")
-@click.argument("cntlid", type=click.IntRange(0, 0xFFFF))
+@click.argument("cntlid", type=_range(schema.CNTLID))
 def controller_disconnect(api: Api, as_json: bool, cntlid: int) -> None:
     """Tear down controller CNTLID and its queues (the host may reconnect)."""
     api.call("DELETE", f"/api/v1/controllers/{cntlid}")

@@ -1,0 +1,222 @@
+"""The management inputs' fields, declared once: their limits and the checks of their values.
+
+The REST bodies (api/schemas.py, pydantic) take their bounds from here (``IntField.bounds()``) and the
+service (target/service/checks.py) checks the same fields with ``IntField.check`` and the value parsers
+below, so the API, a config replay and the daemon start-up refuse the same values; the manage CLI's ranges
+and target/config.py's item fields come from here too. Each check raises
+SchemaError (a ValueError) whose message names the field and what was wrong; the service turns it into a
+400. The limits themselves come from nvmeof/defaults.py and nvmeof/spec (one place each).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import uuid as uuidlib
+from dataclasses import dataclass
+from typing import Any
+
+from nvmeof import defaults
+from nvmeof.spec.fabrics import PORTID_MAX
+from nvmeof.spec.identify import NSID_MAX
+from target.model import ADRFAMS as ADRFAMS  # re-exported: the API bodies name them through here
+from target.model import BLOCK_SIZES as BLOCK_SIZES
+from target.model import TRTYPES as TRTYPES
+
+SERIAL_MAX = 20  # Identify Controller SN, bytes
+MODEL_MAX = 40  # Identify Controller MN, bytes
+
+
+class SchemaError(ValueError):
+    """A value a field refuses; the message names the field and the reason."""
+
+
+@dataclass(frozen=True)
+class IntField:
+    """An integer field and its inclusive range."""
+
+    name: str
+    low: int
+    high: int
+
+    def bounds(self) -> dict[str, int]:
+        """The range as pydantic/FastAPI constraints (``Field(**f.bounds())``, ``Path(**f.bounds())``)."""
+        return {"ge": self.low, "le": self.high}
+
+    def check(self, value: Any, high: int | None = None) -> int:
+        """The value as an int (decimal text accepted, as the CLI and the config may give it); ``high``
+        narrows the range (an NSID within the subsystem's max_namespaces)."""
+        high = self.high if high is None else high
+        if isinstance(value, str) and value.strip().isdigit():
+            value = int(value)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise SchemaError(f"{self.name} must be an integer, got {value!r}")
+        if not self.low <= value <= high:
+            raise SchemaError(f"{self.name} {value} is out of range; use {self.low}..{high}")
+        return value
+
+
+NSID = IntField("nsid", 1, NSID_MAX)
+MAX_NAMESPACES = IntField("max_namespaces", 1, NSID_MAX)
+ANAGRPID = IntField("anagrpid", 1, defaults.ANAGRPMAX)
+TRSVCID = IntField("port (trsvcid)", 1, 65535)
+LISTENER_PORTID = IntField("portid", 1, PORTID_MAX)  # 0 is left for referrals that name no port
+REFERRAL_PORTID = IntField("portid", 0, PORTID_MAX)
+CNTLID = IntField("cntlid", 0, 0xFFFF)
+SIZE = IntField("size", 1, defaults.MAX_FILE_SIZE)
+QOS_IOS = IntField("rw_ios_per_second", 0, defaults.QOS_IOS_MAX)
+QOS_MBYTES = IntField("mbytes_per_second", 0, defaults.QOS_MBYTES_MAX)
+NGUID_LEN = 16  # bytes (Identify Namespace NGUID)
+EUI64_LEN = 8  # bytes (Identify Namespace EUI64)
+
+
+def check_bool(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise SchemaError(f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def check_ascii(value: Any, name: str, limit: int) -> str:
+    """A fixed-size ASCII field of Identify (serial, model): printable, non-empty, at most ``limit``."""
+    if not isinstance(value, str) or not value.strip():
+        raise SchemaError(f"{name} must be a non-empty string, got {value!r}")
+    if any(not (0x20 <= ord(ch) <= 0x7E) for ch in value):
+        raise SchemaError(f"{name} {value!r} must be printable ASCII (it goes into a fixed ASCII field)")
+    if len(value) > limit:
+        raise SchemaError(f"{name} {value!r} is {len(value)} characters; the limit is {limit}")
+    return value
+
+
+def check_hex_id(value: Any, name: str, length: int) -> bytes:
+    """An NGUID/EUI-64 given as bytes or hex text (with optional '-' or ':' separators)."""
+    if isinstance(value, bytes | bytearray):
+        raw = bytes(value)
+    elif isinstance(value, str):
+        digits = value.replace("-", "").replace(":", "").strip()
+        try:
+            raw = bytes.fromhex(digits)
+        except ValueError:
+            raise SchemaError(f"{name} {value!r} is not hexadecimal") from None
+    else:
+        raise SchemaError(f"{name} must be hex text, got {value!r}")
+    if len(raw) != length:
+        raise SchemaError(f"{name} {value!r} is {len(raw)} bytes; it must be {length} ({2 * length} hex digits)")
+    if raw == bytes(length):
+        raise SchemaError(f"{name} is all zeros, which tells the host there is none; leave it out to generate one")
+    return raw
+
+
+def check_uuid(value: Any) -> uuidlib.UUID:
+    if isinstance(value, uuidlib.UUID):
+        parsed = value
+    else:
+        try:
+            parsed = uuidlib.UUID(str(value))
+        except ValueError:
+            raise SchemaError(f"uuid {value!r} is not a UUID (8-4-4-4-12 hex digits)") from None
+    if parsed.int == 0:
+        raise SchemaError("uuid is all zeros, which tells the host there is none; leave it out to generate one")
+    return parsed
+
+
+def check_address(trtype: Any, traddr: Any, trsvcid: Any, adrfam: Any) -> tuple[str, str, str, int]:
+    """A listener's or referral's transport address as (trtype, adrfam, traddr, port): the family is
+    derived from the address, a given one must agree."""
+    if trtype not in TRTYPES:
+        raise SchemaError(f"transport type {trtype!r} is not supported; use one of {', '.join(TRTYPES)}")
+    try:
+        ip = ipaddress.ip_address(str(traddr).strip("[]"))
+    except ValueError:
+        raise SchemaError(f"address {traddr!r} is not an IPv4 or IPv6 address") from None
+    family = "ipv6" if ip.version == 6 else "ipv4"
+    if adrfam is not None and adrfam != family:
+        if adrfam not in ADRFAMS:
+            raise SchemaError(f"address family {adrfam!r} is not supported; use one of {', '.join(ADRFAMS)}")
+        raise SchemaError(f"address {traddr} is {family}, but the address family given is {adrfam}")
+    return trtype, family, str(ip), TRSVCID.check(trsvcid)
+
+
+def check_tls_mode(tls: Any, trtype: str) -> str:
+    """A listener's ``tls`` (None: "none"); TLS exists for NVMe/TCP only (TP 8011)."""
+    if tls is None:
+        return "none"
+    if tls not in defaults.TLS_MODES:
+        raise SchemaError(f"tls {tls!r}: use one of {', '.join(defaults.TLS_MODES)}")
+    if tls != "none" and trtype != "tcp":
+        raise SchemaError(f"tls {tls}: TLS is an NVMe/TCP secure channel; a {trtype} listener takes tls none")
+    return str(tls)
+
+
+def check_block_size(value: Any) -> int:
+    if isinstance(value, bool) or value not in BLOCK_SIZES:
+        raise SchemaError(f"block size {value!r} is not supported; use {' or '.join(map(str, BLOCK_SIZES))}")
+    return int(value)
+
+
+
+# The fields of each configuration item and their JSON types: the config file's items (target/config.py checks
+# their structure against these), the REST bodies (api/schemas.py; tests/test_schema.py keeps their names in
+# these) and the service's parameters (the same names) are the one set.
+SUBSYSTEM_FIELDS: dict[str, type] = {
+    "nqn": str,
+    "serial": str,
+    "model": str,
+    "allow_any_host": bool,
+    "hosts": list,
+    "max_namespaces": int,
+    "namespaces": list,
+    "dhchap_hash": list,
+    "dhchap_dhgroup": list,
+}
+# A host object in a subsystem's "hosts" list (the kernel's configfs names, hosts/<nqn>/dhchap_*)
+HOST_FIELDS: dict[str, type] = {
+    "nqn": str,
+    "dhchap_key": str,
+    "dhchap_ctrl_key": str,
+    "dhchap_hash": list,
+    "dhchap_dhgroup": list,
+    "tls_key": str,  # the host's NVMe/TCP TLS PSK on the subsystem (NVMeTLSkey-1:NN:...:)
+    "tls_compat": bool,  # its NVMe0R TLS PSK derived as libnvme's *_compat functions do (nvme-cli 2.13)
+}
+# the host fields that hold secrets: never echoed in a message, never shown by the API
+HOST_SECRET_FIELDS = ("dhchap_key", "dhchap_ctrl_key", "tls_key")
+NAMESPACE_FIELDS: dict[str, type] = {
+    "nsid": int,
+    "backend": str,
+    "path": str,
+    "size": int,
+    "block_size": int,
+    "uuid": str,
+    "nguid": str,
+    "eui64": str,
+    "read_only": bool,
+    "enabled": bool,
+    "anagrpid": int,  # its ANA group, 1..ANAGRPMAX (default 1)
+    "auto_visible": bool,  # false: only the "hosts" listed see it (masking; default true)
+    "hosts": list,
+    "qos": dict,  # QoS limits (target/qos.py): {"rw_ios_per_second": N, ..., "hosts": {"<hostnqn>": {...}}}
+    # and the settings of each backend kind (target.backends.BACKEND_OPTIONS, strings)
+}
+LISTENER_FIELDS: dict[str, type] = {
+    "trtype": str,
+    "adrfam": str,
+    "traddr": str,
+    "trsvcid": int,
+    "portid": int,
+    "discovery": bool,
+    "tls": str,  # NVMe/TCP secure channel: "none" (default), "optional" or "required" (TLS 1.3 with a PSK)
+    "ana_states": dict,  # {"<anagrpid>": state word}: groups not named are optimized on this listener
+}
+REFERRAL_FIELDS: dict[str, type] = {
+    "trtype": str,
+    "adrfam": str,
+    "traddr": str,
+    "trsvcid": int,
+    "subnqn": str,
+    "portid": int,
+}
+REQUIRED: dict[str, tuple[str, ...]] = {
+    "subsystem": ("nqn",),
+    "namespace": ("backend",),
+    "listener": ("traddr", "trsvcid"),
+    "referral": ("traddr", "trsvcid"),
+}

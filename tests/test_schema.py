@@ -1,0 +1,106 @@
+"""target/schema.py: the one declaration of the management inputs' fields, shared by the service and the API."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from api import schemas
+from nvmeof import defaults
+from nvmeof.spec.fabrics import PORTID_MAX
+from nvmeof.spec.identify import NSID_MAX
+from target import config, schema
+from target.backends import OPTION_KEYS
+from target.service.checks import ServiceError, _address, _int
+
+
+def _bounds(model: type, name: str) -> tuple[int | None, int | None]:
+    low = high = None
+    for item in model.model_fields[name].metadata:
+        low = getattr(item, "ge", low)
+        high = getattr(item, "le", high)
+    return low, high
+
+
+@pytest.mark.parametrize(("model", "name", "field"), [
+    (schemas.SubsystemCreate, "max_namespaces", schema.MAX_NAMESPACES),
+    (schemas.NamespaceCreate, "nsid", schema.NSID),
+    (schemas.NamespaceCreate, "anagrpid", schema.ANAGRPID),
+    (schemas.NamespaceAnaGroup, "anagrpid", schema.ANAGRPID),
+    (schemas.NamespaceResize, "size", schema.SIZE),
+    (schemas.ListenerCreate, "trsvcid", schema.TRSVCID),
+    (schemas.ListenerCreate, "portid", schema.LISTENER_PORTID),
+    (schemas.ReferralCreate, "trsvcid", schema.TRSVCID),
+    (schemas.ReferralCreate, "portid", schema.REFERRAL_PORTID),
+    (schemas.NamespaceQosSet, "rw_ios_per_second", schema.QOS_IOS),
+    (schemas.NamespaceQosSet, "w_mbytes_per_second", schema.QOS_MBYTES),
+])
+def test_the_api_bodies_take_the_schema_limits(model: type, name: str, field: schema.IntField) -> None:
+    assert _bounds(model, name) == (field.low, field.high)
+
+
+def test_the_limits_come_from_the_spec_and_defaults() -> None:
+    # the referral portid was 0..0xFFFF in the API and 0..0xFFFE in the service (issue 27): now one field
+    assert (schema.REFERRAL_PORTID.low, schema.REFERRAL_PORTID.high) == (0, PORTID_MAX)
+    assert (schema.LISTENER_PORTID.low, schema.LISTENER_PORTID.high) == (1, PORTID_MAX)
+    assert schema.NSID.high == schema.MAX_NAMESPACES.high == NSID_MAX
+    assert schema.ANAGRPID.high == defaults.ANAGRPMAX
+    assert schemas.SubsystemCreate.model_fields["serial"].metadata[0].max_length == schema.SERIAL_MAX
+
+
+def test_int_field_check_words_the_refusal() -> None:
+    assert schema.NSID.check("7") == 7
+    with pytest.raises(schema.SchemaError, match=r"nsid 9 is out of range; use 1\.\.8"):
+        schema.NSID.check(9, 8)
+    with pytest.raises(schema.SchemaError, match="nsid must be an integer, got True"):
+        schema.NSID.check(True)
+    with pytest.raises(ServiceError) as err:
+        _int(schema.REFERRAL_PORTID, PORTID_MAX + 1)
+    assert err.value.status == 400
+    assert err.value.message == f"portid {PORTID_MAX + 1} is out of range; use 0..{PORTID_MAX}"
+
+
+def test_value_checks() -> None:
+    eui64 = schema.check_hex_id("00:11:22:33:44:55:66:77", "eui64", schema.EUI64_LEN)
+    assert eui64 == bytes.fromhex("0011223344556677")
+    with pytest.raises(schema.SchemaError, match="all zeros"):
+        schema.check_hex_id("0" * 32, "nguid", schema.NGUID_LEN)
+    with pytest.raises(schema.SchemaError, match="is 2 bytes; it must be 8"):
+        schema.check_hex_id("abcd", "eui64", schema.EUI64_LEN)
+    assert schema.check_uuid(str(uuid.UUID(int=5))) == uuid.UUID(int=5)
+    with pytest.raises(schema.SchemaError, match="not a UUID"):
+        schema.check_uuid("nope")
+    with pytest.raises(schema.SchemaError, match="the limit is 20"):
+        schema.check_ascii("x" * 21, "serial", schema.SERIAL_MAX)
+    assert _address("tcp", "[::1]", "4420", None) == ("tcp", "ipv6", "::1", 4420)
+    with pytest.raises(ServiceError, match="is ipv4, but the address family given is ipv6"):
+        _address("tcp", "127.0.0.1", 4420, "ipv6")
+
+
+@pytest.mark.parametrize(("body", "fields", "api_only"), [
+    (schemas.SubsystemCreate, schema.SUBSYSTEM_FIELDS, set()),
+    (schemas.NamespaceCreate, schema.NAMESPACE_FIELDS, {"create"}),  # an action, not kept
+    (schemas.HostAdd, schema.HOST_FIELDS, {"hostnqn"}),  # the config's "nqn"
+    (schemas.ListenerCreate, schema.LISTENER_FIELDS, set()),
+    (schemas.ReferralCreate, schema.REFERRAL_FIELDS, set()),
+])
+def test_the_api_bodies_name_the_schema_fields(body: type, fields: dict[str, type], api_only: set[str]) -> None:
+    """A REST body's fields are the configuration item's (the backend settings are a namespace's too)."""
+    extra = set(body.model_fields) - set(fields) - api_only - set(OPTION_KEYS)
+    assert not extra, f"{body.__name__} has fields target/schema.py does not declare: {sorted(extra)}"
+
+
+def test_the_config_checks_the_schema_fields() -> None:
+    assert set(config.LISTENER_KEYS) == set(schema.LISTENER_FIELDS)
+    assert config.NAMESPACE_KEYS["nsid"] == "integer" and config.HOST_KEYS["tls_key"] == "string"
+    with pytest.raises(config.ConfigError, match=r"listeners\[0\]\.trsvcid: expected integer, got str"):
+        config.validate_config({"version": 1, "listeners": [{"traddr": "::1", "trsvcid": "4420"}]})
+
+
+def test_a_host_secret_of_the_wrong_type_is_not_echoed() -> None:
+    assert set(schema.HOST_SECRET_FIELDS) <= set(schema.HOST_FIELDS)
+    item = {"nqn": "nqn.2024-01.com.example:s", "hosts": [{"nqn": "nqn.2024-01.com.example:h", "tls_key": 12345}]}
+    with pytest.raises(config.ConfigError) as err:
+        config.validate_config({"version": 1, "subsystems": [item]})
+    assert "tls_key: expected string, got int a secret" in str(err.value) and "12345" not in str(err.value)
