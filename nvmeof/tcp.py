@@ -1070,6 +1070,19 @@ class TcpConnection:
         hdr = _DATA_HDR.pack(_R2T, _HDGSTF if hd else 0, 24, 0, 24 + hd, cccid, ttag, offset, length)
         self._out.append(self._header(hdr))
 
+    def take_h2c(self, ttag: int, cccid: int, datao: int, stop: int) -> bool:
+        """An adapter takes an H2CData for R2T ``ttag`` itself (header checked as ``_check_data_header``
+        does: target/transports/tcp_batch.py): move that R2T on as parsing the header would. False when
+        the R2T does not expect exactly that (the PDU must then come through ``receive_data``)."""
+        r2t = self._r2t.get(ttag)
+        if r2t is None or r2t[0] != cccid or r2t[1] != datao or stop > r2t[2]:
+            return False
+        if stop == r2t[2]:
+            del self._r2t[ttag]
+        else:
+            r2t[1] = stop
+        return True
+
     def drop_r2t(self, ttag: int) -> None:
         """Forget an R2T whose data is no longer wanted (its command ended); later H2CData for it is fatal."""
         self._r2t.pop(ttag, None)

@@ -9,6 +9,10 @@ rules). These tests show:
 - a bad H2CData for a fast-path write (wrong ttag or cccid, out of order, past the R2T, beyond MAXH2CDATA,
   LAST too early) gets exactly the C2HTermReq (FES, FEI) a bare sans-IO controller gives for the same
   bytes, and the write's budget comes back;
+- the engine reads those H2CData headers with one struct (``H2C_FAST``, equal to the construct layout) and
+  takes them without the sans-IO events, received straight into the write's buffer when cut; anything but
+  the exact expected header (flags, hlen, pdo, plen, datal, ttag, cccid, datao, LAST), also after PDUs it
+  took, goes to the sans-IO path, whose TermReq is the one sent;
 - with digests the write takes the stream engine and its data still lands;
 - a backend that cannot take the data inline gets the write through the command lifecycle.
 """
@@ -79,6 +83,9 @@ async def test_large_writes_take_the_fast_path_and_land(served, size, cut):
     admin, peer, conn = await _io_peer(served)
     tasks = conn._tasks
     before = conn.fast_commands
+    slow: list[Any] = []
+    sansio = conn._on_h2c_data
+    conn._on_h2c_data = lambda event: (slow.append(event.ttag), sansio(event))
     blocks = size // 512
     written = []
     for i, cid in enumerate((3, 5, 7)):   # the later writes reuse the first ones' buffers
@@ -94,6 +101,8 @@ async def test_large_writes_take_the_fast_path_and_land(served, size, cut):
         assert await peer.wait_for(lambda o, cid=cid: o.done(cid), 5)
         assert peer.out.cqe(cid).status_code == 0
     assert conn.fast_commands == before + 3 and not conn._h2c and conn._h2c_bytes == 0
+    # the engine took every H2CData itself, cut or not: no sans-IO data event for a fast write
+    assert not slow, slow
     for i, data in enumerate(written):
         assert await _read_back(peer, 10 + i, 64 + i * blocks, size) == data
     assert not peer.out.errors
@@ -101,7 +110,49 @@ async def test_large_writes_take_the_fast_path_and_land(served, size, cut):
     await peer.close()
 
 
+def test_h2c_layout_equals_construct() -> None:
+    for flags in (0, spec.DATA_LAST):
+        pdu = spec.DataPduHeader.build({"ch": {"type": spec.PduType.H2C_DATA, "flags": flags, "hlen": 24, "pdo": 24,
+                                               "plen": 24 + 8192}, "cccid": 77, "ttag": 513, "datao": 4096,
+                                        "datal": 8192})
+        head, plen, cccid, ttag, datao, datal = tcp_batch.H2C_FAST.unpack_from(pdu)
+        assert head == (tcp_batch._H2C_HEAD_LAST if flags else tcp_batch._H2C_HEAD)
+        assert head == int.from_bytes(pdu[:4], "little") and pdu[:4] == bytes([spec.PduType.H2C_DATA, flags, 24, 24])
+        assert (plen, cccid, ttag, datao, datal) == (24 + 8192, 77, 513, 4096, 8192)
+    assert tcp_batch.H2C_FAST.size <= spec.DATA_PDU_HEADER_SIZE
+
+
+def _hdr(cid: int, ttag: int, *, flags: int = 0, hlen: int = 24, pdo: int = 24, plen: int | None = None,
+         datao: int = 0, datal: int = 512) -> bytes:
+    plen = pdo + datal if plen is None else plen
+    return spec.DATA_PDU_HDR.pack(spec.PduType.H2C_DATA.value, flags, hlen, pdo, plen, cid, ttag, datao, datal)
+
+
 def _bad_h2c(kind: str, cid: int, ttag: int, size: int) -> bytes:
+    half = size // 2
+    good = h2c_data(cid, ttag, 0, bytes(half), last=False)
+    if kind == "hdgstf":
+        return _hdr(cid, ttag, flags=spec.HDGSTF) + bytes(512)
+    if kind == "ddgstf":
+        return _hdr(cid, ttag, flags=spec.DDGSTF) + bytes(512)
+    if kind == "hlen":
+        return _hdr(cid, ttag, hlen=28) + bytes(512)
+    if kind == "pdo":
+        return _hdr(cid, ttag, pdo=28) + bytes(512)
+    if kind == "plen_vs_datal":
+        return _hdr(cid, ttag, plen=24 + 1024) + bytes(1024)
+    if kind == "datal_0":
+        return _hdr(cid, ttag, plen=24 + 512, datal=0) + bytes(512)
+    if kind == "second_out_of_order":   # the first one is taken by the engine: the sans-IO state must follow
+        return good + h2c_data(cid, ttag, 0, bytes(512), last=False)
+    if kind == "second_past_the_r2t":
+        return good + h2c_data(cid, ttag, half, bytes(half + 512), last=True)
+    if kind == "second_wrong_cccid":
+        return good + h2c_data(cid + 1, ttag, half, bytes(512), last=False)
+    if kind == "second_last_too_early":
+        return good + h2c_data(cid, ttag, half, bytes(512), last=True)
+    if kind == "cut_then_out_of_order":   # the first one is cut and received into the buffer (see _send_bad)
+        return good + h2c_data(cid, ttag, half + 512, bytes(512), last=False)
     if kind == "wrong_ttag":
         return h2c_data(cid, ttag + 1, 0, bytes(512), last=False)
     if kind == "wrong_cccid":
@@ -133,7 +184,9 @@ def _sansio_verdict(cid: int, ttag: int, size: int, bad: bytes) -> tuple[int, in
 
 
 @pytest.mark.parametrize("kind", ["wrong_ttag", "wrong_cccid", "out_of_order", "past_the_r2t", "last_too_early",
-                                  "beyond_maxh2cdata"])
+                                  "beyond_maxh2cdata", "hdgstf", "ddgstf", "hlen", "pdo", "plen_vs_datal", "datal_0",
+                                  "second_out_of_order", "second_past_the_r2t", "second_wrong_cccid",
+                                  "second_last_too_early", "cut_then_out_of_order"])
 async def test_bad_h2c_for_a_fast_write_is_refused_as_the_sansio_layer_says(served, kind):
     s = served
     admin, peer, conn = await _io_peer(s)
@@ -143,7 +196,14 @@ async def test_bad_h2c_for_a_fast_write_is_refused_as_the_sansio_layer_says(serv
     ttag = r2t["ttag"]
     assert type(conn._h2c[ttag]) is tcp_batch._FastWrite
     bad = _bad_h2c(kind, 3, ttag, size)
-    await peer.send(bad)
+    if kind.startswith("cut"):
+        # the first PDU's header and a little of its payload; the rest (over 16 KiB) goes straight to the buffer
+        await peer.send(bad[:24 + 1000])
+        await wait_until(lambda: conn._h2c_dest is not None, what="the cut H2CData to be taken")
+        bad_rest = bad[24 + 1000:]
+        await peer.send(bad_rest)
+    else:
+        await peer.send(bad)
     assert await peer.wait_eof(5), "the target did not close"
     term = peer.out.term
     assert term is not None, peer.out.pdus[-1:]

@@ -103,10 +103,14 @@ COMMON_FAST = struct.Struct("<BBBBI")
 # CapsuleResp (type, flags, hlen, pdo, plen, then the CQE: dw0, dw1, sqhd, sqid, cid, status).
 REPLY_FAST = struct.Struct("<BBBBIHHII4xBBBBIIIHHHH")
 RESP_FAST = struct.Struct("<BBBBIIIHHHH")
+# An H2CData header (DataPduHeader): type, flags, hlen and pdo as one integer (compared with _H2C_HEAD /
+# _H2C_HEAD_LAST), then plen, cccid, ttag, datao, datal.
+H2C_FAST = struct.Struct("<IIHHII")
 SLOT_SIZE = REPLY_FAST.size   # 48
 
 _unpack_cmd = CMD_FAST.unpack_from
 _unpack_common = COMMON_FAST.unpack_from
+_unpack_h2c = H2C_FAST.unpack_from
 _unpack_u32 = struct.Struct("<I").unpack_from
 _pack_resp = RESP_FAST.pack_into
 _pack_c2h = spec.DATA_PDU_HDR.pack_into
@@ -133,6 +137,10 @@ _TIME_BUDGET_NS = defaults.TCP_BATCH_TIME_BUDGET_US * 1000
 _WRITE_POOL = defaults.TCP_BATCH_WRITE_POOL
 _SQHD_DISABLED = 0xFFFF
 _NO_OFFSET = bytes(8)
+# An H2CData's first four bytes without digests (hpda 0: pdo right behind the header), with and without LAST
+_H2C_TYPE = spec.PduType.H2C_DATA.value
+_H2C_HEAD = _H2C_TYPE | _DATA_HLEN << 16 | _DATA_HLEN << 24
+_H2C_HEAD_LAST = _H2C_HEAD | _LAST << 8
 _perf_ns = time.perf_counter_ns
 
 
@@ -232,10 +240,19 @@ class BatchMixin:
         self._fast_over = False               # the last _fast stopped there
         self._wbufs: dict[int, list[bytearray]] = {}   # length -> R2T write buffers free for reuse
         self._wbuf_bytes = 0                  # ... their bytes (at most TCP_BATCH_WRITE_POOL)
+        # A fast-path H2CData cut by the end of a read: the rest of its payload in the write's buffer, which
+        # the next reads fill directly (the sans-IO connection's direct placement, done here), and its write.
+        self._h2c_dest: memoryview | None = None
+        self._h2c_fw: _FastWrite | None = None
+        self._h2c_stop = 0
 
     # --- BufferedProtocol -----------------------------------------------------------------------
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        dest = self._h2c_dest
+        if dest is not None:
+            self._recv_direct = False
+            return dest
         buf = super().get_buffer(sizehint)   # type: ignore[misc]
         carry = self._carry
         # A carry exists only while the sans-IO connection holds nothing (no payload being placed), so
@@ -243,6 +260,9 @@ class BatchMixin:
         return buf[carry:] if carry else buf
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self._h2c_dest is not None:
+            self._h2c_received(nbytes)
+            return
         if self._recv_direct:
             super().buffer_updated(nbytes)   # type: ignore[misc]
             return
@@ -253,6 +273,15 @@ class BatchMixin:
 
     def data_received(self, data: bytes | memoryview) -> None:
         """Bytes handed over without get_buffer (a transport that is not buffered)."""
+        dest = self._h2c_dest
+        if dest is not None:
+            mv = memoryview(data).cast("B")
+            n = min(len(mv), len(dest))
+            dest[:n] = mv[:n]
+            self._h2c_received(n)
+            if n == len(mv) or self._closed:
+                return
+            data = mv[n:]
         if self._carry:
             joined = bytes(self._recv[:self._carry]) + bytes(data)
             self._carry = 0
@@ -307,6 +336,18 @@ class BatchMixin:
             rest = end - pos
             if not rest or self._closed or self._fast_tail(mv, pos, rest):
                 return streamed
+            if mv[pos] == _H2C_TYPE and self._fast_ready():
+                if rest < _DATA_HLEN:
+                    # a cut H2CData header: kept at the start of the receive buffer for the next read (given
+                    # to the sans-IO connection, it would take every later PDU until a read ends on a boundary)
+                    self._recv[:rest] = mv[pos:pos + rest]
+                    self._carry = rest
+                    return streamed
+                taken = self._fast_h2c(mv, pos, rest)
+                if taken:
+                    streamed = True   # a write it completed queued its CapsuleResp on the sans-IO connection
+                    pos += taken
+                    continue
             # One whole PDU the fast path did not take goes through the slow path, then the fast
             # path goes on; a PDU cut by the end of the read (or anything while the sans-IO layer
             # holds bytes) goes there with everything after it.
@@ -605,6 +646,60 @@ class BatchMixin:
             return free.pop()
         return bytearray(length)
 
+    def _fast_h2c(self, mv: memoryview, pos: int, rest: int) -> int:
+        """Take the H2CData at ``pos`` of a fast-path write when it is exactly what its R2T expects, with the
+        checks the sans-IO connection makes (_check_header, _check_data_header: no digests, hlen, pdo,
+        datal 1..MAXH2CDATA and plen, ttag, cccid, datao, within the R2T, LAST only on its last byte);
+        return the bytes taken, 0 when anything differs: the sans-IO path takes the PDU and reports it."""
+        head, plen, cccid, ttag, datao, datal = _unpack_h2c(mv, pos)
+        fw = self._h2c.get(ttag)
+        if type(fw) is not _FastWrite or cccid != fw.cid or datao != fw.received:
+            return 0
+        stop = datao + datal
+        length = fw.length
+        if head != _H2C_HEAD and (head != _H2C_HEAD_LAST or stop != length):
+            return 0
+        if not 0 < datal <= self.conn.maxh2cdata or plen != _DATA_HLEN + datal or stop > length:
+            return 0
+        if not self.conn.take_h2c(ttag, cccid, datao, stop):
+            return 0
+        data = mv[pos + _DATA_HLEN:pos + plen if rest >= plen else pos + rest]
+        if rest >= plen and not datao and stop == length:
+            fw.received = stop
+            self._fast_write_done(fw, data)   # the whole write in one PDU: no copy to its buffer
+            return plen
+        buf = fw.buf
+        if buf is None:
+            buf = fw.buf = self._take_wbuf(length)
+        have = datao + len(data)
+        buf[datao:have] = data
+        if rest < plen:
+            # the rest of the payload is received straight into the write's buffer (get_buffer), however
+            # short: one more recv, and the next read starts at a PDU boundary (the engine's again)
+            self._h2c_dest = memoryview(buf)[have:stop]
+            self._h2c_fw = fw
+            self._h2c_stop = stop
+            return rest
+        fw.received = stop
+        if stop == length:
+            self._fast_write_done(fw, buf)
+        return plen
+
+    def _h2c_received(self, nbytes: int) -> None:
+        """``nbytes`` of a cut fast-path H2CData landed in its write's buffer."""
+        dest = self._h2c_dest
+        assert dest is not None
+        if nbytes < len(dest):
+            self._h2c_dest = dest[nbytes:]
+            return
+        fw = self._h2c_fw
+        self._h2c_dest = self._h2c_fw = None
+        if fw is None or self._closed or self._h2c.get(fw.ttag) is not fw:
+            return
+        fw.received = self._h2c_stop
+        if fw.received == fw.length:
+            self._fast_write_done(fw, fw.buf)
+
     def _place(self, cccid: int, ttag: int, datao: int, datal: int) -> memoryview | None:
         """The sans-IO ``place`` hook: a large H2CData payload of a fast-path write goes straight into the
         write's buffer (the sans-IO connection checked the PDU against our R2T first)."""
@@ -706,6 +801,7 @@ class BatchMixin:
     def _cleanup(self) -> None:
         # The fast-path writes still waiting for data give their budget back now (the stream engine's
         # writes do as their cancelled tasks end).
+        self._h2c_dest = self._h2c_fw = None
         h2c = self._h2c
         for ttag in [t for t, p in h2c.items() if type(p) is _FastWrite]:
             fw = h2c.pop(ttag)
