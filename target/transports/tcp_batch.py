@@ -25,11 +25,16 @@ fast path in front of it for the commands that dominate a data plane and can fin
   writes do not hold the event loop, every other connection and timer, for all of them at once.
 
 An R2T Write whose H2C budgets fit takes the fast path too: its R2T leaves with the batch's replies
-through ``TcpConnection.send_r2t``, so the sans-IO layer registers the transfer and checks every
-H2CData against it (ttag, cccid, offset, length, LAST, MAXH2CDATA) exactly as on the stream path
-(tests/test_batch_r2t.py compares the TermReqs byte for byte), and the write completes inline.
+through ``TcpConnection.send_r2t``, so the sans-IO layer registers the transfer, and the write completes
+inline. Its H2CData header is read with one precompiled ``struct`` (``H2C_FAST``) and taken by the
+engine only when it is exactly what the R2T expects, with the checks ``TcpConnection`` makes (no digest
+flags, hlen, pdo, datal 1..MAXH2CDATA against plen, ttag, cccid, datao, within the R2T, LAST only at
+its end); ``TcpConnection.take_h2c`` moves the sans-IO record on. Any other header goes, whole, to the
+sans-IO connection, which reports it (tests/test_batch_r2t.py compares the TermReqs byte for byte, also
+after PDUs the engine took). A payload cut by the end of a read is received straight into the write's
+buffer by the next reads (``get_buffer``), and a cut H2CData header is carried like a cut CapsuleCmd.
 The H2CData of a larger (R2T) Write is received into the write's own buffer (the stream engine's
-``place`` hook), never straight into a RAM disk's memory: H2CData arrives cut at any byte, so a
+``place`` hook on the sans-IO path), never straight into a RAM disk's memory: H2CData arrives cut at any byte, so a
 read running meanwhile would see half a block, and two overlapping writes on two queues could leave
 one block mixing both (AWUN 0 promises single-block atomicity). nvmet receives into its own pages
 too (nvmet_tcp_map_data) and the backend copies them when the command executes, in one step.
