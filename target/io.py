@@ -104,7 +104,7 @@ def _throttled(execute, is_read: bool):
     async def run(req: Request) -> None:
         ns = req.ns
         qos = ns.qos
-        if qos is not None:
+        if qos is not None and not req.qos_paid:
             ctrl = req.queue.ctrl
             waited = await qos.take(ctrl.hostnqn, is_read, req.data_len)
             if waited:

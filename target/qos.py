@@ -209,9 +209,7 @@ class Throttle:
         if self.try_take(is_read, nbytes):
             return
         fut = asyncio.get_running_loop().create_future()
-        self.waiters.append([fut, is_read, nbytes])
-        if len(self.waiters) == 1:
-            self._pump()
+        self._enqueue(fut, is_read, nbytes)
         try:
             await fut
         except asyncio.CancelledError:
@@ -219,6 +217,12 @@ class Throttle:
             if self.waiters and self.waiters[0][0] is fut:
                 self._pump()
             raise
+
+    def _enqueue(self, waiter: Any, is_read: bool, nbytes: int) -> None:
+        """Queue a waiter (a future, or a Parked command: anything with done() and set_result())."""
+        self.waiters.append([waiter, is_read, nbytes])
+        if len(self.waiters) == 1:
+            self._pump()
 
     def _pump(self) -> None:
         """Let the head waiters go while the buckets allow, all in this one call (their replies leave
@@ -260,6 +264,50 @@ class Throttle:
     def close(self) -> None:
         """Limit removed: release everything waiting."""
         self.set_limits(UNLIMITED)
+
+
+class Parked:
+    """A command the batch engine parked at a limit instead of handing it to io.parse's road (no Request,
+    no Task, no future): it waits in the throttles' queues like a ``take`` and ``go(self)`` is called, from
+    the pump, once its host's throttle and then its namespace's let it through (charged). ``cancel`` takes
+    it out (its connection closed); a throttle that already let it go keeps the charge, as ``take`` does."""
+
+    __slots__ = ("at", "cmd", "go", "is_read", "nbytes", "next", "state", "waiting_on")
+
+    def __init__(self, is_read: bool, nbytes: int, go: Callable[[Parked], None], next_throttle: Throttle | None,
+                 at: Throttle | None) -> None:
+        self.is_read = is_read
+        self.nbytes = nbytes
+        self.go = go
+        self.next = next_throttle   # the namespace's throttle, while the host's is the one waited on
+        self.waiting_on = at
+        self.state = 0              # 0 waiting, 1 let through, 2 cancelled
+        self.at = time.perf_counter_ns()
+        self.cmd: Any = None        # the caller's: what to run when it goes
+
+    def done(self) -> bool:
+        return self.state != 0 or self.waiting_on is None
+
+    def set_result(self, _value: Any) -> None:
+        """The throttle waited on let it through (and charged it): on to the next, or go."""
+        nxt = self.next
+        self.next = None
+        if nxt is not None and not nxt.try_take(self.is_read, self.nbytes):
+            self.waiting_on = nxt
+            nxt._enqueue(self, self.is_read, self.nbytes)
+            return
+        self.waiting_on = None
+        self.state = 1
+        self.go(self)
+
+    def cancel(self) -> None:
+        throttle = self.waiting_on
+        if self.state or throttle is None:
+            return
+        self.state = 2
+        self.waiting_on = None
+        if throttle.waiters and throttle.waiters[0][0] is self:
+            throttle._pump()   # the next in line must not wait behind a command that left
 
 
 class NamespaceQos:
@@ -334,6 +382,25 @@ class NamespaceQos:
         if ns is not None:
             await ns.take(is_read, nbytes)
         return max(1, time.perf_counter_ns() - start)
+
+    def park(self, hostnqn: str, is_read: bool, nbytes: int, go: Callable[[Parked], None], cmd: Any = None) -> Parked:
+        """``take`` without a coroutine, for a command ``try_take`` refused: it queues (host's throttle, then the
+        namespace's, FIFO with every other waiter) and ``go`` is called once it is let through and charged."""
+        host = self.hosts.get(hostnqn)
+        ns = self.namespace
+        first = host if host is not None else ns
+        if first is None:   # no limit left: let through at once
+            parked = Parked(is_read, nbytes, go, None, None)
+            parked.cmd = cmd
+            parked.set_result(None)
+            return parked
+        parked = Parked(is_read, nbytes, go, ns if host is not None else None, first)
+        parked.cmd = cmd
+        if first.try_take(is_read, nbytes):
+            parked.set_result(None)
+        else:
+            first._enqueue(parked, is_read, nbytes)
+        return parked
 
     def config(self) -> dict[str, Any]:
         """The config-file form: the namespace's non-zero limits and ``hosts`` {hostnqn: limits}."""

@@ -82,8 +82,8 @@ Execute = Callable[["Request"], Awaitable[None]]
 class Request:
     """One command: what parse decided, the payloads, and the result dwords."""
 
-    __slots__ = ("cmd", "coalesce", "data", "data_len", "direction", "dw0", "dw1", "execute", "ns", "queue", "reply",
-                 "start_ns")
+    __slots__ = ("cmd", "coalesce", "data", "data_len", "direction", "dw0", "dw1", "execute", "ns", "qos_paid", "queue",
+                 "reply", "start_ns")
 
     def __init__(self, queue: TargetQueue, cmd: Command) -> None:
         self.queue = queue
@@ -100,6 +100,9 @@ class Request:
         # Its reply may wait for the end of this loop iteration, to leave in one write with the others that
         # finish in it (a QoS release: target/qos.py); a transport that does not batch ignores it.
         self.coalesce = False
+        # Its QoS tokens were taken already (a read the batch engine parked at a limit, let go, whose backend
+        # then could not answer inline): io.parse's gate lets it through without charging it again.
+        self.qos_paid = False
 
     def expect(self, direction: Direction, length: int, execute: Execute) -> None:
         """Called by parse: the command moves ``length`` bytes in ``direction`` and runs ``execute``."""

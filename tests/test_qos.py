@@ -448,3 +448,124 @@ async def test_batch_fast_path_takes_the_tokens_before_reading(monkeypatch: pyte
     results = await asyncio.wait_for(asyncio.gather(*futs), 5)
     assert [r.status for r in results] == [0] * 8
     await _close(tgt, admin, rec)
+
+
+# --- the batch engine parks a limited read (no Request, no Task) and runs it inline when it goes -----------
+
+
+def _parked() -> int:
+    return sum(len(c._parked) for c in test_tcp_batch.BatchLoopConnection.instances)
+
+
+def _tasks() -> int:
+    return sum(len(c._tasks) for c in test_tcp_batch.BatchLoopConnection.instances)
+
+
+@pytest.mark.parametrize("per_host", [False, True])
+async def test_batch_parks_a_limited_read_and_runs_it_inline_when_let_go(
+        per_host: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    test_tcp_batch.BatchLoopConnection.instances.clear()
+    tgt, admin, rec = await _limited_target(QosLimits(rw_ios_per_second=1), "batch", monkeypatch,
+                                            per_host=per_host)
+    ns1 = tgt.subsystems[SUBNQN].namespaces[1]
+    data = os.urandom(4096)
+    ns1.backend.memory_view()[:4096] = data
+    assert ns1.qos is not None
+    throttle = ns1.qos.hosts[HOSTNQN] if per_host else ns1.qos.namespace
+    assert throttle is not None
+    for _ in range(600):
+        throttle.charge(True, 512)   # every read below waits
+    rec.hold = True
+    futs = [rec.send(*_rd(i, 1)[:1], read_len=512) for i in range(8)]
+    rec.hold = False
+    rec.flush()
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert len(throttle.waiters) == 8 and not any(f.done() for f in futs)
+    assert _parked() == 8 and _tasks() == 0   # waiting without a Request or a Task each
+    fast = _fast_count()
+    throttle.close()   # the limit removed: the parked reads go
+    results = await asyncio.wait_for(asyncio.gather(*futs), 5)
+    assert [r.status for r in results] == [0] * 8
+    assert [r.data for r in results] == [data[i * 512:(i + 1) * 512] for i in range(8)]
+    assert _fast_count() - fast == 8 and _parked() == 0
+    assert ns1.stats.throttled == 8 and ns1.stats.reads == 8
+    await _close(tgt, admin, rec)
+
+
+async def test_parked_reads_leave_the_queue_when_their_connection_closes(monkeypatch: pytest.MonkeyPatch) -> None:
+    test_tcp_batch.BatchLoopConnection.instances.clear()
+    tgt, admin, rec = await _limited_target(QosLimits(rw_ios_per_second=1), "batch", monkeypatch)
+    ns1 = tgt.subsystems[SUBNQN].namespaces[1]
+    assert ns1.qos is not None and ns1.qos.namespace is not None
+    throttle = ns1.qos.namespace
+    for _ in range(600):
+        throttle.charge(True, 512)
+    for i in range(4):
+        rec.send(*_rd(i, 1)[:1], read_len=512)
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert _parked() == 4
+    rec.close()
+    await asyncio.sleep(0.05)
+    assert _parked() == 0
+    assert [w for w in throttle.waiters if not w[0].done()] == []   # nothing left to release into a closed queue
+    await _close(tgt, admin)
+
+
+async def test_parked_read_of_a_namespace_disabled_meanwhile_gets_io_parse_answer(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    test_tcp_batch.BatchLoopConnection.instances.clear()
+    tgt, admin, rec = await _limited_target(QosLimits(rw_ios_per_second=1), "batch", monkeypatch)
+    ns1 = tgt.subsystems[SUBNQN].namespaces[1]
+    assert ns1.qos is not None and ns1.qos.namespace is not None
+    for _ in range(600):
+        ns1.qos.namespace.charge(True, 512)
+    futs = [rec.send(*_rd(i, 1)[:1], read_len=512) for i in range(2)]
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert _parked() == 2
+    ns1.enabled = False
+    ns1.qos.close()
+    results = await asyncio.wait_for(asyncio.gather(*futs), 5)
+    assert [r.status & 0x7FF for r in results] == [0x00B, 0x00B]   # Invalid Namespace, as io.parse answers
+    await _close(tgt, admin, rec)
+
+
+async def test_parked_read_whose_backend_would_wait_is_charged_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Let go, a parked read whose backend cannot answer inline runs through the lifecycle with its tokens
+    already taken: it does not queue at the limit a second time."""
+    class SlowRam(RamBackend):
+        def memory_view(self) -> memoryview | None:
+            return None
+
+        def read_nowait(self, offset: int, length: int) -> memoryview | None:
+            return None   # always "would wait": read() answers
+
+    charges: list[int] = []
+    real_charge = Throttle.charge
+
+    def counting(self: Throttle, is_read: bool, nbytes: int, ios: int = 1) -> None:
+        charges.append(ios)
+        real_charge(self, is_read, nbytes, ios)
+
+    test_tcp_batch.BatchLoopConnection.instances.clear()
+    tgt, admin, rec = await _limited_target(QosLimits(rw_ios_per_second=1), "batch", monkeypatch)
+    sub = tgt.subsystems[SUBNQN]
+    ns1 = Namespace(1, SlowRam(1 << 20))
+    ns1.qos = NamespaceQos(QosLimits(rw_ios_per_second=1))
+    sub.namespaces[1] = ns1
+    assert ns1.qos.namespace is not None
+    for _ in range(600):
+        ns1.qos.namespace.charge(True, 512)
+    monkeypatch.setattr(Throttle, "charge", counting)
+    futs = [rec.send(*_rd(i, 1)[:1], read_len=512) for i in range(3)]
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert _parked() == 3
+    ns1.qos.update(QosLimits(rw_ios_per_second=100_000), {})   # raised: the debt is forgiven, they go
+    results = await asyncio.wait_for(asyncio.gather(*futs), 5)
+    assert [r.status for r in results] == [0] * 3
+    assert charges.count(1) == 3 and -1 not in charges   # each charged once, none refunded and charged again
+    assert ns1.stats.throttled == 3 and ns1.stats.reads == 3
+    await _close(tgt, admin, rec)

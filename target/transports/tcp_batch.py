@@ -250,6 +250,9 @@ class BatchMixin:
         self._h2c_dest: memoryview | None = None
         self._h2c_fw: _FastWrite | None = None
         self._h2c_stop = 0
+        self._parked: set[Any] = set()       # reads parked at a QoS limit (qos.Parked), not let go yet
+        self._released: list[Any] = []       # ... let go, to run in _run_released (one call_soon)
+        self._release_due = False
 
     # --- BufferedProtocol -----------------------------------------------------------------------
 
@@ -542,7 +545,15 @@ class BatchMixin:
             if opcode == _READ:
                 # The tokens first: a read the limit delays is not read now (and again when it goes).
                 if qos is not None and not qos.try_take(hostnqn, True, length):
-                    break
+                    # Parked at the limit (no Request, no Task): it runs inline when the throttle lets it go
+                    # (_run_released). Past sqsize parked on this queue it takes io.parse's road.
+                    if len(self._parked) >= sqsize:
+                        break
+                    self._parked.add(qos.park(hostnqn, True, length, self._on_released,
+                                              (ns, qos, cid, nsid, slba << shift, length, shift,
+                                               bytes(mv[pos + 8:pos + _CMD_HLEN]), ns.backend)))
+                    pos += _CMD_HLEN
+                    continue
                 if disk is not None:
                     offset = slba << shift
                     data = disk[offset:offset + length]   # in range: checked against NSZE above
@@ -797,6 +808,127 @@ class BatchMixin:
         task.add_done_callback(self._task_done)
         task.add_done_callback(lambda _task: self._release_h2c(length))
 
+    # --- reads parked at a QoS limit --------------------------------------------------------------
+
+    def _on_released(self, parked: Any) -> None:
+        """A throttle let a parked read go (from its pump): the reads one release lets go run in the coalesced
+        flush (_flush_coalesced), with the replies of the io.parse commands it let go, in one write. That flush
+        is asked for one callback later: the Tasks the same release woke were queued after this call, and
+        their replies must be queued before the flush runs."""
+        self._released.append(parked)
+        if not self._release_due:
+            self._release_due = True
+            asyncio.get_running_loop().call_soon(self._flush_soon)
+
+    def _flush_coalesced(self) -> None:
+        if self._released:
+            self._run_released()
+        super()._flush_coalesced()   # type: ignore[misc]
+
+    def _run_released(self) -> None:
+        """Run the reads the throttles let go, inline as _fast would have (the namespace checks again: what
+        changed while they waited is judged by io.parse, which they are handed to with their tokens back)."""
+        self._release_due = False
+        released = self._released
+        self._released = []
+        parked = self._parked
+        for p in released:
+            parked.discard(p)
+        queue = self.queue
+        ctrl = queue.ctrl
+        if self._closed or ctrl is None:
+            return
+        hostnqn = ctrl.hostnqn
+        namespaces = ctrl.subsystem.namespaces
+        ana_blocked = ctrl.ana_blocked
+        ready = bool(ctrl.enabled) and (queue.auth is None or queue.auth.authenticated)
+        flow_off = queue.sqflow_disabled
+        sqsize = queue.sqsize + 1
+        wrap = sqsize if sqsize > 1 else 0x10000
+        sqhd = queue.sqhd
+        slots = self._slots
+        qid = queue.qid
+        out: list[Any] = []
+        wire = 0
+        for p in released:
+            ns, qos, cid, nsid, offset, length, shift, sqe, backend = p.cmd
+            data = None
+            same = False
+            start = _perf_ns()
+            if (ready and ns.enabled and namespaces.get(nsid) is ns and ns.backend is backend
+                    and ns.lba_shift == shift and offset + length <= ns.nsze << shift and not ns.pr.registrants
+                    and not (ana_blocked and ns.anagrpid in ana_blocked)
+                    and (ns.auto_visible or hostnqn in ns.hosts)):
+                same = True
+                disk = backend.memory_view()
+                if disk is not None:
+                    data = disk[offset:offset + length]
+                else:
+                    try:
+                        data = backend.read_nowait(offset, length)
+                    except Exception:   # io.parse runs it again and reports the error
+                        data = None
+                    if data is not None and len(data) != length:
+                        data = None
+            if same:   # it waited at the limit (io.parse's _throttled counts the same)
+                waited = max(1, _perf_ns() - p.at)
+                for stats in (ns.stats, ctrl.host_stats):
+                    stats.throttled += 1
+                    stats.throttled_ns += waited
+            if data is None:
+                # Unchanged but the backend would wait: the lifecycle reads it, its tokens taken already. Else
+                # io.parse judges what changed (and its gate charges it again).
+                if not same:
+                    qos.refund(hostnqn, True, length)
+                self._fast_fallback(sqe, paid=same)
+                continue
+            self._count(ns, 1, length, 0, 0, start)   # as io.parse counts it: the read, not the wait
+            self.fast_commands += 1
+            slot = slots.get(cid)
+            if slot is None:
+                slot = _Slot(cid, qid, flow_off)
+                if len(slots) < _MAX_SLOTS:
+                    slots[cid] = slot
+            if slot.length != length:
+                slot.pack_c2h(cid, length, flow_off)
+            out += (slot.hdr, data)
+            wire += _DATA_HLEN + length
+            if flow_off:
+                continue
+            sqhd += 1
+            if sqhd == wrap:
+                sqhd = 0
+            _pack_sqhd(slot.buf, _SLOT_SQHD, sqhd)
+            out.append(slot.resp)
+            wire += _RSP_LEN
+        if not flow_off:
+            queue.sqhd = sqhd
+        transport = self.transport
+        if out and transport is not None:
+            # what the stream path queued goes first, all in one write
+            queued = self.conn.data_to_send()
+            if queued:
+                wire += sum(map(len, queued))
+                out[:0] = queued
+            send_batch = getattr(transport, "send_batch", None)
+            if send_batch is not None:
+                send_batch(out, wire)
+            else:
+                transport.writelines(out)
+
+    def _fast_fallback(self, sqe: bytes, paid: bool) -> None:
+        """A read the fast path parked but cannot finish inline: the lifecycle runs it from its parse on
+        (``paid``: its QoS tokens are taken; its reply leaves with the others of the release)."""
+        req = TcpRequest(self.queue, Command.from_bytes(sqe))
+        req.incapsule = None
+        req.digest_ok = True
+        req.qos_paid = paid
+        req.coalesce = True
+        task = start_command(self.target, self, req)
+        if task is not None:
+            self._tasks.add(task)
+            task.add_done_callback(self._task_done)
+
     def fetch_data(self, req: Any) -> Any:
         if type(req) is _FetchedRequest:
             req.data = req.fetched
@@ -812,6 +944,12 @@ class BatchMixin:
             fw = h2c.pop(ttag)
             self._h2c_bytes -= fw.length
             self._port.h2c.release(fw.length)
+        # Reads parked at a QoS limit leave their throttles' queues (the next in line moves up).
+        parked = self._parked
+        self._parked = set()
+        self._released = []
+        for p in parked:
+            p.cancel()
         super()._cleanup()   # type: ignore[misc]
 
     def _count(self, ns: Any, reads: int, read_bytes: int, writes: int, write_bytes: int, start: int) -> None:
