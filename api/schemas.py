@@ -11,7 +11,7 @@ from __future__ import annotations
 import uuid as uuid_mod
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from nvmeof import defaults
 from target import schema
@@ -20,11 +20,11 @@ from target.backends import KINDS
 HEX_NGUID = rf"^[0-9A-Fa-f]{{{2 * schema.NGUID_LEN}}}$"
 HEX_EUI64 = rf"^[0-9A-Fa-f]{{{2 * schema.EUI64_LEN}}}$"
 
-TrType = Literal[schema.TRTYPES]  # type: ignore[valid-type]  # target/model.py, checked by target/schema.py
-AdrFam = Literal[schema.ADRFAMS]  # type: ignore[valid-type]
+TrType = schema.TrType  # target/model.py, checked by target/schema.py
+AdrFam = schema.AdrFam
 # nvmeof.spec.logs.ANA_STATE_NAMES (tests/test_ana_api.py keeps the two equal)
 AnaStateName = Literal["optimized", "non-optimized", "inaccessible", "persistent-loss", "change"]
-TlsMode = Literal[defaults.TLS_MODES]  # type: ignore[valid-type]  # a TCP listener's TLS
+TlsMode = schema.TlsMode  # a TCP listener's TLS
 
 
 def _example(example: dict[str, Any]) -> ConfigDict:
@@ -48,27 +48,36 @@ class _Request(BaseModel):
         return value
 
 
+
+def _body(name: str, fields: dict[str, schema.Field], *, only: tuple[str, ...] = (), skip: tuple[str, ...] = (),
+          notes: dict[str, str] | None = None) -> type[_Request]:
+    """The request body of a configuration item, built from its field declarations in target/schema.py
+    (types, defaults, ranges, descriptions live there only): ``only``/``skip`` pick fields, ``notes`` add a
+    body's own words to a description. A body class subclasses it for its example and docstring."""
+    specs: dict[str, Any] = {}
+    for key, field in fields.items():
+        if not field.in_body or key in skip or (only and key not in only):
+            continue
+        options: dict[str, Any] = field.range.bounds() if field.range is not None else {}
+        if field.min_length is not None:
+            options["min_length"] = field.min_length
+        if field.max_length is not None:
+            options["max_length"] = field.max_length
+        description = (field.description or "") + (notes or {}).get(key, "")
+        if description:
+            options["description"] = description
+        if isinstance(field.default, list):
+            options["default_factory"] = list
+        else:
+            options["default"] = field.default
+        specs[field.body_name or key] = (field.body_type(), Field(**options))
+    return create_model(name, __base__=_Request, __module__=__name__, **specs)
+
+
 # -- subsystems -------------------------------------------------------------------------------------
 
-_DHCHAP_HASH = ("DH-HMAC-CHAP hashes allowed, in order of preference: sha256, sha384, sha512 (or hmac(sha256) ... "
-                "as configfs spells them); null or absent: all")
-_DHCHAP_DHGROUP = ("DH-HMAC-CHAP DH groups allowed, in order of preference: null, ffdhe2048 ... ffdhe8192; "
-                   "null or absent: all")
-
-
-class SubsystemCreate(_Request):
+class SubsystemCreate(_body("_SubsystemFields", schema.SUBSYSTEM)):  # type: ignore[misc]
     model_config = _example({"nqn": "nqn.2024-01.com.example:disk1", "allow_any_host": True})
-
-    nqn: str | None = Field(None, description="NQN; generated (UUID form) when omitted")
-    serial: str | None = Field(None, max_length=schema.SERIAL_MAX, description="Serial number; generated when omitted")
-    model: str = Field(defaults.MODEL, min_length=1, max_length=schema.MODEL_MAX)
-    allow_any_host: bool | None = Field(
-        None, description="Let every host connect; defaults to true when no hosts are listed"
-    )
-    hosts: list[str] = Field(default_factory=list, description="Host NQNs allowed to connect")
-    max_namespaces: int = Field(defaults.MAX_NAMESPACES, **schema.MAX_NAMESPACES.bounds())
-    dhchap_hash: list[str] | None = Field(None, description=_DHCHAP_HASH)
-    dhchap_dhgroup: list[str] | None = Field(None, description=_DHCHAP_DHGROUP)
 
 
 class NamespaceStatsOut(BaseModel):
@@ -237,49 +246,27 @@ class NamespaceResize(_Request):
 # -- hosts ------------------------------------------------------------------------------------------
 
 
-_DHCHAP_KEY = ("The host's DH-HMAC-CHAP secret (DHHC-1:NN:base64: as `nvme gen-dhchap-key` writes it); with it the "
-               "host must authenticate every queue. Never shown again: answers say only whether it is set")
-_DHCHAP_CTRL_KEY = "The controller's secret for bidirectional authentication (needs dhchap_key); never shown again"
-_TLS_KEY = ("The host's NVMe/TCP TLS PSK on this subsystem (NVMeTLSkey-1:NN:base64: as `nvme gen-tls-key` writes it), "
-            "used on listeners with tls optional/required. Never shown again: answers say only whether it is set")
-_TLS_COMPAT = ("Derive the host's TLS PSK for identities without a digest (NVMe0R..) as libnvme's compat functions do: "
-               "for a host (e.g. Linux with nvme-cli 2.13 / libnvme 1.13) whose keyring key was inserted that way. "
-               "Default false (RFC 8446 HKDF-Expand-Label)")
-
-
-class HostAdd(_Request):
+class HostAdd(_body("_HostFields", schema.HOST, notes={"dhchap_hash": "; default: the subsystem's",
+                                                      "dhchap_dhgroup": "; default: the subsystem's"})):  # type: ignore[misc]
     model_config = _example(
         {"hostnqn": "nqn.2014-08.org.nvmexpress:uuid:0f2d2f36-8a4e-4a3b-9a52-3b1f1f2f7c11"}
     )
 
-    hostnqn: str
-    dhchap_key: str | None = Field(None, description=_DHCHAP_KEY)
-    dhchap_ctrl_key: str | None = Field(None, description=_DHCHAP_CTRL_KEY)
-    dhchap_hash: list[str] | None = Field(None, description=_DHCHAP_HASH + "; default: the subsystem's")
-    dhchap_dhgroup: list[str] | None = Field(None, description=_DHCHAP_DHGROUP + "; default: the subsystem's")
-    tls_key: str | None = Field(None, description=_TLS_KEY)
-    tls_compat: bool | None = Field(None, description=_TLS_COMPAT)
+
+_AUTH_NOTES = {"dhchap_hash": "; null: the subsystem's", "dhchap_dhgroup": "; null: the subsystem's",
+               "tls_key": "; null removes it", "tls_compat": "; null: false"}
 
 
-class HostAuthSet(_Request):
+class HostAuthSet(_body("_HostAuthFields", schema.HOST, skip=("nqn",), notes=_AUTH_NOTES)):  # type: ignore[misc]
     """Set, rotate or remove a host's DH-HMAC-CHAP settings: a field given replaces the current value,
     null removes it, an absent field stays as it is."""
 
     model_config = _example({"dhchap_key": "DHHC-1:00:<base64 of key and CRC-32>:"})
 
-    dhchap_key: str | None = Field(None, description=_DHCHAP_KEY)
-    dhchap_ctrl_key: str | None = Field(None, description=_DHCHAP_CTRL_KEY)
-    dhchap_hash: list[str] | None = Field(None, description=_DHCHAP_HASH + "; null: the subsystem's")
-    dhchap_dhgroup: list[str] | None = Field(None, description=_DHCHAP_DHGROUP + "; null: the subsystem's")
-    tls_key: str | None = Field(None, description=_TLS_KEY + "; null removes it")
-    tls_compat: bool | None = Field(None, description=_TLS_COMPAT + "; null: false")
 
-
-class SubsystemDhchapSet(_Request):
+class SubsystemDhchapSet(_body("_SubsystemDhchapFields", schema.SUBSYSTEM,  # type: ignore[misc]
+                               only=("dhchap_hash", "dhchap_dhgroup"))):
     model_config = _example({"dhchap_hash": ["sha512", "sha384"], "dhchap_dhgroup": ["ffdhe4096", "ffdhe3072"]})
-
-    dhchap_hash: list[str] | None = Field(None, description=_DHCHAP_HASH)
-    dhchap_dhgroup: list[str] | None = Field(None, description=_DHCHAP_DHGROUP)
 
 
 class HostOut(BaseModel):
@@ -302,17 +289,8 @@ class HostsOut(BaseModel):
 # -- listeners and referrals ------------------------------------------------------------------------
 
 
-class ListenerCreate(_Request):
+class ListenerCreate(_body("_ListenerFields", schema.LISTENER)):  # type: ignore[misc]
     model_config = _example({"trtype": "tcp", "traddr": "127.0.0.1", "trsvcid": 4420})
-
-    trtype: TrType = "tcp"
-    traddr: str = Field(min_length=1, description="IPv4 or IPv6 address to listen on")
-    trsvcid: int = Field(defaults.TCP_IO_PORT, **schema.TRSVCID.bounds())
-    adrfam: AdrFam | None = Field(None, description="Derived from traddr when omitted")
-    discovery: bool = Field(False, description="Serve the discovery subsystem on this listener")
-    portid: int | None = Field(None, **schema.LISTENER_PORTID.bounds(),
-                               description="Discovery log port ID; a free one if omitted")
-    tls: TlsMode = Field("none", description="NVMe/TCP TLS 1.3 with PSKs: none, optional (TLS or clear) or required")
 
 
 class ListenerOut(BaseModel):
@@ -356,15 +334,8 @@ class AnaOut(BaseModel):
     listeners: list[AnaListenerOut]
 
 
-class ReferralCreate(_Request):
+class ReferralCreate(_body("_ReferralFields", schema.REFERRAL)):  # type: ignore[misc]
     model_config = _example({"trtype": "tcp", "traddr": "192.0.2.10", "trsvcid": 8009})
-
-    trtype: TrType = "tcp"
-    traddr: str = Field(min_length=1)
-    trsvcid: int = Field(defaults.TCP_DISCOVERY_PORT, **schema.TRSVCID.bounds())
-    adrfam: AdrFam | None = None
-    subnqn: str = defaults.DISCOVERY_NQN
-    portid: int = Field(0, **schema.REFERRAL_PORTID.bounds())
 
 
 class ReferralOut(BaseModel):

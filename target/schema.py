@@ -13,7 +13,7 @@ from __future__ import annotations
 import ipaddress
 import uuid as uuidlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from nvmeof import defaults
 from nvmeof.spec.fabrics import PORTID_MAX
@@ -156,29 +156,6 @@ def check_block_size(value: Any) -> int:
 # The fields of each configuration item and their JSON types: the config file's items (target/config.py checks
 # their structure against these), the REST bodies (api/schemas.py; tests/test_schema.py keeps their names in
 # these) and the service's parameters (the same names) are the one set.
-SUBSYSTEM_FIELDS: dict[str, type] = {
-    "nqn": str,
-    "serial": str,
-    "model": str,
-    "allow_any_host": bool,
-    "hosts": list,
-    "max_namespaces": int,
-    "namespaces": list,
-    "dhchap_hash": list,
-    "dhchap_dhgroup": list,
-}
-# A host object in a subsystem's "hosts" list (the kernel's configfs names, hosts/<nqn>/dhchap_*)
-HOST_FIELDS: dict[str, type] = {
-    "nqn": str,
-    "dhchap_key": str,
-    "dhchap_ctrl_key": str,
-    "dhchap_hash": list,
-    "dhchap_dhgroup": list,
-    "tls_key": str,  # the host's NVMe/TCP TLS PSK on the subsystem (NVMeTLSkey-1:NN:...:)
-    "tls_compat": bool,  # its NVMe0R TLS PSK derived as libnvme's *_compat functions do (nvme-cli 2.13)
-}
-# the host fields that hold secrets: never echoed in a message, never shown by the API
-HOST_SECRET_FIELDS = ("dhchap_key", "dhchap_ctrl_key", "tls_key")
 NAMESPACE_FIELDS: dict[str, type] = {
     "nsid": int,
     "backend": str,
@@ -196,24 +173,106 @@ NAMESPACE_FIELDS: dict[str, type] = {
     "qos": dict,  # QoS limits (target/qos.py): {"rw_ios_per_second": N, ..., "hosts": {"<hostnqn>": {...}}}
     # and the settings of each backend kind (target.backends.BACKEND_OPTIONS, strings)
 }
-LISTENER_FIELDS: dict[str, type] = {
-    "trtype": str,
-    "adrfam": str,
-    "traddr": str,
-    "trsvcid": int,
-    "portid": int,
-    "discovery": bool,
-    "tls": str,  # NVMe/TCP secure channel: "none" (default), "optional" or "required" (TLS 1.3 with a PSK)
-    "ana_states": dict,  # {"<anagrpid>": state word}: groups not named are optimized on this listener
+
+
+@dataclass(frozen=True)
+class Field:
+    """One field of a configuration item, which is also the REST body's field of that name: its JSON type in
+    the file (``kind``), and for the body (api/schemas.py builds it from these) its Python type when narrower
+    than ``kind`` (a Literal, list[str]), default (``REQUIRED_IN_BODY``: none; a list's is a new empty list),
+    range, length bounds and description."""
+
+    kind: type
+    default: Any = None
+    annotation: Any = None
+    range: IntField | None = None
+    min_length: int | None = None
+    max_length: int | None = None
+    description: str | None = None
+    in_body: bool = True  # False: kept in the file, set through a route of its own (a listener's ana_states)
+    body_name: str | None = None  # the body's name where it differs (a host's "nqn" is the body's "hostnqn")
+
+    def body_type(self) -> Any:
+        """The body's type: ``annotation``, else ``kind`` (optional where the default is None)."""
+        kind = self.kind if self.annotation is None else self.annotation
+        return kind | None if self.default is None else kind
+
+
+REQUIRED_IN_BODY: Any = ...  # pydantic's marker of a field without a default
+TrType = Literal[TRTYPES]  # type: ignore[valid-type]
+AdrFam = Literal[ADRFAMS]  # type: ignore[valid-type]
+TlsMode = Literal[defaults.TLS_MODES]  # type: ignore[valid-type]  # a TCP listener's TLS
+
+LISTENER: dict[str, Field] = {
+    "trtype": Field(str, "tcp", TrType),
+    "traddr": Field(str, REQUIRED_IN_BODY, min_length=1, description="IPv4 or IPv6 address to listen on"),
+    "trsvcid": Field(int, defaults.TCP_IO_PORT, range=TRSVCID),
+    "adrfam": Field(str, None, AdrFam, description="Derived from traddr when omitted"),
+    "discovery": Field(bool, False, description="Serve the discovery subsystem on this listener"),
+    "portid": Field(int, None, range=LISTENER_PORTID, description="Discovery log port ID; a free one if omitted"),
+    # NVMe/TCP secure channel: "none" (default), "optional" or "required" (TLS 1.3 with a PSK)
+    "tls": Field(str, "none", TlsMode,
+                 description="NVMe/TCP TLS 1.3 with PSKs: none, optional (TLS or clear) or required"),
+    # {"<anagrpid>": state word}: groups not named are optimized on this listener (PUT .../ana/... sets them)
+    "ana_states": Field(dict, in_body=False),
 }
-REFERRAL_FIELDS: dict[str, type] = {
-    "trtype": str,
-    "adrfam": str,
-    "traddr": str,
-    "trsvcid": int,
-    "subnqn": str,
-    "portid": int,
+REFERRAL: dict[str, Field] = {
+    "trtype": Field(str, "tcp", TrType),
+    "traddr": Field(str, REQUIRED_IN_BODY, min_length=1),
+    "trsvcid": Field(int, defaults.TCP_DISCOVERY_PORT, range=TRSVCID),
+    "adrfam": Field(str, None, AdrFam),
+    "subnqn": Field(str, defaults.DISCOVERY_NQN),
+    "portid": Field(int, 0, range=REFERRAL_PORTID),
 }
+
+
+def kinds(fields: dict[str, Field]) -> dict[str, type]:
+    """The fields' JSON types, as the configuration file has them."""
+    return {name: field.kind for name, field in fields.items()}
+
+
+DHCHAP_HASH = ("DH-HMAC-CHAP hashes allowed, in order of preference: sha256, sha384, sha512 (or hmac(sha256) ... "
+               "as configfs spells them); null or absent: all")
+DHCHAP_DHGROUP = ("DH-HMAC-CHAP DH groups allowed, in order of preference: null, ffdhe2048 ... ffdhe8192; "
+                  "null or absent: all")
+_DHCHAP_KEY = ("The host's DH-HMAC-CHAP secret (DHHC-1:NN:base64: as `nvme gen-dhchap-key` writes it); with it the "
+               "host must authenticate every queue. Never shown again: answers say only whether it is set")
+_TLS_KEY = ("The host's NVMe/TCP TLS PSK on this subsystem (NVMeTLSkey-1:NN:base64: as `nvme gen-tls-key` writes it), "
+            "used on listeners with tls optional/required. Never shown again: answers say only whether it is set")
+_TLS_COMPAT = ("Derive the host's TLS PSK for identities without a digest (NVMe0R..) as libnvme's compat functions do: "
+               "for a host (e.g. Linux with nvme-cli 2.13 / libnvme 1.13) whose keyring key was inserted that way. "
+               "Default false (RFC 8446 HKDF-Expand-Label)")
+SUBSYSTEM: dict[str, Field] = {
+    "nqn": Field(str, description="NQN; generated (UUID form) when omitted"),
+    "serial": Field(str, max_length=SERIAL_MAX, description="Serial number; generated when omitted"),
+    "model": Field(str, defaults.MODEL, min_length=1, max_length=MODEL_MAX),
+    "allow_any_host": Field(bool, description="Let every host connect; defaults to true when no hosts are listed"),
+    # host NQNs, or in the file host objects (HOST) with their settings; the body adds them as NQNs
+    "hosts": Field(list, [], list[str], description="Host NQNs allowed to connect"),
+    "max_namespaces": Field(int, defaults.MAX_NAMESPACES, range=MAX_NAMESPACES),
+    "namespaces": Field(list, in_body=False),  # NAMESPACE items; the body adds none (POST .../namespaces)
+    "dhchap_hash": Field(list, None, list[str], description=DHCHAP_HASH),
+    "dhchap_dhgroup": Field(list, None, list[str], description=DHCHAP_DHGROUP),
+}
+# A host object in a subsystem's "hosts" list (the kernel's configfs names, hosts/<nqn>/dhchap_*)
+HOST: dict[str, Field] = {
+    "nqn": Field(str, REQUIRED_IN_BODY, body_name="hostnqn"),
+    "dhchap_key": Field(str, description=_DHCHAP_KEY),
+    "dhchap_ctrl_key": Field(str, description="The controller's secret for bidirectional authentication (needs "
+                                              "dhchap_key); never shown again"),
+    "dhchap_hash": Field(list, None, list[str], description=DHCHAP_HASH),
+    "dhchap_dhgroup": Field(list, None, list[str], description=DHCHAP_DHGROUP),
+    # the host's NVMe/TCP TLS PSK on the subsystem (NVMeTLSkey-1:NN:...:)
+    "tls_key": Field(str, description=_TLS_KEY),
+    # its NVMe0R TLS PSK derived as libnvme's *_compat functions do (nvme-cli 2.13)
+    "tls_compat": Field(bool, description=_TLS_COMPAT),
+}
+# the host fields that hold secrets: never echoed in a message, never shown by the API
+HOST_SECRET_FIELDS = ("dhchap_key", "dhchap_ctrl_key", "tls_key")
+SUBSYSTEM_FIELDS = kinds(SUBSYSTEM)
+HOST_FIELDS = kinds(HOST)
+LISTENER_FIELDS = kinds(LISTENER)
+REFERRAL_FIELDS = kinds(REFERRAL)
 REQUIRED: dict[str, tuple[str, ...]] = {
     "subsystem": ("nqn",),
     "namespace": ("backend",),
