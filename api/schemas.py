@@ -1,24 +1,21 @@
 """Request and response bodies of the management API (pydantic v2).
 
-Requests carry only type and range checks; the meaning of a value (is this NQN well formed, is the
-file there, is the port free) is checked by TargetService, so the REST API, the config restore and
-the daemon start-up give the same answer. Responses are built from the model objects with the
+Requests carry only type and range checks; the bodies that add or change a configuration item (subsystem,
+namespace, host, listener, referral) are built from that item's field declarations in target/schema.py
+(``_body``), which the configuration file is checked against too. The meaning of a value (is this NQN well
+formed, is the file there, is the port free) is checked by TargetService, so the REST API, the config
+restore and the daemon start-up give the same answer. Responses are built from the model objects with the
 ``from_*`` helpers so every route renders an object the same way.
 """
 
 from __future__ import annotations
 
-import uuid as uuid_mod
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from nvmeof import defaults
 from target import schema
-from target.backends import KINDS
-
-HEX_NGUID = rf"^[0-9A-Fa-f]{{{2 * schema.NGUID_LEN}}}$"
-HEX_EUI64 = rf"^[0-9A-Fa-f]{{{2 * schema.EUI64_LEN}}}$"
 
 TrType = schema.TrType  # target/model.py, checked by target/schema.py
 AdrFam = schema.AdrFam
@@ -63,6 +60,10 @@ def _body(name: str, fields: dict[str, schema.Field], *, only: tuple[str, ...] =
             options["min_length"] = field.min_length
         if field.max_length is not None:
             options["max_length"] = field.max_length
+        if field.pattern is not None:
+            options["pattern"] = field.pattern
+        if field.strict is not None:
+            options["strict"] = field.strict
         description = (field.description or "") + (notes or {}).get(key, "")
         if description:
             options["description"] = description
@@ -156,30 +157,10 @@ class SubsystemOut(BaseModel):
 # -- namespaces -------------------------------------------------------------------------------------
 
 
-class NamespaceCreate(_Request):
+class NamespaceCreate(_body("_NamespaceFields", schema.NAMESPACE)):  # type: ignore[misc]
     model_config = _example({"backend": "ram", "size": 1 << 30, "block_size": 512})
 
-    backend: Literal[KINDS]  # type: ignore[valid-type]  # the registry in target/backends
-    path: str | None = Field(None, description="Absolute path of a file under a backing directory, or of an "
-                                               "allowed block device (backend 'file'); stored resolved")
-    size: int | None = Field(None, **schema.SIZE.bounds(),
-                             description="Bytes; required for ram/null, or with create=true")
-    block_size: int = Field(defaults.DEFAULT_BLOCK_SIZE, description=" or ".join(map(str, schema.BLOCK_SIZES)))
-    nsid: int | None = Field(None, **schema.NSID.bounds(), description="Lowest free NSID when omitted")
-    uuid: uuid_mod.UUID | None = Field(None, strict=False)  # JSON has no UUID type: parsed from its string
-    nguid: str | None = Field(None, pattern=HEX_NGUID)
-    eui64: str | None = Field(None, pattern=HEX_EUI64)
-    read_only: bool = False
-    enabled: bool = True
-    anagrpid: int = Field(defaults.DEFAULT_ANAGRPID, **schema.ANAGRPID.bounds(),
-                          description="ANA group: hosts with native multipath pick paths by its state on each listener")
-    create: bool = Field(False, description="Create the file (or RBD image) with the given size if it is missing, "
-                                            "or grow a shorter one to it; without it an existing one is never changed")
-    auto_visible: bool = Field(True, description="Visible to every allowed host (default); false: only to `hosts` "
-                                                 "(masking: other hosts see an inactive NSID)")
-    hosts: list[str] = Field(default_factory=list, max_length=1024,
-                             description="Host NQNs that see it (needs auto_visible false); each must be allowed "
-                                         "on the subsystem")
+    # the settings of backend kinds (target.backends.BACKEND_OPTIONS; tests/test_schema.py keeps them there)
     pool: str | None = Field(None, min_length=1, max_length=255, description="RBD pool (backend 'rbd', required)")
     image: str | None = Field(None, min_length=1, max_length=255, description="RBD image (backend 'rbd', required)")
     rbd_namespace: str | None = Field(None, min_length=1, max_length=255, description="RADOS namespace of the image")

@@ -18,6 +18,7 @@ from typing import Any, Literal
 from nvmeof import defaults
 from nvmeof.spec.fabrics import PORTID_MAX
 from nvmeof.spec.identify import NSID_MAX
+from target.backends import KINDS
 from target.model import ADRFAMS as ADRFAMS  # re-exported: the API bodies name them through here
 from target.model import BLOCK_SIZES as BLOCK_SIZES
 from target.model import TRTYPES as TRTYPES
@@ -156,23 +157,6 @@ def check_block_size(value: Any) -> int:
 # The fields of each configuration item and their JSON types: the config file's items (target/config.py checks
 # their structure against these), the REST bodies (api/schemas.py; tests/test_schema.py keeps their names in
 # these) and the service's parameters (the same names) are the one set.
-NAMESPACE_FIELDS: dict[str, type] = {
-    "nsid": int,
-    "backend": str,
-    "path": str,
-    "size": int,
-    "block_size": int,
-    "uuid": str,
-    "nguid": str,
-    "eui64": str,
-    "read_only": bool,
-    "enabled": bool,
-    "anagrpid": int,  # its ANA group, 1..ANAGRPMAX (default 1)
-    "auto_visible": bool,  # false: only the "hosts" listed see it (masking; default true)
-    "hosts": list,
-    "qos": dict,  # QoS limits (target/qos.py): {"rw_ios_per_second": N, ..., "hosts": {"<hostnqn>": {...}}}
-    # and the settings of each backend kind (target.backends.BACKEND_OPTIONS, strings)
-}
 
 
 @dataclass(frozen=True)
@@ -189,7 +173,10 @@ class Field:
     min_length: int | None = None
     max_length: int | None = None
     description: str | None = None
+    pattern: str | None = None
+    strict: bool | None = None  # False: the body parses it from its JSON string (a UUID)
     in_body: bool = True  # False: kept in the file, set through a route of its own (a listener's ana_states)
+    in_file: bool = True  # False: an action of the body, not kept (a namespace's "create")
     body_name: str | None = None  # the body's name where it differs (a host's "nqn" is the body's "hostnqn")
 
     def body_type(self) -> Any:
@@ -228,7 +215,7 @@ REFERRAL: dict[str, Field] = {
 
 def kinds(fields: dict[str, Field]) -> dict[str, type]:
     """The fields' JSON types, as the configuration file has them."""
-    return {name: field.kind for name, field in fields.items()}
+    return {name: field.kind for name, field in fields.items() if field.in_file}
 
 
 DHCHAP_HASH = ("DH-HMAC-CHAP hashes allowed, in order of preference: sha256, sha384, sha512 (or hmac(sha256) ... "
@@ -269,8 +256,40 @@ HOST: dict[str, Field] = {
 }
 # the host fields that hold secrets: never echoed in a message, never shown by the API
 HOST_SECRET_FIELDS = ("dhchap_key", "dhchap_ctrl_key", "tls_key")
+HEX_NGUID = rf"^[0-9A-Fa-f]{{{2 * NGUID_LEN}}}$"
+HEX_EUI64 = rf"^[0-9A-Fa-f]{{{2 * EUI64_LEN}}}$"
+# A namespace in a subsystem's "namespaces" list; besides these, the settings of its backend kind
+# (target.backends.BACKEND_OPTIONS, strings)
+NAMESPACE: dict[str, Field] = {
+    "backend": Field(str, REQUIRED_IN_BODY, Literal[KINDS]),  # type: ignore[valid-type]  # target/backends
+    "path": Field(str, description="Absolute path of a file under a backing directory, or of an allowed block "
+                                   "device (backend 'file'); stored resolved"),
+    "size": Field(int, range=SIZE, description="Bytes; required for ram/null, or with create=true"),
+    "block_size": Field(int, defaults.DEFAULT_BLOCK_SIZE, description=" or ".join(map(str, BLOCK_SIZES))),
+    "nsid": Field(int, range=NSID, description="Lowest free NSID when omitted"),
+    "uuid": Field(str, None, uuidlib.UUID, strict=False),  # JSON has no UUID type: parsed from its string
+    "nguid": Field(str, pattern=HEX_NGUID),
+    "eui64": Field(str, pattern=HEX_EUI64),
+    "read_only": Field(bool, False),
+    "enabled": Field(bool, True),
+    # its ANA group, 1..ANAGRPMAX (default 1)
+    "anagrpid": Field(int, defaults.DEFAULT_ANAGRPID, range=ANAGRPID,
+                      description="ANA group: hosts with native multipath pick paths by its state on each listener"),
+    "create": Field(bool, False, in_file=False,
+                    description="Create the file (or RBD image) with the given size if it is missing, or grow a "
+                                "shorter one to it; without it an existing one is never changed"),
+    # false: only the "hosts" listed see it (masking; default true)
+    "auto_visible": Field(bool, True, description="Visible to every allowed host (default); false: only to `hosts` "
+                                                  "(masking: other hosts see an inactive NSID)"),
+    "hosts": Field(list, [], list[str], max_length=1024,
+                   description="Host NQNs that see it (needs auto_visible false); each must be allowed on the "
+                               "subsystem"),
+    # QoS limits (target/qos.py): {"rw_ios_per_second": N, ..., "hosts": {"<hostnqn>": {...}}}; PUT .../qos
+    "qos": Field(dict, in_body=False),
+}
 SUBSYSTEM_FIELDS = kinds(SUBSYSTEM)
 HOST_FIELDS = kinds(HOST)
+NAMESPACE_FIELDS = kinds(NAMESPACE)
 LISTENER_FIELDS = kinds(LISTENER)
 REFERRAL_FIELDS = kinds(REFERRAL)
 REQUIRED: dict[str, tuple[str, ...]] = {
