@@ -1,11 +1,12 @@
 """The management inputs' fields, declared once: their limits and the checks of their values.
 
-The REST bodies (api/schemas.py, pydantic) take their bounds from here (``IntField.bounds()``) and the
-service (target/service/checks.py) checks the same fields with ``IntField.check`` and the value parsers
-below, so the API, a config replay and the daemon start-up refuse the same values; the manage CLI's ranges
-and target/config.py's item fields come from here too. Each check raises
-SchemaError (a ValueError) whose message names the field and what was wrong; the service turns it into a
-400. The limits themselves come from nvmeof/defaults.py and nvmeof/spec (one place each).
+The REST bodies (api/schemas.py, pydantic) are built from the items' ``Field`` declarations here, or take
+their bounds from here (``IntField.bounds()``), and the service (target/service/checks.py) checks the same
+fields with ``IntField.check`` and the value parsers below, so the API, a config replay and the daemon
+start-up refuse the same values; the manage CLI's ranges and target/config.py's item fields come from here
+too. Each check raises SchemaError (a ValueError) whose message names the field and what was wrong; the
+service turns it into a 400. The limits themselves come from nvmeof/defaults.py and nvmeof/spec (one place
+each).
 """
 
 from __future__ import annotations
@@ -153,12 +154,9 @@ def check_block_size(value: Any) -> int:
     return int(value)
 
 
-
-# The fields of each configuration item and their JSON types: the config file's items (target/config.py checks
-# their structure against these), the REST bodies (api/schemas.py; tests/test_schema.py keeps their names in
-# these) and the service's parameters (the same names) are the one set.
-
-
+# The fields of each configuration item: the config file's items (target/config.py checks their structure
+# against the JSON types, *_FIELDS), the REST bodies (api/schemas.py builds them from these) and the service's
+# parameters (the same names) are the one set.
 @dataclass(frozen=True)
 class Field:
     """One field of a configuration item, which is also the REST body's field of that name: its JSON type in
