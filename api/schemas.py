@@ -201,17 +201,9 @@ class NamespaceQosOut(QosLimitsOut):
     hosts: dict[str, QosLimitsOut] = Field(default_factory=dict, description="Limits of single hosts (host NQN)")
 
 
-_IOS = Field(None, **schema.QOS_IOS.bounds(), description="Commands per second; 0 removes the limit")
-_MBYTES = Field(None, **schema.QOS_MBYTES.bounds(), description="MiB per second; 0 removes the limit")
-
-
-class NamespaceQosSet(_Request):
+class NamespaceQosSet(_body("_QosFields", schema.QOS)):  # type: ignore[misc]
     model_config = _example({"rw_ios_per_second": 2000, "rw_mbytes_per_second": 100})
 
-    rw_ios_per_second: int | None = _IOS
-    rw_mbytes_per_second: int | None = _MBYTES
-    r_mbytes_per_second: int | None = _MBYTES
-    w_mbytes_per_second: int | None = _MBYTES
     host: str | None = Field(None, description="Set the limits of this host (NQN) on the namespace; without it, "
                              "the namespace's. Limits not given stay as they are")
 

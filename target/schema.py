@@ -285,6 +285,14 @@ NAMESPACE: dict[str, Field] = {
     # QoS limits (target/qos.py): {"rw_ios_per_second": N, ..., "hosts": {"<hostnqn>": {...}}}; PUT .../qos
     "qos": Field(dict, in_body=False),
 }
+# A namespace's (or one host's on it) QoS limits, the "qos" object's keys (target/qos.py's LIMIT_KEYS)
+_MIB = "MiB per second; 0 removes the limit"
+QOS: dict[str, Field] = {
+    "rw_ios_per_second": Field(int, range=QOS_IOS, description="Commands per second; 0 removes the limit"),
+    "rw_mbytes_per_second": Field(int, range=QOS_MBYTES, description=_MIB),
+    "r_mbytes_per_second": Field(int, range=QOS_MBYTES, description=_MIB),
+    "w_mbytes_per_second": Field(int, range=QOS_MBYTES, description=_MIB),
+}
 SUBSYSTEM_FIELDS = kinds(SUBSYSTEM)
 HOST_FIELDS = kinds(HOST)
 NAMESPACE_FIELDS = kinds(NAMESPACE)

@@ -112,6 +112,7 @@ def test_a_host_secret_of_the_wrong_type_is_not_echoed() -> None:
     (schemas.HostAdd, schema.HOST),
     (schemas.ListenerCreate, schema.LISTENER),
     (schemas.ReferralCreate, schema.REFERRAL),
+    (schemas.NamespaceQosSet, schema.QOS),
 ])
 def test_the_api_bodies_are_built_from_the_schema_fields(body: type, fields: dict[str, schema.Field]) -> None:
     """Each declared body field is the REST body's, with its default, range and description (one place)."""
@@ -144,3 +145,9 @@ def test_a_body_built_from_a_declaration_refuses_what_it_refuses() -> None:
         schemas.NamespaceCreate.model_validate({"backend": "ram", "qos": {}})  # set through PUT .../qos
     ns = schemas.NamespaceCreate.model_validate({"backend": "ram", "uuid": str(uuid.UUID(int=7))})
     assert ns.uuid == uuid.UUID(int=7) and ns.hosts == [] and ns.block_size == defaults.DEFAULT_BLOCK_SIZE
+
+
+def test_the_qos_fields_are_the_limits_target_qos_keeps() -> None:
+    from target import qos
+
+    assert tuple(schema.QOS) == qos.LIMIT_KEYS
