@@ -47,10 +47,11 @@ class _Request(BaseModel):
 
 
 def _body(name: str, fields: dict[str, schema.Field], *, only: tuple[str, ...] = (), skip: tuple[str, ...] = (),
-          notes: dict[str, str] | None = None) -> type[_Request]:
+          notes: dict[str, str] | None = None, sets: dict[str, str] | None = None) -> type[_Request]:
     """The request body of a configuration item, built from its field declarations in target/schema.py
     (types, defaults, ranges, descriptions live there only): ``only``/``skip`` pick fields, ``notes`` add a
-    body's own words to a description. A body class subclasses it for its example and docstring."""
+    body's own words to a description, ``sets`` names fields the body must give (a route that sets one
+    setting) with the route's description. A body class subclasses it for its example and docstring."""
     specs: dict[str, Any] = {}
     for key, field in fields.items():
         if not field.in_body or key in skip or (only and key not in only):
@@ -67,11 +68,15 @@ def _body(name: str, fields: dict[str, schema.Field], *, only: tuple[str, ...] =
         description = (field.description or "") + (notes or {}).get(key, "")
         if description:
             options["description"] = description
-        if isinstance(field.default, list):
+        body_type = field.body_type()
+        if sets and key in sets:
+            options["description"] = sets[key]
+            body_type = field.kind if field.annotation is None else field.annotation
+        elif isinstance(field.default, list):
             options["default_factory"] = list
         else:
             options["default"] = field.default
-        specs[field.body_name or key] = (field.body_type(), Field(**options))
+        specs[field.body_name or key] = (body_type, Field(**options))
     return create_model(name, __base__=_Request, __module__=__name__, **specs)
 
 
@@ -171,10 +176,9 @@ class NamespaceCreate(_body("_NamespaceFields", schema.NAMESPACE)):  # type: ign
                                      description="Ceph keyring; one the daemon allows (--ceph-keyring)")
 
 
-class NamespaceAnaGroup(_Request):
+class NamespaceAnaGroup(_body("_AnaGroupFields", schema.NAMESPACE, only=("anagrpid",),  # type: ignore[misc]
+                               sets={"anagrpid": "The namespace's new ANA group"})):
     model_config = _example({"anagrpid": 2})
-
-    anagrpid: int = Field(**schema.ANAGRPID.bounds(), description="The namespace's new ANA group")
 
 
 class NamespaceHostAdd(_Request):
@@ -183,11 +187,13 @@ class NamespaceHostAdd(_Request):
     hostnqn: str = Field(description="A host allowed on the subsystem; its controllers see the namespace from now on")
 
 
-class NamespaceAutoVisible(_Request):
-    model_config = _example({"auto_visible": False})
+_AUTO_VISIBLE = ("true: every allowed host sees the namespace (the host list is dropped); "
+                 "false: only the hosts added to it")
 
-    auto_visible: bool = Field(description="true: every allowed host sees the namespace (the host list is dropped); "
-                                           "false: only the hosts added to it")
+
+class NamespaceAutoVisible(_body("_AutoVisibleFields", schema.NAMESPACE, only=("auto_visible",),  # type: ignore[misc]
+                                 sets={"auto_visible": _AUTO_VISIBLE})):
+    model_config = _example({"auto_visible": False})
 
 
 class QosLimitsOut(BaseModel):
@@ -208,10 +214,10 @@ class NamespaceQosSet(_body("_QosFields", schema.QOS)):  # type: ignore[misc]
                              "the namespace's. Limits not given stay as they are")
 
 
-class NamespaceResize(_Request):
+class NamespaceResize(_body("_ResizeFields", schema.NAMESPACE, only=("size",),  # type: ignore[misc]
+                             sets={"size": "New capacity in bytes, a multiple of the block size"})):
     model_config = _example({"size": 2 << 30})
 
-    size: int = Field(**schema.SIZE.bounds(), description="New capacity in bytes, a multiple of the block size")
     allow_shrink: bool = Field(False, description="Allow a smaller size: hosts lose the namespace's tail, and a "
                                                   "file namespace that covered its whole file cuts the file")
 

@@ -151,3 +151,17 @@ def test_the_qos_fields_are_the_limits_target_qos_keeps() -> None:
     from target import qos
 
     assert tuple(schema.QOS) == qos.LIMIT_KEYS
+
+
+@pytest.mark.parametrize(("body", "name"), [
+    (schemas.NamespaceResize, "size"),
+    (schemas.NamespaceAnaGroup, "anagrpid"),
+    (schemas.NamespaceAutoVisible, "auto_visible"),
+])
+def test_a_one_setting_body_takes_the_namespace_field(body: type, name: str) -> None:
+    info, field = body.model_fields[name], schema.NAMESPACE[name]
+    assert info.is_required() and info.annotation is field.kind
+    if field.range is not None:
+        assert _bounds(body, name) == (field.range.low, field.range.high)
+    with pytest.raises(ValueError, match="Field required"):
+        body.model_validate({})
