@@ -1,30 +1,27 @@
 """Request and response bodies of the management API (pydantic v2).
 
-Requests carry only type and range checks; the meaning of a value (is this NQN well formed, is the
-file there, is the port free) is checked by TargetService, so the REST API, the config restore and
-the daemon start-up give the same answer. Responses are built from the model objects with the
+Requests carry only type and range checks; the bodies that add or change a configuration item (subsystem,
+namespace, host, listener, referral) are built from that item's field declarations in target/schema.py
+(``_body``), which the configuration file is checked against too. The meaning of a value (is this NQN well
+formed, is the file there, is the port free) is checked by TargetService, so the REST API, the config
+restore and the daemon start-up give the same answer. Responses are built from the model objects with the
 ``from_*`` helpers so every route renders an object the same way.
 """
 
 from __future__ import annotations
 
-import uuid as uuid_mod
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from nvmeof import defaults
 from target import schema
-from target.backends import KINDS
 
-HEX_NGUID = rf"^[0-9A-Fa-f]{{{2 * schema.NGUID_LEN}}}$"
-HEX_EUI64 = rf"^[0-9A-Fa-f]{{{2 * schema.EUI64_LEN}}}$"
-
-TrType = Literal[schema.TRTYPES]  # type: ignore[valid-type]  # target/model.py, checked by target/schema.py
-AdrFam = Literal[schema.ADRFAMS]  # type: ignore[valid-type]
+TrType = schema.TrType  # target/model.py, checked by target/schema.py
+AdrFam = schema.AdrFam
 # nvmeof.spec.logs.ANA_STATE_NAMES (tests/test_ana_api.py keeps the two equal)
 AnaStateName = Literal["optimized", "non-optimized", "inaccessible", "persistent-loss", "change"]
-TlsMode = Literal[defaults.TLS_MODES]  # type: ignore[valid-type]  # a TCP listener's TLS
+TlsMode = schema.TlsMode  # a TCP listener's TLS
 
 
 def _example(example: dict[str, Any]) -> ConfigDict:
@@ -48,27 +45,45 @@ class _Request(BaseModel):
         return value
 
 
+
+def _body(name: str, fields: dict[str, schema.Field], *, only: tuple[str, ...] = (), skip: tuple[str, ...] = (),
+          notes: dict[str, str] | None = None, sets: dict[str, str] | None = None) -> type[_Request]:
+    """The request body of a configuration item, built from its field declarations in target/schema.py
+    (types, defaults, ranges, descriptions live there only): ``only``/``skip`` pick fields, ``notes`` add a
+    body's own words to a description, ``sets`` names fields the body must give (a route that sets one
+    setting) with the route's description. A body class subclasses it for its example and docstring."""
+    specs: dict[str, Any] = {}
+    for key, field in fields.items():
+        if not field.in_body or key in skip or (only and key not in only):
+            continue
+        options: dict[str, Any] = field.range.bounds() if field.range is not None else {}
+        if field.min_length is not None:
+            options["min_length"] = field.min_length
+        if field.max_length is not None:
+            options["max_length"] = field.max_length
+        if field.pattern is not None:
+            options["pattern"] = field.pattern
+        if field.strict is not None:
+            options["strict"] = field.strict
+        description = (field.description or "") + (notes or {}).get(key, "")
+        if description:
+            options["description"] = description
+        body_type = field.body_type()
+        if sets and key in sets:
+            options["description"] = sets[key]
+            body_type = field.kind if field.annotation is None else field.annotation
+        elif isinstance(field.default, list):
+            options["default_factory"] = list
+        else:
+            options["default"] = field.default
+        specs[field.body_name or key] = (body_type, Field(**options))
+    return create_model(name, __base__=_Request, __module__=__name__, **specs)
+
+
 # -- subsystems -------------------------------------------------------------------------------------
 
-_DHCHAP_HASH = ("DH-HMAC-CHAP hashes allowed, in order of preference: sha256, sha384, sha512 (or hmac(sha256) ... "
-                "as configfs spells them); null or absent: all")
-_DHCHAP_DHGROUP = ("DH-HMAC-CHAP DH groups allowed, in order of preference: null, ffdhe2048 ... ffdhe8192; "
-                   "null or absent: all")
-
-
-class SubsystemCreate(_Request):
+class SubsystemCreate(_body("_SubsystemFields", schema.SUBSYSTEM)):  # type: ignore[misc]
     model_config = _example({"nqn": "nqn.2024-01.com.example:disk1", "allow_any_host": True})
-
-    nqn: str | None = Field(None, description="NQN; generated (UUID form) when omitted")
-    serial: str | None = Field(None, max_length=schema.SERIAL_MAX, description="Serial number; generated when omitted")
-    model: str = Field(defaults.MODEL, min_length=1, max_length=schema.MODEL_MAX)
-    allow_any_host: bool | None = Field(
-        None, description="Let every host connect; defaults to true when no hosts are listed"
-    )
-    hosts: list[str] = Field(default_factory=list, description="Host NQNs allowed to connect")
-    max_namespaces: int = Field(defaults.MAX_NAMESPACES, **schema.MAX_NAMESPACES.bounds())
-    dhchap_hash: list[str] | None = Field(None, description=_DHCHAP_HASH)
-    dhchap_dhgroup: list[str] | None = Field(None, description=_DHCHAP_DHGROUP)
 
 
 class NamespaceStatsOut(BaseModel):
@@ -147,30 +162,10 @@ class SubsystemOut(BaseModel):
 # -- namespaces -------------------------------------------------------------------------------------
 
 
-class NamespaceCreate(_Request):
+class NamespaceCreate(_body("_NamespaceFields", schema.NAMESPACE)):  # type: ignore[misc]
     model_config = _example({"backend": "ram", "size": 1 << 30, "block_size": 512})
 
-    backend: Literal[KINDS]  # type: ignore[valid-type]  # the registry in target/backends
-    path: str | None = Field(None, description="Absolute path of a file under a backing directory, or of an "
-                                               "allowed block device (backend 'file'); stored resolved")
-    size: int | None = Field(None, **schema.SIZE.bounds(),
-                             description="Bytes; required for ram/null, or with create=true")
-    block_size: int = Field(defaults.DEFAULT_BLOCK_SIZE, description=" or ".join(map(str, schema.BLOCK_SIZES)))
-    nsid: int | None = Field(None, **schema.NSID.bounds(), description="Lowest free NSID when omitted")
-    uuid: uuid_mod.UUID | None = Field(None, strict=False)  # JSON has no UUID type: parsed from its string
-    nguid: str | None = Field(None, pattern=HEX_NGUID)
-    eui64: str | None = Field(None, pattern=HEX_EUI64)
-    read_only: bool = False
-    enabled: bool = True
-    anagrpid: int = Field(defaults.DEFAULT_ANAGRPID, **schema.ANAGRPID.bounds(),
-                          description="ANA group: hosts with native multipath pick paths by its state on each listener")
-    create: bool = Field(False, description="Create the file (or RBD image) with the given size if it is missing, "
-                                            "or grow a shorter one to it; without it an existing one is never changed")
-    auto_visible: bool = Field(True, description="Visible to every allowed host (default); false: only to `hosts` "
-                                                 "(masking: other hosts see an inactive NSID)")
-    hosts: list[str] = Field(default_factory=list, max_length=1024,
-                             description="Host NQNs that see it (needs auto_visible false); each must be allowed "
-                                         "on the subsystem")
+    # the settings of backend kinds (target.backends.BACKEND_OPTIONS; tests/test_schema.py keeps them there)
     pool: str | None = Field(None, min_length=1, max_length=255, description="RBD pool (backend 'rbd', required)")
     image: str | None = Field(None, min_length=1, max_length=255, description="RBD image (backend 'rbd', required)")
     rbd_namespace: str | None = Field(None, min_length=1, max_length=255, description="RADOS namespace of the image")
@@ -181,10 +176,9 @@ class NamespaceCreate(_Request):
                                      description="Ceph keyring; one the daemon allows (--ceph-keyring)")
 
 
-class NamespaceAnaGroup(_Request):
+class NamespaceAnaGroup(_body("_AnaGroupFields", schema.NAMESPACE, only=("anagrpid",),  # type: ignore[misc]
+                               sets={"anagrpid": "The namespace's new ANA group"})):
     model_config = _example({"anagrpid": 2})
-
-    anagrpid: int = Field(**schema.ANAGRPID.bounds(), description="The namespace's new ANA group")
 
 
 class NamespaceHostAdd(_Request):
@@ -193,11 +187,13 @@ class NamespaceHostAdd(_Request):
     hostnqn: str = Field(description="A host allowed on the subsystem; its controllers see the namespace from now on")
 
 
-class NamespaceAutoVisible(_Request):
-    model_config = _example({"auto_visible": False})
+_AUTO_VISIBLE = ("true: every allowed host sees the namespace (the host list is dropped); "
+                 "false: only the hosts added to it")
 
-    auto_visible: bool = Field(description="true: every allowed host sees the namespace (the host list is dropped); "
-                                           "false: only the hosts added to it")
+
+class NamespaceAutoVisible(_body("_AutoVisibleFields", schema.NAMESPACE, only=("auto_visible",),  # type: ignore[misc]
+                                 sets={"auto_visible": _AUTO_VISIBLE})):
+    model_config = _example({"auto_visible": False})
 
 
 class QosLimitsOut(BaseModel):
@@ -211,25 +207,17 @@ class NamespaceQosOut(QosLimitsOut):
     hosts: dict[str, QosLimitsOut] = Field(default_factory=dict, description="Limits of single hosts (host NQN)")
 
 
-_IOS = Field(None, **schema.QOS_IOS.bounds(), description="Commands per second; 0 removes the limit")
-_MBYTES = Field(None, **schema.QOS_MBYTES.bounds(), description="MiB per second; 0 removes the limit")
-
-
-class NamespaceQosSet(_Request):
+class NamespaceQosSet(_body("_QosFields", schema.QOS)):  # type: ignore[misc]
     model_config = _example({"rw_ios_per_second": 2000, "rw_mbytes_per_second": 100})
 
-    rw_ios_per_second: int | None = _IOS
-    rw_mbytes_per_second: int | None = _MBYTES
-    r_mbytes_per_second: int | None = _MBYTES
-    w_mbytes_per_second: int | None = _MBYTES
     host: str | None = Field(None, description="Set the limits of this host (NQN) on the namespace; without it, "
                              "the namespace's. Limits not given stay as they are")
 
 
-class NamespaceResize(_Request):
+class NamespaceResize(_body("_ResizeFields", schema.NAMESPACE, only=("size",),  # type: ignore[misc]
+                             sets={"size": "New capacity in bytes, a multiple of the block size"})):
     model_config = _example({"size": 2 << 30})
 
-    size: int = Field(**schema.SIZE.bounds(), description="New capacity in bytes, a multiple of the block size")
     allow_shrink: bool = Field(False, description="Allow a smaller size: hosts lose the namespace's tail, and a "
                                                   "file namespace that covered its whole file cuts the file")
 
@@ -237,49 +225,27 @@ class NamespaceResize(_Request):
 # -- hosts ------------------------------------------------------------------------------------------
 
 
-_DHCHAP_KEY = ("The host's DH-HMAC-CHAP secret (DHHC-1:NN:base64: as `nvme gen-dhchap-key` writes it); with it the "
-               "host must authenticate every queue. Never shown again: answers say only whether it is set")
-_DHCHAP_CTRL_KEY = "The controller's secret for bidirectional authentication (needs dhchap_key); never shown again"
-_TLS_KEY = ("The host's NVMe/TCP TLS PSK on this subsystem (NVMeTLSkey-1:NN:base64: as `nvme gen-tls-key` writes it), "
-            "used on listeners with tls optional/required. Never shown again: answers say only whether it is set")
-_TLS_COMPAT = ("Derive the host's TLS PSK for identities without a digest (NVMe0R..) as libnvme's compat functions do: "
-               "for a host (e.g. Linux with nvme-cli 2.13 / libnvme 1.13) whose keyring key was inserted that way. "
-               "Default false (RFC 8446 HKDF-Expand-Label)")
-
-
-class HostAdd(_Request):
+class HostAdd(_body("_HostFields", schema.HOST, notes={"dhchap_hash": "; default: the subsystem's",
+                                                      "dhchap_dhgroup": "; default: the subsystem's"})):  # type: ignore[misc]
     model_config = _example(
         {"hostnqn": "nqn.2014-08.org.nvmexpress:uuid:0f2d2f36-8a4e-4a3b-9a52-3b1f1f2f7c11"}
     )
 
-    hostnqn: str
-    dhchap_key: str | None = Field(None, description=_DHCHAP_KEY)
-    dhchap_ctrl_key: str | None = Field(None, description=_DHCHAP_CTRL_KEY)
-    dhchap_hash: list[str] | None = Field(None, description=_DHCHAP_HASH + "; default: the subsystem's")
-    dhchap_dhgroup: list[str] | None = Field(None, description=_DHCHAP_DHGROUP + "; default: the subsystem's")
-    tls_key: str | None = Field(None, description=_TLS_KEY)
-    tls_compat: bool | None = Field(None, description=_TLS_COMPAT)
+
+_AUTH_NOTES = {"dhchap_hash": "; null: the subsystem's", "dhchap_dhgroup": "; null: the subsystem's",
+               "tls_key": "; null removes it", "tls_compat": "; null: false"}
 
 
-class HostAuthSet(_Request):
+class HostAuthSet(_body("_HostAuthFields", schema.HOST, skip=("nqn",), notes=_AUTH_NOTES)):  # type: ignore[misc]
     """Set, rotate or remove a host's DH-HMAC-CHAP settings: a field given replaces the current value,
     null removes it, an absent field stays as it is."""
 
     model_config = _example({"dhchap_key": "DHHC-1:00:<base64 of key and CRC-32>:"})
 
-    dhchap_key: str | None = Field(None, description=_DHCHAP_KEY)
-    dhchap_ctrl_key: str | None = Field(None, description=_DHCHAP_CTRL_KEY)
-    dhchap_hash: list[str] | None = Field(None, description=_DHCHAP_HASH + "; null: the subsystem's")
-    dhchap_dhgroup: list[str] | None = Field(None, description=_DHCHAP_DHGROUP + "; null: the subsystem's")
-    tls_key: str | None = Field(None, description=_TLS_KEY + "; null removes it")
-    tls_compat: bool | None = Field(None, description=_TLS_COMPAT + "; null: false")
 
-
-class SubsystemDhchapSet(_Request):
+class SubsystemDhchapSet(_body("_SubsystemDhchapFields", schema.SUBSYSTEM,  # type: ignore[misc]
+                               only=("dhchap_hash", "dhchap_dhgroup"))):
     model_config = _example({"dhchap_hash": ["sha512", "sha384"], "dhchap_dhgroup": ["ffdhe4096", "ffdhe3072"]})
-
-    dhchap_hash: list[str] | None = Field(None, description=_DHCHAP_HASH)
-    dhchap_dhgroup: list[str] | None = Field(None, description=_DHCHAP_DHGROUP)
 
 
 class HostOut(BaseModel):
@@ -302,17 +268,8 @@ class HostsOut(BaseModel):
 # -- listeners and referrals ------------------------------------------------------------------------
 
 
-class ListenerCreate(_Request):
+class ListenerCreate(_body("_ListenerFields", schema.LISTENER)):  # type: ignore[misc]
     model_config = _example({"trtype": "tcp", "traddr": "127.0.0.1", "trsvcid": 4420})
-
-    trtype: TrType = "tcp"
-    traddr: str = Field(min_length=1, description="IPv4 or IPv6 address to listen on")
-    trsvcid: int = Field(defaults.TCP_IO_PORT, **schema.TRSVCID.bounds())
-    adrfam: AdrFam | None = Field(None, description="Derived from traddr when omitted")
-    discovery: bool = Field(False, description="Serve the discovery subsystem on this listener")
-    portid: int | None = Field(None, **schema.LISTENER_PORTID.bounds(),
-                               description="Discovery log port ID; a free one if omitted")
-    tls: TlsMode = Field("none", description="NVMe/TCP TLS 1.3 with PSKs: none, optional (TLS or clear) or required")
 
 
 class ListenerOut(BaseModel):
@@ -356,15 +313,8 @@ class AnaOut(BaseModel):
     listeners: list[AnaListenerOut]
 
 
-class ReferralCreate(_Request):
+class ReferralCreate(_body("_ReferralFields", schema.REFERRAL)):  # type: ignore[misc]
     model_config = _example({"trtype": "tcp", "traddr": "192.0.2.10", "trsvcid": 8009})
-
-    trtype: TrType = "tcp"
-    traddr: str = Field(min_length=1)
-    trsvcid: int = Field(defaults.TCP_DISCOVERY_PORT, **schema.TRSVCID.bounds())
-    adrfam: AdrFam | None = None
-    subnqn: str = defaults.DISCOVERY_NQN
-    portid: int = Field(0, **schema.REFERRAL_PORTID.bounds())
 
 
 class ReferralOut(BaseModel):

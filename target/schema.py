@@ -1,11 +1,12 @@
 """The management inputs' fields, declared once: their limits and the checks of their values.
 
-The REST bodies (api/schemas.py, pydantic) take their bounds from here (``IntField.bounds()``) and the
-service (target/service/checks.py) checks the same fields with ``IntField.check`` and the value parsers
-below, so the API, a config replay and the daemon start-up refuse the same values; the manage CLI's ranges
-and target/config.py's item fields come from here too. Each check raises
-SchemaError (a ValueError) whose message names the field and what was wrong; the service turns it into a
-400. The limits themselves come from nvmeof/defaults.py and nvmeof/spec (one place each).
+The REST bodies (api/schemas.py, pydantic) are built from the items' ``Field`` declarations here, or take
+their bounds from here (``IntField.bounds()``), and the service (target/service/checks.py) checks the same
+fields with ``IntField.check`` and the value parsers below, so the API, a config replay and the daemon
+start-up refuse the same values; the manage CLI's ranges and target/config.py's item fields come from here
+too. Each check raises SchemaError (a ValueError) whose message names the field and what was wrong; the
+service turns it into a 400. The limits themselves come from nvmeof/defaults.py and nvmeof/spec (one place
+each).
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ from __future__ import annotations
 import ipaddress
 import uuid as uuidlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from nvmeof import defaults
 from nvmeof.spec.fabrics import PORTID_MAX
 from nvmeof.spec.identify import NSID_MAX
+from target.backends import KINDS
 from target.model import ADRFAMS as ADRFAMS  # re-exported: the API bodies name them through here
 from target.model import BLOCK_SIZES as BLOCK_SIZES
 from target.model import TRTYPES as TRTYPES
@@ -152,68 +154,150 @@ def check_block_size(value: Any) -> int:
     return int(value)
 
 
+# The fields of each configuration item: the config file's items (target/config.py checks their structure
+# against the JSON types, *_FIELDS), the REST bodies (api/schemas.py builds them from these) and the service's
+# parameters (the same names) are the one set.
+@dataclass(frozen=True)
+class Field:
+    """One field of a configuration item, which is also the REST body's field of that name: its JSON type in
+    the file (``kind``), and for the body (api/schemas.py builds it from these) its Python type when narrower
+    than ``kind`` (a Literal, list[str]), default (``REQUIRED_IN_BODY``: none; a list's is a new empty list),
+    range, length bounds and description."""
 
-# The fields of each configuration item and their JSON types: the config file's items (target/config.py checks
-# their structure against these), the REST bodies (api/schemas.py; tests/test_schema.py keeps their names in
-# these) and the service's parameters (the same names) are the one set.
-SUBSYSTEM_FIELDS: dict[str, type] = {
-    "nqn": str,
-    "serial": str,
-    "model": str,
-    "allow_any_host": bool,
-    "hosts": list,
-    "max_namespaces": int,
-    "namespaces": list,
-    "dhchap_hash": list,
-    "dhchap_dhgroup": list,
+    kind: type
+    default: Any = None
+    annotation: Any = None
+    range: IntField | None = None
+    min_length: int | None = None
+    max_length: int | None = None
+    description: str | None = None
+    pattern: str | None = None
+    strict: bool | None = None  # False: the body parses it from its JSON string (a UUID)
+    in_body: bool = True  # False: kept in the file, set through a route of its own (a listener's ana_states)
+    in_file: bool = True  # False: an action of the body, not kept (a namespace's "create")
+    body_name: str | None = None  # the body's name where it differs (a host's "nqn" is the body's "hostnqn")
+
+    def body_type(self) -> Any:
+        """The body's type: ``annotation``, else ``kind`` (optional where the default is None)."""
+        kind = self.kind if self.annotation is None else self.annotation
+        return kind | None if self.default is None else kind
+
+
+REQUIRED_IN_BODY: Any = ...  # pydantic's marker of a field without a default
+TrType = Literal[TRTYPES]  # type: ignore[valid-type]
+AdrFam = Literal[ADRFAMS]  # type: ignore[valid-type]
+TlsMode = Literal[defaults.TLS_MODES]  # type: ignore[valid-type]  # a TCP listener's TLS
+
+LISTENER: dict[str, Field] = {
+    "trtype": Field(str, "tcp", TrType),
+    "traddr": Field(str, REQUIRED_IN_BODY, min_length=1, description="IPv4 or IPv6 address to listen on"),
+    "trsvcid": Field(int, defaults.TCP_IO_PORT, range=TRSVCID),
+    "adrfam": Field(str, None, AdrFam, description="Derived from traddr when omitted"),
+    "discovery": Field(bool, False, description="Serve the discovery subsystem on this listener"),
+    "portid": Field(int, None, range=LISTENER_PORTID, description="Discovery log port ID; a free one if omitted"),
+    # NVMe/TCP secure channel: "none" (default), "optional" or "required" (TLS 1.3 with a PSK)
+    "tls": Field(str, "none", TlsMode,
+                 description="NVMe/TCP TLS 1.3 with PSKs: none, optional (TLS or clear) or required"),
+    # {"<anagrpid>": state word}: groups not named are optimized on this listener (PUT .../ana/... sets them)
+    "ana_states": Field(dict, in_body=False),
+}
+REFERRAL: dict[str, Field] = {
+    "trtype": Field(str, "tcp", TrType),
+    "traddr": Field(str, REQUIRED_IN_BODY, min_length=1),
+    "trsvcid": Field(int, defaults.TCP_DISCOVERY_PORT, range=TRSVCID),
+    "adrfam": Field(str, None, AdrFam),
+    "subnqn": Field(str, defaults.DISCOVERY_NQN),
+    "portid": Field(int, 0, range=REFERRAL_PORTID),
+}
+
+
+def kinds(fields: dict[str, Field]) -> dict[str, type]:
+    """The fields' JSON types, as the configuration file has them."""
+    return {name: field.kind for name, field in fields.items() if field.in_file}
+
+
+DHCHAP_HASH = ("DH-HMAC-CHAP hashes allowed, in order of preference: sha256, sha384, sha512 (or hmac(sha256) ... "
+               "as configfs spells them); null or absent: all")
+DHCHAP_DHGROUP = ("DH-HMAC-CHAP DH groups allowed, in order of preference: null, ffdhe2048 ... ffdhe8192; "
+                  "null or absent: all")
+_DHCHAP_KEY = ("The host's DH-HMAC-CHAP secret (DHHC-1:NN:base64: as `nvme gen-dhchap-key` writes it); with it the "
+               "host must authenticate every queue. Never shown again: answers say only whether it is set")
+_TLS_KEY = ("The host's NVMe/TCP TLS PSK on this subsystem (NVMeTLSkey-1:NN:base64: as `nvme gen-tls-key` writes it), "
+            "used on listeners with tls optional/required. Never shown again: answers say only whether it is set")
+_TLS_COMPAT = ("Derive the host's TLS PSK for identities without a digest (NVMe0R..) as libnvme's compat functions do: "
+               "for a host (e.g. Linux with nvme-cli 2.13 / libnvme 1.13) whose keyring key was inserted that way. "
+               "Default false (RFC 8446 HKDF-Expand-Label)")
+SUBSYSTEM: dict[str, Field] = {
+    "nqn": Field(str, description="NQN; generated (UUID form) when omitted"),
+    "serial": Field(str, max_length=SERIAL_MAX, description="Serial number; generated when omitted"),
+    "model": Field(str, defaults.MODEL, min_length=1, max_length=MODEL_MAX),
+    "allow_any_host": Field(bool, description="Let every host connect; defaults to true when no hosts are listed"),
+    # host NQNs, or in the file host objects (HOST) with their settings; the body adds them as NQNs
+    "hosts": Field(list, [], list[str], description="Host NQNs allowed to connect"),
+    "max_namespaces": Field(int, defaults.MAX_NAMESPACES, range=MAX_NAMESPACES),
+    "namespaces": Field(list, in_body=False),  # NAMESPACE items; the body adds none (POST .../namespaces)
+    "dhchap_hash": Field(list, None, list[str], description=DHCHAP_HASH),
+    "dhchap_dhgroup": Field(list, None, list[str], description=DHCHAP_DHGROUP),
 }
 # A host object in a subsystem's "hosts" list (the kernel's configfs names, hosts/<nqn>/dhchap_*)
-HOST_FIELDS: dict[str, type] = {
-    "nqn": str,
-    "dhchap_key": str,
-    "dhchap_ctrl_key": str,
-    "dhchap_hash": list,
-    "dhchap_dhgroup": list,
-    "tls_key": str,  # the host's NVMe/TCP TLS PSK on the subsystem (NVMeTLSkey-1:NN:...:)
-    "tls_compat": bool,  # its NVMe0R TLS PSK derived as libnvme's *_compat functions do (nvme-cli 2.13)
+HOST: dict[str, Field] = {
+    "nqn": Field(str, REQUIRED_IN_BODY, body_name="hostnqn"),
+    "dhchap_key": Field(str, description=_DHCHAP_KEY),
+    "dhchap_ctrl_key": Field(str, description="The controller's secret for bidirectional authentication (needs "
+                                              "dhchap_key); never shown again"),
+    "dhchap_hash": Field(list, None, list[str], description=DHCHAP_HASH),
+    "dhchap_dhgroup": Field(list, None, list[str], description=DHCHAP_DHGROUP),
+    # the host's NVMe/TCP TLS PSK on the subsystem (NVMeTLSkey-1:NN:...:)
+    "tls_key": Field(str, description=_TLS_KEY),
+    # its NVMe0R TLS PSK derived as libnvme's *_compat functions do (nvme-cli 2.13)
+    "tls_compat": Field(bool, description=_TLS_COMPAT),
 }
 # the host fields that hold secrets: never echoed in a message, never shown by the API
 HOST_SECRET_FIELDS = ("dhchap_key", "dhchap_ctrl_key", "tls_key")
-NAMESPACE_FIELDS: dict[str, type] = {
-    "nsid": int,
-    "backend": str,
-    "path": str,
-    "size": int,
-    "block_size": int,
-    "uuid": str,
-    "nguid": str,
-    "eui64": str,
-    "read_only": bool,
-    "enabled": bool,
-    "anagrpid": int,  # its ANA group, 1..ANAGRPMAX (default 1)
-    "auto_visible": bool,  # false: only the "hosts" listed see it (masking; default true)
-    "hosts": list,
-    "qos": dict,  # QoS limits (target/qos.py): {"rw_ios_per_second": N, ..., "hosts": {"<hostnqn>": {...}}}
-    # and the settings of each backend kind (target.backends.BACKEND_OPTIONS, strings)
+HEX_NGUID = rf"^[0-9A-Fa-f]{{{2 * NGUID_LEN}}}$"
+HEX_EUI64 = rf"^[0-9A-Fa-f]{{{2 * EUI64_LEN}}}$"
+# A namespace in a subsystem's "namespaces" list; besides these, the settings of its backend kind
+# (target.backends.BACKEND_OPTIONS, strings)
+NAMESPACE: dict[str, Field] = {
+    "backend": Field(str, REQUIRED_IN_BODY, Literal[KINDS]),  # type: ignore[valid-type]  # target/backends
+    "path": Field(str, description="Absolute path of a file under a backing directory, or of an allowed block "
+                                   "device (backend 'file'); stored resolved"),
+    "size": Field(int, range=SIZE, description="Bytes; required for ram/null, or with create=true"),
+    "block_size": Field(int, defaults.DEFAULT_BLOCK_SIZE, description=" or ".join(map(str, BLOCK_SIZES))),
+    "nsid": Field(int, range=NSID, description="Lowest free NSID when omitted"),
+    "uuid": Field(str, None, uuidlib.UUID, strict=False),  # JSON has no UUID type: parsed from its string
+    "nguid": Field(str, pattern=HEX_NGUID),
+    "eui64": Field(str, pattern=HEX_EUI64),
+    "read_only": Field(bool, False),
+    "enabled": Field(bool, True),
+    # its ANA group, 1..ANAGRPMAX (default 1)
+    "anagrpid": Field(int, defaults.DEFAULT_ANAGRPID, range=ANAGRPID,
+                      description="ANA group: hosts with native multipath pick paths by its state on each listener"),
+    "create": Field(bool, False, in_file=False,
+                    description="Create the file (or RBD image) with the given size if it is missing, or grow a "
+                                "shorter one to it; without it an existing one is never changed"),
+    # false: only the "hosts" listed see it (masking; default true)
+    "auto_visible": Field(bool, True, description="Visible to every allowed host (default); false: only to `hosts` "
+                                                  "(masking: other hosts see an inactive NSID)"),
+    "hosts": Field(list, [], list[str], max_length=1024,
+                   description="Host NQNs that see it (needs auto_visible false); each must be allowed on the "
+                               "subsystem"),
+    # QoS limits (target/qos.py): {"rw_ios_per_second": N, ..., "hosts": {"<hostnqn>": {...}}}; PUT .../qos
+    "qos": Field(dict, in_body=False),
 }
-LISTENER_FIELDS: dict[str, type] = {
-    "trtype": str,
-    "adrfam": str,
-    "traddr": str,
-    "trsvcid": int,
-    "portid": int,
-    "discovery": bool,
-    "tls": str,  # NVMe/TCP secure channel: "none" (default), "optional" or "required" (TLS 1.3 with a PSK)
-    "ana_states": dict,  # {"<anagrpid>": state word}: groups not named are optimized on this listener
+# A namespace's (or one host's on it) QoS limits, the "qos" object's keys (target/qos.py's LIMIT_KEYS)
+_MIB = "MiB per second; 0 removes the limit"
+QOS: dict[str, Field] = {
+    "rw_ios_per_second": Field(int, range=QOS_IOS, description="Commands per second; 0 removes the limit"),
+    "rw_mbytes_per_second": Field(int, range=QOS_MBYTES, description=_MIB),
+    "r_mbytes_per_second": Field(int, range=QOS_MBYTES, description=_MIB),
+    "w_mbytes_per_second": Field(int, range=QOS_MBYTES, description=_MIB),
 }
-REFERRAL_FIELDS: dict[str, type] = {
-    "trtype": str,
-    "adrfam": str,
-    "traddr": str,
-    "trsvcid": int,
-    "subnqn": str,
-    "portid": int,
-}
+SUBSYSTEM_FIELDS = kinds(SUBSYSTEM)
+HOST_FIELDS = kinds(HOST)
+NAMESPACE_FIELDS = kinds(NAMESPACE)
+LISTENER_FIELDS = kinds(LISTENER)
+REFERRAL_FIELDS = kinds(REFERRAL)
 REQUIRED: dict[str, tuple[str, ...]] = {
     "subsystem": ("nqn",),
     "namespace": ("backend",),

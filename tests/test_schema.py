@@ -104,3 +104,64 @@ def test_a_host_secret_of_the_wrong_type_is_not_echoed() -> None:
     with pytest.raises(config.ConfigError) as err:
         config.validate_config({"version": 1, "subsystems": [item]})
     assert "tls_key: expected string, got int a secret" in str(err.value) and "12345" not in str(err.value)
+
+
+@pytest.mark.parametrize(("body", "fields"), [
+    (schemas.SubsystemCreate, schema.SUBSYSTEM),
+    (schemas.NamespaceCreate, schema.NAMESPACE),
+    (schemas.HostAdd, schema.HOST),
+    (schemas.ListenerCreate, schema.LISTENER),
+    (schemas.ReferralCreate, schema.REFERRAL),
+    (schemas.NamespaceQosSet, schema.QOS),
+])
+def test_the_api_bodies_are_built_from_the_schema_fields(body: type, fields: dict[str, schema.Field]) -> None:
+    """Each declared body field is the REST body's, with its default, range and description (one place)."""
+    for name, field in fields.items():
+        key = field.body_name or name
+        if not field.in_body:
+            assert key not in body.model_fields
+            continue
+        info = body.model_fields[key]
+        if field.default is schema.REQUIRED_IN_BODY:
+            assert info.is_required(), name
+        else:
+            default = info.default_factory() if info.default_factory is not None else info.default
+            assert default == field.default, name
+        if field.range is not None:
+            assert _bounds(body, key) == (field.range.low, field.range.high)
+        assert (info.description or "").startswith(field.description or ""), name
+        assert (info.description is None) == (field.description is None), name
+    assert set(schema.kinds(fields)) == {name for name, field in fields.items() if field.in_file}
+
+
+def test_a_body_built_from_a_declaration_refuses_what_it_refuses() -> None:
+    listener = schemas.ListenerCreate.model_validate({"traddr": "::1"})
+    assert (listener.trsvcid, listener.tls, listener.adrfam) == (defaults.TCP_IO_PORT, "none", None)
+    with pytest.raises(ValueError, match="less than or equal to 65535"):
+        schemas.ReferralCreate.model_validate({"traddr": "::1", "trsvcid": 65536})
+    with pytest.raises(ValueError, match="hostnqn"):
+        schemas.HostAdd.model_validate({"nqn": "nqn.2024-01.com.example:h"})  # the file's name, not the body's
+    with pytest.raises(ValueError, match="Extra inputs are not permitted"):
+        schemas.NamespaceCreate.model_validate({"backend": "ram", "qos": {}})  # set through PUT .../qos
+    ns = schemas.NamespaceCreate.model_validate({"backend": "ram", "uuid": str(uuid.UUID(int=7))})
+    assert ns.uuid == uuid.UUID(int=7) and ns.hosts == [] and ns.block_size == defaults.DEFAULT_BLOCK_SIZE
+
+
+def test_the_qos_fields_are_the_limits_target_qos_keeps() -> None:
+    from target import qos
+
+    assert tuple(schema.QOS) == qos.LIMIT_KEYS
+
+
+@pytest.mark.parametrize(("body", "name"), [
+    (schemas.NamespaceResize, "size"),
+    (schemas.NamespaceAnaGroup, "anagrpid"),
+    (schemas.NamespaceAutoVisible, "auto_visible"),
+])
+def test_a_one_setting_body_takes_the_namespace_field(body: type, name: str) -> None:
+    info, field = body.model_fields[name], schema.NAMESPACE[name]
+    assert info.is_required() and info.annotation is field.kind
+    if field.range is not None:
+        assert _bounds(body, name) == (field.range.low, field.range.high)
+    with pytest.raises(ValueError, match="Field required"):
+        body.model_validate({})
