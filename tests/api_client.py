@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
+import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
@@ -18,3 +20,15 @@ def open_client(service: Any, *, authorized: bool = True, **app_kw: Any) -> Test
     client = TestClient(create_app(service, token=TOKEN, **app_kw), headers=AUTH if authorized else None)
     client.__enter__()
     return client
+
+
+def route_cli_to(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Point the `nvmeof` management CLI (nvmeof/cli/commands/manage.py) at ``client``'s in-process app, with
+    the suite's token, for the rest of the test."""
+    from nvmeof.cli.commands import manage
+
+    monkeypatch.setattr(manage, "make_http_client",
+                        lambda base_url, headers: httpx.Client(transport=client._transport, base_url="http://testserver",
+                                                               headers=headers))
+    monkeypatch.setenv("NVMEOF_API_TOKEN", TOKEN)
+    monkeypatch.setenv("NVMEOF_API", "http://testserver")

@@ -15,7 +15,7 @@ from nvmeof.auth import generate_secret
 from target import config as configmod
 from target.core import Target
 from target.service import ServiceError, TargetService
-from tests.api_client import TOKEN
+from tests.api_client import route_cli_to
 
 NQN = "nqn.2024-01.com.example:authdisk"
 HOSTNQN = "nqn.2014-08.org.nvmexpress:uuid:0f2d2f36-8a4e-4a3b-9a52-3b1f1f2f7c11"
@@ -220,18 +220,11 @@ def test_rest_import_with_presence_flags_is_refused_by_name(client):
 
 
 def test_cli_host_key_commands(client, service, monkeypatch):
-    import httpx
     from click.testing import CliRunner
 
     from nvmeof.cli import cli
-    from nvmeof.cli.commands import manage
 
-    # the CLI's HTTP client talks to the in-process app
-    monkeypatch.setattr(manage, "make_http_client",
-                        lambda base_url, headers: httpx.Client(transport=client._transport, base_url="http://testserver",
-                                                               headers=headers))
-    monkeypatch.setenv("NVMEOF_API_TOKEN", TOKEN)
-    monkeypatch.setenv("NVMEOF_API", "http://testserver")
+    route_cli_to(client, monkeypatch)
     runner = CliRunner()
 
     def run(*args: str, code: int = 0):

@@ -24,6 +24,9 @@ from nvmeof.status import NvmeError, Status
 from nvmeof.tcp import Direction, ProtocolError, R2TReceived, Role, TcpConnection
 from tests.test_initiator_queue import FakeServer, server  # noqa: F401 -- the fixture, for the tests below
 
+# An ICResp as a controller sends it: PFV 0, CPDA 0, no digests, MAXH2CDATA 8192.
+ICRESP = struct.pack("<BBBBIHBBI112x", 1, 0, 128, 0, 128, 0, 0, 0, 8192)
+
 READ, WRITE = 0x02, 0x01
 
 
@@ -54,7 +57,7 @@ def test_capsule_layout_matches_command_to_bytes() -> None:
         cmd.dptr = Command.make_sgl(sgl_id, 0, n)
         conn = TcpConnection(Role.HOST)
         conn.send_icreq()
-        conn.receive_data(struct.pack("<BBBBIHBBI112x", 1, 0, 128, 0, 128, 0, 0, 0, 8192))
+        conn.receive_data(ICRESP)
         conn.data_to_send()   # the ICReq
         conn.send_command(cmd.to_bytes(), b"\0" * n if write else None,
                           direction=Direction.NONE if write else Direction.C2H, data_len=0 if write else n)
@@ -301,7 +304,7 @@ class RawController:
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readexactly(128)
-        writer.write(struct.pack("<BBBBIHBBI112x", 1, 0, 128, 0, 128, 0, 0, 0, 8192))
+        writer.write(ICRESP)
         capsule = await reader.readexactly(72)
         writer.write(self.reply(capsule[10] | capsule[11] << 8))  # type: ignore[operator]
         try:
@@ -351,7 +354,7 @@ def test_h2c_header_layout_matches_send_h2c_data() -> None:
     """The precompiled H2CData header is the one TcpConnection.send_h2c_data sends (no digests)."""
     conn = TcpConnection(Role.HOST)
     conn.send_icreq()
-    conn.receive_data(struct.pack("<BBBBIHBBI112x", 1, 0, 128, 0, 128, 0, 0, 0, 8192))
+    conn.receive_data(ICRESP)
     conn.data_to_send()
     data = memoryview(bytes(4096))
     for last in (False, True):
@@ -383,23 +386,18 @@ def r2t(cid: int, *, r2to: int = 0, r2tl: int = 1024, ttag: int = 3, flags: int 
     return tcp_spec.DATA_PDU_HDR.pack(tcp_spec.PduType.R2T.value, flags, 24, pdo, 24, cid, ttag, r2to, r2tl)
 
 
-class ByteController:
-    """A controller that answers the ICReq, then the first CapsuleCmd with ``reply(cid)`` bytes, and keeps every
-    byte the host sends after that capsule until the host closes."""
+class ByteController(RawController):
+    """A RawController that keeps every byte the host sends after the capsule until the host closes, and the
+    capsule itself."""
 
     def __init__(self, reply: object) -> None:
-        self.reply = reply
+        super().__init__(reply)
         self.capsule = b""
-        self.after = b""
         self.done = asyncio.Event()
-
-    async def start(self) -> int:
-        self.srv = await asyncio.start_server(self.serve, "127.0.0.1", 0)
-        return self.srv.sockets[0].getsockname()[1]
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readexactly(128)
-        writer.write(struct.pack("<BBBBIHBBI112x", 1, 0, 128, 0, 128, 0, 0, 0, 8192))
+        writer.write(ICRESP)
         self.capsule = await reader.readexactly(72)
         writer.write(self.reply(self.capsule[10] | self.capsule[11] << 8))  # type: ignore[operator]
         with contextlib.suppress(TimeoutError, ConnectionError):
@@ -413,7 +411,7 @@ def sansio_host_sends(capsule: bytes, reply: bytes, write_len: int) -> bytes:
     for every good R2T (HostQueue._on_r2t), then the H2CTermReq of the first bad PDU."""
     conn = TcpConnection(Role.HOST)
     conn.send_icreq()
-    conn.receive_data(struct.pack("<BBBBIHBBI112x", 1, 0, 128, 0, 128, 0, 0, 0, 8192))
+    conn.receive_data(ICRESP)
     conn.data_to_send()
     write = capsule[8] == WRITE
     conn.send_command(capsule[8:72], direction=Direction.H2C if write else Direction.C2H, data_len=write_len)

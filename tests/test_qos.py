@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import test_tcp_batch
@@ -378,6 +380,19 @@ async def test_a_stalled_loop_does_not_cost_waiting_commands_their_turn() -> Non
     assert sum(t.try_take(True, 512) for _ in range(100)) == max(rate * defaults.QOS_BURST_SECONDS, 1) + 1
 
 
+async def _in_one_wakeup(rec: Any, reads: int, writes: Sequence[bytes] = ()) -> list[Any]:
+    """``reads`` 512-byte reads (cids 0..) and one write per item of ``writes`` (cids 100..) sent in one wake-up
+    of the target, then the loop run a few rounds: their futures."""
+    rec.hold = True
+    futs = [rec.send(*_rd(i, 1)[:1], read_len=512) for i in range(reads)]
+    futs += [rec.send(*_wr(100 + i, data)[:2]) for i, data in enumerate(writes)]
+    rec.hold = False
+    rec.flush()
+    for _ in range(20):
+        await asyncio.sleep(0)
+    return futs
+
+
 @ENGINES
 async def test_commands_released_together_answer_in_one_write(engine: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The replies of the commands one QoS release lets go leave in one write, not one each (the host then
@@ -388,13 +403,7 @@ async def test_commands_released_together_answer_in_one_write(engine: str, monke
     for _ in range(600):
         ns1.qos.namespace.charge(True, 512)   # every command below waits
     data = os.urandom(512)
-    rec.hold = True
-    futs = [rec.send(*_rd(i, 1)[:1], read_len=512) for i in range(12)]
-    futs += [rec.send(*_wr(100 + i, data)[:2]) for i in range(4)]
-    rec.hold = False
-    rec.flush()
-    for _ in range(20):
-        await asyncio.sleep(0)
+    futs = await _in_one_wakeup(rec, 12, [data] * 4)
     assert len(ns1.qos.namespace.waiters) == 16 and not any(f.done() for f in futs)
     writes: list[int] = []
     deliver = rec.data_received
@@ -435,12 +444,7 @@ async def test_batch_fast_path_takes_the_tokens_before_reading(monkeypatch: pyte
     assert ns1.qos is not None and ns1.qos.namespace is not None
     for _ in range(2):
         ns1.qos.namespace.charge(True, 512)   # the bucket (1) is spent and in debt: every read waits
-    rec.hold = True
-    futs = [rec.send(*_rd(i, 1)[:1], read_len=512) for i in range(8)]
-    rec.hold = False
-    rec.flush()
-    for _ in range(20):
-        await asyncio.sleep(0)
+    futs = await _in_one_wakeup(rec, 8)
     assert len(ns1.qos.namespace.waiters) == 8
     assert calls == [], "the fast path read data for commands the limit then delayed"
     ns1.qos.close()
@@ -475,12 +479,7 @@ async def test_batch_parks_a_limited_read_and_runs_it_inline_when_let_go(
     assert throttle is not None
     for _ in range(600):
         throttle.charge(True, 512)   # every read below waits
-    rec.hold = True
-    futs = [rec.send(*_rd(i, 1)[:1], read_len=512) for i in range(8)]
-    rec.hold = False
-    rec.flush()
-    for _ in range(20):
-        await asyncio.sleep(0)
+    futs = await _in_one_wakeup(rec, 8)
     assert len(throttle.waiters) == 8 and not any(f.done() for f in futs)
     assert _parked() == 8 and _tasks() == 0   # waiting without a Request or a Task each
     fast = _fast_count()

@@ -7,7 +7,6 @@ import json
 import logging
 
 import pytest
-from api_client import TOKEN
 from ports import free_port, free_ports
 
 import initiator
@@ -24,6 +23,7 @@ from nvmeof.spec.fabrics import (
 from nvmeof.tls.psk import generate_key
 from target.core import Target
 from target.service import ServiceError, TargetService
+from tests.api_client import route_cli_to
 
 NQN = "nqn.2024-01.com.example:tlsdisk"
 HOSTNQN = "nqn.2014-08.org.nvmexpress:uuid:0f2d2f36-8a4e-4a3b-9a52-3b1f1f2f7c21"
@@ -264,11 +264,9 @@ async def test_tls_compat_persists_and_is_shown(service, config_path, caplog):
 
 
 def test_tls_compat_over_rest_and_cli(client, service, monkeypatch):
-    import httpx
     from click.testing import CliRunner
 
     from nvmeof.cli import cli
-    from nvmeof.cli.commands import manage
 
     assert client.post(SUBS, json={"nqn": NQN, "allow_any_host": False}).status_code == 201
     r = client.post(f"{SUBS}/{NQN}/hosts", json={"hostnqn": HOSTNQN, "tls_key": KEY, "tls_compat": True})
@@ -278,11 +276,7 @@ def test_tls_compat_over_rest_and_cli(client, service, monkeypatch):
     r = client.patch(f"{SUBS}/{NQN}/hosts/{HOSTNQN}", json={"tls_compat": False})
     assert r.status_code == 200 and r.json()["tls_compat"] is False
     assert client.patch(f"{SUBS}/{NQN}/hosts/{HOSTNQN}", json={"tls_compat": "maybe"}).status_code == 422
-    monkeypatch.setattr(manage, "make_http_client",
-                        lambda base_url, headers: httpx.Client(transport=client._transport, base_url="http://testserver",
-                                                               headers=headers))
-    monkeypatch.setenv("NVMEOF_API_TOKEN", TOKEN)
-    monkeypatch.setenv("NVMEOF_API", "http://testserver")
+    route_cli_to(client, monkeypatch)
     runner = CliRunner()
     result = runner.invoke(cli, ["host", "set", NQN, HOSTNQN, "--tls-compat"], catch_exceptions=False)
     assert result.exit_code == 0, result.output

@@ -11,17 +11,22 @@ from nvmeof.tls.openssl import TlsError, TlsSession
 from nvmeof.tls.psk import HMAC_SHA256, HMAC_SHA384, PskIdentity, TlsKey
 
 
-def _pair(key: TlsKey, offered: TlsKey | None = None) -> tuple[TlsSession, TlsSession]:
-    ident = (offered or key).identity("nqn.h", "nqn.s", 1)
-    client = TlsSession(server=False, identity=str(ident).encode(), psk=(offered or key).tls_psk(ident),
-                        cipher=key.cipher)
-    server = TlsSession(server=True, lookup=lambda raw: (key.tls_psk(PskIdentity.parse(raw)), key.cipher))
+def _handshake(client: TlsSession, server: TlsSession) -> None:
+    """Start ``client`` and pass the handshake's flights back and forth (TLS 1.3 PSK needs fewer than four)."""
     client.start()
     for _ in range(4):
         if out := client.data_to_send():
             server.receive(out)
         if out := server.data_to_send():
             client.receive(out)
+
+
+def _pair(key: TlsKey, offered: TlsKey | None = None) -> tuple[TlsSession, TlsSession]:
+    ident = (offered or key).identity("nqn.h", "nqn.s", 1)
+    client = TlsSession(server=False, identity=str(ident).encode(), psk=(offered or key).tls_psk(ident),
+                        cipher=key.cipher)
+    server = TlsSession(server=True, lookup=lambda raw: (key.tls_psk(PskIdentity.parse(raw)), key.cipher))
+    _handshake(client, server)
     return client, server
 
 
@@ -71,12 +76,7 @@ def test_sha384_psk_under_a_sha256_binder_gets_a_sha256_suite(binder: int, suite
     psk = key.tls_psk(ident)
     client = TlsSession(server=False, identity=str(ident).encode(), psk=psk, cipher=binder)
     server = TlsSession(server=True, lookup=lambda raw: (key.tls_psk(PskIdentity.parse(raw)), key.cipher))
-    client.start()
-    for _ in range(4):
-        if out := client.data_to_send():
-            server.receive(out)
-        if out := server.data_to_send():
-            client.receive(out)
+    _handshake(client, server)
     assert client.handshake_done and server.handshake_done
     assert server.cipher_name == client.cipher_name == suite and server.sha256_binder is fallback
     server.send(b"data")
@@ -105,12 +105,7 @@ def test_client_sha256_binder_option(hmac_id: int, suite: str, bound: bool) -> N
     client = TlsSession(server=False, identity=str(ident).encode(), psk=key.tls_psk(ident), cipher=key.cipher,
                         sha256_binder=True)
     server = TlsSession(server=True, lookup=lambda raw: (key.tls_psk(PskIdentity.parse(raw)), key.cipher))
-    client.start()
-    for _ in range(4):
-        if out := client.data_to_send():
-            server.receive(out)
-        if out := server.data_to_send():
-            client.receive(out)
+    _handshake(client, server)
     assert client.handshake_done and server.handshake_done
     assert server.cipher_name == client.cipher_name == suite
     assert client.sha256_binder is bound and server.sha256_binder is bound
