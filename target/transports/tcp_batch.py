@@ -613,11 +613,7 @@ class BatchMixin:
                 writes += 1
                 write_bytes += length
             pos += plen
-            slot = slots.get(cid)
-            if slot is None:
-                slot = _Slot(cid, qid, flow_off)
-                if len(slots) < _MAX_SLOTS:
-                    slots[cid] = slot   # past the cap the reply has a slot of its own, gone once it is sent
+            slot = slots.get(cid) or self._new_slot(cid, qid, flow_off)
             # TargetQueue.complete (nvmet_update_sq_head), then TargetConnection.queue_response
             if opcode == _READ:
                 if slot.length != length:
@@ -642,16 +638,29 @@ class BatchMixin:
             reads += done_reads
             writes += done_writes
             self.fast_commands += reads + writes
-            transport = self.transport
-            if transport is not None:
-                send_batch = getattr(transport, "send_batch", None)
-                if send_batch is not None:
-                    # per read: C2HData header, data and (with SQ flow control) CapsuleResp; per write: CapsuleResp
-                    wire = read_bytes + done_read_bytes + (reads + writes) * _RSP_LEN + r2t_bytes
-                    send_batch(out, wire if flow_off else wire + reads * _RSP_LEN)
-                else:
-                    transport.writelines(out)
+            # per read: C2HData header, data and (with SQ flow control) CapsuleResp; per write: CapsuleResp
+            wire = read_bytes + done_read_bytes + (reads + writes) * _RSP_LEN + r2t_bytes
+            self._send_out(out, wire if flow_off else wire + reads * _RSP_LEN)
         return pos
+
+    def _new_slot(self, cid: int, qid: int, flow_off: bool) -> _Slot:
+        """A reply slot for ``cid``, kept for the next command with that CID while fewer than _MAX_SLOTS are
+        (past the cap the reply has a slot of its own, gone once it is sent)."""
+        slot = _Slot(cid, qid, flow_off)
+        if len(self._slots) < _MAX_SLOTS:
+            self._slots[cid] = slot
+        return slot
+
+    def _send_out(self, out: list[Any], wire: int) -> None:
+        """The batch's reply buffers (``wire`` bytes) in one write: one sendmsg on the engine's own transport."""
+        transport = self.transport
+        if transport is None:
+            return
+        send_batch = getattr(transport, "send_batch", None)
+        if send_batch is not None:
+            send_batch(out, wire)
+        else:
+            transport.writelines(out)
 
     # --- R2T writes of the fast path ---------------------------------------------------------------
 
@@ -884,11 +893,7 @@ class BatchMixin:
                 continue
             self._count(ns, 1, length, 0, 0, start)   # as io.parse counts it: the read, not the wait
             self.fast_commands += 1
-            slot = slots.get(cid)
-            if slot is None:
-                slot = _Slot(cid, qid, flow_off)
-                if len(slots) < _MAX_SLOTS:
-                    slots[cid] = slot
+            slot = slots.get(cid) or self._new_slot(cid, qid, flow_off)
             if slot.length != length:
                 slot.pack_c2h(cid, length, flow_off)
             out += (slot.hdr, data)
@@ -903,18 +908,13 @@ class BatchMixin:
             wire += _RSP_LEN
         if not flow_off:
             queue.sqhd = sqhd
-        transport = self.transport
-        if out and transport is not None:
+        if out and self.transport is not None:
             # what the stream path queued goes first, all in one write
             queued = self.conn.data_to_send()
             if queued:
                 wire += sum(map(len, queued))
                 out[:0] = queued
-            send_batch = getattr(transport, "send_batch", None)
-            if send_batch is not None:
-                send_batch(out, wire)
-            else:
-                transport.writelines(out)
+            self._send_out(out, wire)
 
     def _fast_fallback(self, sqe: bytes, paid: bool) -> None:
         """A read the fast path parked but cannot finish inline: the lifecycle runs it from its parse on
