@@ -383,12 +383,8 @@ def tls_run(tls_assets: vm.Assets, tls_tools: tlstools.TlsTools, debian_rootfs: 
                 report.error = exc.args[0].splitlines()[0]
             _parse_guest(guest.output, report)
             report.seconds = time.monotonic() - began
-            print(f"\nkernel TLS: {report.seconds:.1f} s to the ready marker, boot {report.boot_seconds or 0:.1f} s; "
-                  f"tools {tls_tools.versions.get('ktls-utils')} / nvme-cli {tls_tools.versions.get('nvme-cli')}; "
-                  f"console {report.console}; target log {report.target_log}")
-            for name, result in report.checks.items():
-                took = f"{result.seconds:4.0f}s" if result.seconds is not None else "    -"
-                print(f"  {'PASS' if result.ok else 'FAIL'} {took} {name}{'' if result.ok else ': ' + result.reason}")
+            report.print_summary("kernel TLS", detail=f"; tools {tls_tools.versions.get('ktls-utils')} / nvme-cli "
+                                 f"{tls_tools.versions.get('nvme-cli')}; target log {report.target_log}")
             yield TlsRun(report, guest, tls_port, clear_port, tls_tools, oi, oi_keys, target, oi_raw,
                          {1: oi_raw_key, 2: oi_raw_key384}, cli_plain)
         finally:
