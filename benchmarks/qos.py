@@ -11,11 +11,12 @@ reads): nsid 2 alone, nsid 1 alone, nsid 1 and nsid 2 at the same time (two `nvm
 alone again. Figures: limited IOPS or MiB/s over the limit, alone and beside the unlimited namespace (goal:
 within 5 %); the unlimited namespace's throughput beside the limited one over the mean of its two runs alone
 (goal: >= 0.9); and what one limited I/O costs the target while nsid 1 runs alone, from utime + stime (what
-`nvmeof bench --target-pid` reports) and from the scheduler's runtime (schedstat). With `--pin 0:1` the target
-runs on CPU 0 and both bench processes on CPU 1: the limited namespace's target work competes with the
-unlimited one's on CPU 0, and the two clients share CPU 1 (other work on the machine lands on both). Each
-round line shows the load average before and after it: on a shared machine the unlimited namespace's
-throughput alone moves more between runs than any effect measured here.
+`nvmeof bench --target-pid` reports) and from the scheduler's runtime (schedstat), and as the slope of that
+runtime between nsid 1 and nsid 3 (twice nsid 1's limit), which takes out each bench connection's fixed cost.
+With `--pin 0:1` the target runs on CPU 0 and both bench processes on CPU 1: the limited namespace's target
+work competes with the unlimited one's on CPU 0, and the two clients share CPU 1 (other work on the machine
+lands on both). Each round line shows the load average before and after it: on a shared machine the unlimited
+namespace's throughput alone moves more between runs than any effect measured here.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def _config(size: int, limit: dict[str, int]) -> dict[str, Any]:
     return {"version": 1, "subsystems": [{"nqn": DEFAULT_NQN, "allow_any_host": True, "namespaces": [
         {"nsid": 1, "backend": "ram", "size": size, "qos": limit},
         {"nsid": 2, "backend": "ram", "size": size},
+        # twice nsid 1's limit: the slope between the two takes out each bench connection's fixed cost
+        {"nsid": 3, "backend": "ram", "size": size, "qos": {key: 2 * value for key, value in limit.items()}},
     ]}]}  # fmt: skip
 
 
@@ -68,6 +71,12 @@ def _run_ns(pid: int) -> int:
     return total
 
 
+def _slope_us(ran: int, figures: dict[str, Any], ran_double: int, double: dict[str, Any], seconds: float) -> float:
+    """Target run time per I/O between two runs at different limits: (ran2 - ran1) / (ios2 - ios1)."""
+    extra_ios = (double["iops"] - figures["iops"]) * seconds
+    return (ran_double - ran) / 1e3 / extra_ios if extra_ios > 0 else float("nan")
+
+
 def measure(args: argparse.Namespace, name: str, limit: dict[str, int], row: Row) -> dict[str, Any]:
     size = parse_size(args.ramdisk_size)
     with tempfile.TemporaryDirectory(prefix="nvmeof-qos-") as tmp:
@@ -82,6 +91,9 @@ def measure(args: argparse.Namespace, name: str, limit: dict[str, int], row: Row
             ran = _run_ns(proc.pid)
             limited_alone = bench(1)
             ran = _run_ns(proc.pid) - ran
+            ran_double = _run_ns(proc.pid)
+            double_alone = bench(3)
+            ran_double = _run_ns(proc.pid) - ran_double
             with ThreadPoolExecutor(2) as pool:
                 limited_f, beside_f = pool.submit(bench, 1), pool.submit(bench, 2)
                 limited, beside = limited_f.result(), beside_f.result()
@@ -102,6 +114,11 @@ def measure(args: argparse.Namespace, name: str, limit: dict[str, int], row: Row
             "limited_initiator_cpu_us_per_io": limited_alone["initiator_cpu_us_per_io"],
             # the same from the scheduler's own count (ramp included; the target is idle while the bench starts)
             "limited_target_run_us_per_io": ran / 1e3 / (limited_alone["iops"] * (args.seconds + args.ramp)),
+            # the same between nsid 1 and nsid 3 (twice the limit): what one more limited I/O costs, without
+            # the fixed cost of a bench connection (its set-up, keep-alive, tear-down), which the figure above
+            # spreads over the few I/Os a limit lets through
+            "limited_target_slope_us_per_io": _slope_us(ran, limited_alone, ran_double, double_alone,
+                                                        args.seconds + args.ramp),
             "limited_mean_lat_us": limited["mean_lat_ns"] / 1e3, "load_average": [load_before, load_after]}
 
 
@@ -131,10 +148,11 @@ def main(argv: list[str] | None = None) -> int:
               f"(alone {r['limited_alone_over_limit']:.3f})"
               f"  nsid2 beside/alone {r['unlimited_beside_over_alone']:.3f} ({r['unlimited_beside_iops']:.0f} / "
               f"{'+'.join(f'{x:.0f}' for x in r['unlimited_alone_iops_each'])})  target us per limited I/O "
-              f"{r['limited_target_cpu_us_per_io']:.1f} (ticks) {r['limited_target_run_us_per_io']:.1f} (ran)  "
+              f"{r['limited_target_cpu_us_per_io']:.1f} (ticks) {r['limited_target_run_us_per_io']:.1f} (ran) "
+              f"{r['limited_target_slope_us_per_io']:.1f} (slope)  "
               f"load {r['load_average'][0]:.2f}-{r['load_average'][1]:.2f}")
     print(f"{'case':<10} {'limit':>12} {'alone/limit':>11} {'limited got':>12} {'got/limit':>9} {'nsid2 alone':>12} "
-          f"{'nsid2 beside':>12} {'beside/alone':>12} {'tgt us/lim IO':>13} {'(ran)':>6}")
+          f"{'nsid2 beside':>12} {'beside/alone':>12} {'tgt us/lim IO':>13} {'(ran)':>6} {'(slope)':>7}")
     summary = []
     for name, _limit, _row in cases:
         mine = [r for r in runs if r["case"] == name]
@@ -147,13 +165,15 @@ def main(argv: list[str] | None = None) -> int:
                                        "unlimited_alone_iops",
                                        "unlimited_beside_iops", "unlimited_beside_over_alone",
                                        "limited_target_cpu_us_per_io", "limited_target_run_us_per_io",
+                                       "limited_target_slope_us_per_io",
                                        "limited_initiator_cpu_us_per_io")}}
         summary.append(line)
         print(f"{name:<10} {line['limit']:>6g} {line['unit']:<5} {line['limited_alone_over_limit']:>11.3f} "
               f"{line['limited']:>12.1f} "
               f"{line['limited_over_limit']:>9.3f} {line['unlimited_alone_iops']:>12.0f} "
               f"{line['unlimited_beside_iops']:>12.0f} {line['unlimited_beside_over_alone']:>12.3f} "
-              f"{line['limited_target_cpu_us_per_io']:>13.1f} {line['limited_target_run_us_per_io']:>6.1f}")
+              f"{line['limited_target_cpu_us_per_io']:>13.1f} {line['limited_target_run_us_per_io']:>6.1f} "
+              f"{line['limited_target_slope_us_per_io']:>7.1f}")
     if args.json:
         args.json.write_text(json.dumps({"machine": machine(), "runs": runs, "summary": summary}, indent=2) + "\n")
     return 0
