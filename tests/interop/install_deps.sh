@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Host packages for the QEMU interoperability suite (tests/interop).
+# Host packages for the QEMU interoperability suite (tests/interop) and the GnuTLS referee.
 # Idempotent; run as root on Debian bookworm. Only the distribution's package
 # archive has to be reachable: the guest kernel is fetched with `apt-get download`
 # by tests/interop/vm.py, not here, so this script never depends on a kernel version.
@@ -25,11 +25,12 @@ packages=(
     debian-archive-keyring  # verifies the trixie-backports lists of the "bpo" kernel (vm.py, private apt lists)
     binutils          # readelf, used to check the extracted vmlinux is an ELF with a PVH note
     libc-bin          # ldd
+    gnutls-bin        # gnutls-cli / gnutls-serv: tests/test_tls_gnutls.py, a second TLS stack against ours
 )
 
 SCRIPT=install_deps.sh
 # shellcheck source=tests/interop/apt_packages.sh
 source "$(dirname "$0")/apt_packages.sh"
 install_missing_packages "${packages[@]}"
-require_tools qemu-system-x86_64 busybox nvme fio rdma cpio xz zstd depmod dpkg-deb
+require_tools qemu-system-x86_64 busybox nvme fio rdma cpio xz zstd depmod dpkg-deb gnutls-cli gnutls-serv
 echo "install_deps.sh: host packages for tests/interop are installed"
