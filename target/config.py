@@ -151,16 +151,23 @@ def item_problems(kind: str, item: Any, where: str) -> list[str]:
     return problems
 
 
+_ANAGRPIDS = f"{schema.ANAGRPID.low}..{schema.ANAGRPID.high}"
+
+
+def _anagrpid_ok(grpid: Any) -> bool:
+    """An ANA group id as a JSON key or an nvmetcli dump gives it (digits only, the int's text)."""
+    return str(grpid).isdigit() and schema.ANAGRPID.accepts(int(grpid))
+
+
 def ana_states_problems(states: dict[Any, Any], where: str) -> list[str]:
-    """A listener's ``ana_states``: keys are ANA group ids 1..ANAGRPMAX (strings in JSON), values state words."""
+    """A listener's ``ana_states``: keys are ANA group ids (strings in JSON), values state words."""
     problems = []
     for key, value in states.items():
-        grp, field = str(key), schema.ANAGRPID
-        if not grp.isdigit() or not field.low <= int(grp) <= field.high:
-            problems.append(f"{where}: key {key!r} is not an ANA group id {field.low}..{field.high}")
+        if not _anagrpid_ok(key):
+            problems.append(f"{where}: key {key!r} is not an ANA group id {_ANAGRPIDS}")
         try:
-            parse_ana_state(value)
-        except ValueError as exc:
+            schema.check_ana_state(value)
+        except schema.SchemaError as exc:
             problems.append(f"{where}[{key!r}]: {exc}")
     return problems
 
@@ -637,9 +644,8 @@ def _import_ana_groups(port: dict[str, Any], where: str, warnings: list[str]) ->
     for k, group in enumerate(port.get("ana_groups") or []):
         grpid = group.get("grpid")
         word = (group.get("ana") or {}).get("state", "optimized")
-        if not str(grpid).isdigit() or not 1 <= int(grpid) <= defaults.ANAGRPMAX:
-            warnings.append(f"{where}.ana_groups[{k}]: ANA group {grpid!r} is outside 1..{defaults.ANAGRPMAX}, "
-                            "skipped")
+        if not _anagrpid_ok(grpid):
+            warnings.append(f"{where}.ana_groups[{k}]: ANA group {grpid!r} is outside {_ANAGRPIDS}, skipped")
             continue
         try:
             state = parse_ana_state(word)
@@ -670,10 +676,10 @@ def _import_namespace(ns: Any, where: str, warnings: list[str]) -> dict[str, Any
     # namespaces/<nsid>/ana_grpid; the default group (1) is left implicit
     grpid = ns.get("ana_grpid")
     if grpid is not None and str(grpid) != str(defaults.DEFAULT_ANAGRPID):
-        if str(grpid).isdigit() and 1 <= int(grpid) <= defaults.ANAGRPMAX:
+        if _anagrpid_ok(grpid):
             out["anagrpid"] = int(grpid)
         else:
-            warnings.append(f"{where} (nsid {ns['nsid']}): ANA group {grpid!r} is outside 1..{defaults.ANAGRPMAX}; "
+            warnings.append(f"{where} (nsid {ns['nsid']}): ANA group {grpid!r} is outside {_ANAGRPIDS}; "
                             f"it joins group {defaults.DEFAULT_ANAGRPID}")
     for key in ("uuid", "nguid"):
         text = device.get(key)

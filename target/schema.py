@@ -19,17 +19,33 @@ from typing import Any, Literal
 from nvmeof import defaults
 from nvmeof.spec.fabrics import PORTID_MAX
 from nvmeof.spec.identify import NSID_MAX
+from nvmeof.spec.logs import ANA_STATE_NAMES, AnaState, parse_ana_state
 from target.backends import KINDS
-from target.model import ADRFAMS as ADRFAMS  # re-exported: the API bodies name them through here
-from target.model import BLOCK_SIZES as BLOCK_SIZES
-from target.model import TRTYPES as TRTYPES
 
 SERIAL_MAX = 20  # Identify Controller SN, bytes
 MODEL_MAX = 40  # Identify Controller MN, bytes
+# The values a listener, referral and namespace take; target/model.py's objects hold them
+TRTYPES = ("tcp", "rdma")
+ADRFAMS = ("ipv4", "ipv6")
+BLOCK_SIZES = (512, 4096)
 
 
-class SchemaError(ValueError):
-    """A value a field refuses; the message names the field and the reason."""
+class ServiceError(Exception):
+    """A refused or failed management request. ``status`` follows HTTP: 400 bad input, 404 no such
+    object, 409 conflicts with the current state, 500 the change could not be applied or saved."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class SchemaError(ServiceError, ValueError):
+    """A value a field refuses; the message names the field and the reason. It is the service's 400 as it
+    stands (the service calls these checks directly; a config replay records the message per item)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(400, message)
 
 
 @dataclass(frozen=True)
@@ -55,6 +71,14 @@ class IntField:
         if not self.low <= value <= high:
             raise SchemaError(f"{self.name} {value} is out of range; use {self.low}..{high}")
         return value
+
+    def accepts(self, value: Any) -> bool:
+        """Whether ``check`` takes ``value`` (a JSON object's key, a dump's text)."""
+        try:
+            self.check(value)
+        except SchemaError:
+            return False
+        return True
 
 
 NSID = IntField("nsid", 1, NSID_MAX)
@@ -148,6 +172,14 @@ def check_tls_mode(tls: Any, trtype: str) -> str:
     return str(tls)
 
 
+def check_ana_state(value: Any) -> AnaState:
+    """An ANA state: an AnaState, its number or its word (ANA_STATE_NAMES)."""
+    try:
+        return parse_ana_state(value)
+    except ValueError as exc:
+        raise SchemaError(str(exc)) from None
+
+
 def check_block_size(value: Any) -> int:
     if isinstance(value, bool) or value not in BLOCK_SIZES:
         raise SchemaError(f"block size {value!r} is not supported; use {' or '.join(map(str, BLOCK_SIZES))}")
@@ -187,6 +219,7 @@ REQUIRED_IN_BODY: Any = ...  # pydantic's marker of a field without a default
 TrType = Literal[TRTYPES]  # type: ignore[valid-type]
 AdrFam = Literal[ADRFAMS]  # type: ignore[valid-type]
 TlsMode = Literal[defaults.TLS_MODES]  # type: ignore[valid-type]  # a TCP listener's TLS
+AnaStateName = Literal[tuple(ANA_STATE_NAMES.values())]  # type: ignore[valid-type]  # nvmeof.spec.logs
 
 LISTENER: dict[str, Field] = {
     "trtype": Field(str, "tcp", TrType),
@@ -200,6 +233,10 @@ LISTENER: dict[str, Field] = {
                  description="NVMe/TCP TLS 1.3 with PSKs: none, optional (TLS or clear) or required"),
     # {"<anagrpid>": state word}: groups not named are optimized on this listener (PUT .../ana/... sets them)
     "ana_states": Field(dict, in_body=False),
+}
+# PUT .../ana/<anagrpid>: one group's state on a listener (kept in the listener's "ana_states")
+ANA_STATE: dict[str, Field] = {
+    "state": Field(str, REQUIRED_IN_BODY, AnaStateName),
 }
 REFERRAL: dict[str, Field] = {
     "trtype": Field(str, "tcp", TrType),

@@ -1,0 +1,170 @@
+"""One declaration, three doors: a field's range in target/schema.py is what the configuration file, the REST
+API and a direct TargetService call each accept and refuse (issue 27).
+
+Each case takes its bounds from the declaration only, so a door that keeps a limit of its own (a narrower
+range, an off-by-one, a forgotten check) fails here: the value just outside the range must be refused by all
+three with a message naming the field, the bounds themselves accepted by all three.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from nvmeof.spec.identify import NSID_MAX
+from target import config as configmod
+from target import schema
+from target.service import ServiceError
+from tests.ports import free_port
+
+SUBS = "/api/v1/subsystems"
+_ids = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class Case:
+    """``field`` of a ``kind`` item, with the IntField that declares its range; ``accept``: the in-range
+    values to try (default both bounds), where a bound cannot stand on its own for another reason."""
+
+    kind: str
+    field: str
+    range: schema.IntField
+    accept: tuple[int, ...] | None = None
+
+    def refused(self) -> tuple[int, int]:
+        return self.range.low - 1, self.range.high + 1
+
+    def accepted(self) -> tuple[int, ...]:
+        return self.accept if self.accept is not None else (self.range.low, self.range.high)
+
+
+CASES = [
+    Case("subsystem", "max_namespaces", schema.SUBSYSTEM["max_namespaces"].range),
+    Case("namespace", "nsid", schema.NAMESPACE["nsid"].range),
+    Case("namespace", "anagrpid", schema.NAMESPACE["anagrpid"].range),
+    # a size is a multiple of the block size too: the bounds themselves are refused for that
+    Case("namespace", "size", schema.NAMESPACE["size"].range, accept=(512,)),
+    # a listener binds its trsvcid: its range is tried on the referral (the same TRSVCID), its refusals here
+    Case("listener", "trsvcid", schema.LISTENER["trsvcid"].range, accept=()),
+    Case("listener", "portid", schema.LISTENER["portid"].range),
+    Case("referral", "trsvcid", schema.REFERRAL["trsvcid"].range),
+    Case("referral", "portid", schema.REFERRAL["portid"].range),
+    Case("qos", "rw_ios_per_second", schema.QOS["rw_ios_per_second"].range),
+    Case("qos", "w_mbytes_per_second", schema.QOS["w_mbytes_per_second"].range),
+]
+
+
+def _nqn() -> str:
+    return f"nqn.2024-01.com.example:doors{next(_ids)}"
+
+
+def _item(case: Case, value: int) -> dict[str, Any]:
+    """The configuration item (and REST body) that sets ``case.field`` to ``value``, unique in the target."""
+    if case.kind == "subsystem":
+        return {"nqn": _nqn(), case.field: value}
+    if case.kind in ("namespace", "qos"):
+        return {"backend": "null", "size": 1 << 20, case.field: value}
+    if case.kind == "listener":
+        return {"traddr": "127.0.0.1", "trsvcid": free_port(), case.field: value}
+    # referrals listen on nothing: an address of their own keeps them apart
+    return {"traddr": f"192.0.2.{next(_ids) % 250 + 1}", "trsvcid": 8009 + next(_ids), case.field: value}
+
+
+def _subsystem(client: Any) -> str:
+    """A subsystem that takes any NSID, for the namespace and QoS cases."""
+    nqn = _nqn()
+    client.portal.call(lambda: client.app.state.service.add_subsystem(nqn, max_namespaces=NSID_MAX))
+    return nqn
+
+
+def _via_rest(client: Any, case: Case, value: int) -> tuple[bool, str]:
+    item = _item(case, value)
+    if case.kind == "subsystem":
+        response = client.post(SUBS, json=item)
+    elif case.kind == "namespace":
+        response = client.post(f"{SUBS}/{_subsystem(client)}/namespaces", json=item)
+    elif case.kind == "qos":
+        nqn = _subsystem(client)
+        assert client.post(f"{SUBS}/{nqn}/namespaces", json={"backend": "null", "size": 1 << 20}).status_code == 201
+        response = client.put(f"{SUBS}/{nqn}/namespaces/1/qos", json={case.field: value})
+    else:
+        response = client.post(f"/api/v1/{case.kind}s", json=item)
+    if response.status_code < 300:
+        return True, ""
+    assert response.status_code in (400, 422), response.text
+    return False, json.dumps(response.json()["detail"])
+
+
+def _via_service(client: Any, case: Case, value: int) -> tuple[bool, str]:
+    service = client.app.state.service
+    item = _item(case, value)
+    call: Callable[[], Any]
+    if case.kind == "subsystem":
+        call = lambda: service.add_subsystem(item.pop("nqn"), **item)  # noqa: E731
+    elif case.kind == "namespace":
+        nqn = _subsystem(client)
+        call = lambda: service.add_namespace(nqn, **item)  # noqa: E731
+    elif case.kind == "qos":
+        nqn = _subsystem(client)
+        client.portal.call(lambda: service.add_namespace(nqn, backend="null", size=1 << 20))
+        call = lambda: service.set_namespace_qos(nqn, 1, {case.field: value})  # noqa: E731
+    elif case.kind == "listener":
+        call = lambda: service.add_listener("tcp", item.pop("traddr"), item.pop("trsvcid"), **item)  # noqa: E731
+    else:
+        call = lambda: service.add_referral(item.pop("traddr"), item.pop("trsvcid"), **item)  # noqa: E731
+    try:
+        client.portal.call(call)
+    except ServiceError as exc:
+        assert exc.status == 400, exc.message
+        return False, exc.message
+    return True, ""
+
+
+def _via_config_file(client: Any, case: Case, value: int, path: Any) -> tuple[bool, str]:
+    """The daemon's start-up: the file is loaded (its structure checked) and replayed through the service."""
+    item = _item(case, value)
+    config: dict[str, Any] = {"version": 1}
+    if case.kind == "subsystem":
+        config["subsystems"] = [item]
+    elif case.kind in ("namespace", "qos"):
+        if case.kind == "qos":
+            item = {"backend": "null", "size": 1 << 20, "qos": {case.field: value}}
+        config["subsystems"] = [{"nqn": _nqn(), "max_namespaces": NSID_MAX, "namespaces": [item]}]
+    else:
+        config[f"{case.kind}s"] = [dict(item, trtype="tcp")]
+    path.write_text(json.dumps(config))
+    try:
+        loaded = configmod.load_config(path)
+    except configmod.ConfigError as exc:
+        return False, str(exc)
+    errors = client.portal.call(lambda: client.app.state.service.restore(loaded))
+    return not errors, "\n".join(errors)
+
+
+DOORS = {"config file": _via_config_file, "REST": _via_rest, "service": _via_service}
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.kind}.{c.field}")
+def test_every_door_keeps_the_declared_range(client: Any, tmp_path: Any, case: Case) -> None:
+    def through(door: str, value: int) -> tuple[bool, str]:
+        if door == "config file":
+            return _via_config_file(client, case, value, tmp_path / f"restore{next(_ids)}.json")
+        return DOORS[door](client, case, value)
+
+    for value in case.refused():
+        for door in DOORS:
+            ok, message = through(door, value)
+            assert not ok, f"{door} took {case.kind} {case.field}={value} outside {case.range.low}..{case.range.high}"
+            assert case.field in message, f"{door}'s refusal of {case.field}={value} does not name it: {message}"
+    service = client.app.state.service
+    for value in case.accepted():
+        for door in DOORS:
+            ok, message = through(door, value)
+            assert ok, f"{door} refused {case.kind} {case.field}={value} within the declared range: {message}"
+            for lid in list(service.target.listeners):  # its portid is free again for the next door
+                client.portal.call(service.remove_listener, lid)
