@@ -87,7 +87,7 @@ class QosLimits:
                 raise QosError(f"unknown QoS limit {name!r} (the limits are {', '.join(LIMIT_KEYS)})")
             if value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, int):
+            if not schema.is_json(int, value):
                 raise QosError(f"{name} must be a whole number, got {value!r}")
             limit = schema.QOS[key].range
             assert limit is not None  # schema.QOS declares each limit with its range, 0 (unlimited) first

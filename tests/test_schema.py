@@ -92,8 +92,8 @@ def test_the_api_bodies_name_the_schema_fields(body: type, fields: dict[str, typ
 
 
 def test_the_config_checks_the_schema_fields() -> None:
-    assert set(config.LISTENER_KEYS) == set(schema.LISTENER_FIELDS)
-    assert config.NAMESPACE_KEYS["nsid"] == "integer" and config.HOST_KEYS["tls_key"] == "string"
+    assert set(config._fields("listener")) == set(schema.LISTENER_FIELDS)
+    assert config._fields("namespace")["nsid"].kind is int and config._fields("host")["tls_key"].kind is str
     with pytest.raises(config.ConfigError, match=r"listeners\[0\]\.trsvcid: expected integer, got str"):
         config.validate_config({"version": 1, "listeners": [{"traddr": "::1", "trsvcid": "4420"}]})
 

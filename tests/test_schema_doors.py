@@ -1,9 +1,10 @@
-"""One declaration, three doors: a field's range in target/schema.py is what the configuration file, the REST
-API and a direct TargetService call each accept and refuse (issue 27).
+"""One declaration, three doors: a field's range or vocabulary in target/schema.py is what the configuration
+file, the REST API and a direct TargetService call each accept and refuse (issue 27).
 
-Each case takes its bounds from the declaration only, so a door that keeps a limit of its own (a narrower
-range, an off-by-one, a forgotten check) fails here: the value just outside the range must be refused by all
-three with a message naming the field, the bounds themselves accepted by all three.
+Each case takes its values from the declaration only, so a door that keeps a rule of its own (a narrower
+range, an off-by-one, a forgotten check, a name list of its own) fails here: the value just outside must be
+refused by all three with a message naming the field, the bounds (or every declared name) accepted by all
+three.
 """
 
 from __future__ import annotations
@@ -28,34 +29,45 @@ _ids = itertools.count(1)
 
 @dataclass(frozen=True)
 class Case:
-    """``field`` of a ``kind`` item, with the IntField that declares its range; ``accept``: the in-range
-    values to try (default both bounds), where a bound cannot stand on its own for another reason."""
+    """``field`` of a ``kind`` item: the values every door must refuse and accept; ``words``: how the
+    service's message names the field where it does not spell the key."""
 
     kind: str
     field: str
-    range: schema.IntField
-    accept: tuple[int, ...] | None = None
+    refused: tuple[Any, ...]
+    accepted: tuple[Any, ...]
+    words: str | None = None
 
-    def refused(self) -> tuple[int, int]:
-        return self.range.low - 1, self.range.high + 1
+    @property
+    def id(self) -> str:
+        return f"{self.kind}.{self.field}"
 
-    def accepted(self) -> tuple[int, ...]:
-        return self.accept if self.accept is not None else (self.range.low, self.range.high)
+
+def _ranged(kind: str, field: str, *, accept: tuple[int, ...] | None = None) -> Case:
+    """A field with a declared IntField: one outside each end refused, the bounds accepted (``accept``: the
+    in-range values to try instead, where a bound cannot stand on its own for another reason)."""
+    limit = (schema.QOS if kind == "qos" else schema.ITEMS[kind])[field].range
+    assert limit is not None
+    return Case(kind, field, (limit.low - 1, limit.high + 1), (limit.low, limit.high) if accept is None else accept)
 
 
 CASES = [
-    Case("subsystem", "max_namespaces", schema.SUBSYSTEM["max_namespaces"].range),
-    Case("namespace", "nsid", schema.NAMESPACE["nsid"].range),
-    Case("namespace", "anagrpid", schema.NAMESPACE["anagrpid"].range),
+    _ranged("subsystem", "max_namespaces"),
+    _ranged("namespace", "nsid"),
+    _ranged("namespace", "anagrpid"),
     # a size is a multiple of the block size too: the bounds themselves are refused for that
-    Case("namespace", "size", schema.NAMESPACE["size"].range, accept=(512,)),
+    _ranged("namespace", "size", accept=(512,)),
     # a listener binds its trsvcid: its range is tried on the referral (the same TRSVCID), its refusals here
-    Case("listener", "trsvcid", schema.LISTENER["trsvcid"].range, accept=()),
-    Case("listener", "portid", schema.LISTENER["portid"].range),
-    Case("referral", "trsvcid", schema.REFERRAL["trsvcid"].range),
-    Case("referral", "portid", schema.REFERRAL["portid"].range),
-    Case("qos", "rw_ios_per_second", schema.QOS["rw_ios_per_second"].range),
-    Case("qos", "w_mbytes_per_second", schema.QOS["w_mbytes_per_second"].range),
+    _ranged("listener", "trsvcid", accept=()),
+    _ranged("listener", "portid"),
+    _ranged("referral", "trsvcid"),
+    _ranged("referral", "portid"),
+    _ranged("qos", "rw_ios_per_second"),
+    _ranged("qos", "w_mbytes_per_second"),
+    # the vocabularies: every declared name taken, one more refused
+    Case("namespace", "block_size", (1024, 0), schema.BLOCK_SIZES, words="block size"),
+    Case("referral", "trtype", ("fc", "TCP"), schema.TRTYPES, words="transport type"),
+    Case("listener", "tls", ("maybe",), ("none", "optional", "required")),
 ]
 
 
@@ -63,7 +75,7 @@ def _nqn() -> str:
     return f"nqn.2024-01.com.example:doors{next(_ids)}"
 
 
-def _item(case: Case, value: int) -> dict[str, Any]:
+def _item(case: Case, value: Any) -> dict[str, Any]:
     """The configuration item (and REST body) that sets ``case.field`` to ``value``, unique in the target."""
     if case.kind == "subsystem":
         return {"nqn": _nqn(), case.field: value}
@@ -82,7 +94,7 @@ def _subsystem(client: Any) -> str:
     return nqn
 
 
-def _via_rest(client: Any, case: Case, value: int) -> tuple[bool, str]:
+def _via_rest(client: Any, case: Case, value: Any) -> tuple[bool, str]:
     item = _item(case, value)
     if case.kind == "subsystem":
         response = client.post(SUBS, json=item)
@@ -100,7 +112,7 @@ def _via_rest(client: Any, case: Case, value: int) -> tuple[bool, str]:
     return False, json.dumps(response.json()["detail"])
 
 
-def _via_service(client: Any, case: Case, value: int) -> tuple[bool, str]:
+def _via_service(client: Any, case: Case, value: Any) -> tuple[bool, str]:
     service = client.app.state.service
     item = _item(case, value)
     call: Callable[[], Any]
@@ -125,7 +137,7 @@ def _via_service(client: Any, case: Case, value: int) -> tuple[bool, str]:
     return True, ""
 
 
-def _via_config_file(client: Any, case: Case, value: int, path: Any) -> tuple[bool, str]:
+def _via_config_file(client: Any, case: Case, value: Any, path: Any) -> tuple[bool, str]:
     """The daemon's start-up: the file is loaded (its structure checked) and replayed through the service."""
     item = _item(case, value)
     config: dict[str, Any] = {"version": 1}
@@ -136,7 +148,7 @@ def _via_config_file(client: Any, case: Case, value: int, path: Any) -> tuple[bo
             item = {"backend": "null", "size": 1 << 20, "qos": {case.field: value}}
         config["subsystems"] = [{"nqn": _nqn(), "max_namespaces": NSID_MAX, "namespaces": [item]}]
     else:
-        config[f"{case.kind}s"] = [dict(item, trtype="tcp")]
+        config[f"{case.kind}s"] = [{"trtype": "tcp", **item}]
     path.write_text(json.dumps(config))
     try:
         loaded = configmod.load_config(path)
@@ -149,22 +161,23 @@ def _via_config_file(client: Any, case: Case, value: int, path: Any) -> tuple[bo
 DOORS = {"config file": _via_config_file, "REST": _via_rest, "service": _via_service}
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.kind}.{c.field}")
-def test_every_door_keeps_the_declared_range(client: Any, tmp_path: Any, case: Case) -> None:
-    def through(door: str, value: int) -> tuple[bool, str]:
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_every_door_keeps_the_declared_rule(client: Any, tmp_path: Any, case: Case) -> None:
+    def through(door: str, value: Any) -> tuple[bool, str]:
         if door == "config file":
             return _via_config_file(client, case, value, tmp_path / f"restore{next(_ids)}.json")
         return DOORS[door](client, case, value)
 
-    for value in case.refused():
+    for value in case.refused:
         for door in DOORS:
             ok, message = through(door, value)
-            assert not ok, f"{door} took {case.kind} {case.field}={value} outside {case.range.low}..{case.range.high}"
-            assert case.field in message, f"{door}'s refusal of {case.field}={value} does not name it: {message}"
+            assert not ok, f"{door} took {case.kind} {case.field}={value!r}, which {case.accepted} does not hold"
+            named = case.field in message or (case.words is not None and case.words in message)
+            assert named, f"{door}'s refusal of {case.field}={value!r} does not name it: {message}"
     service = client.app.state.service
-    for value in case.accepted():
+    for value in case.accepted:
         for door in DOORS:
             ok, message = through(door, value)
-            assert ok, f"{door} refused {case.kind} {case.field}={value} within the declared range: {message}"
+            assert ok, f"{door} refused {case.kind} {case.field}={value}, which the declaration takes: {message}"
             for lid in list(service.target.listeners):  # its portid is free again for the next door
                 client.portal.call(service.remove_listener, lid)

@@ -1,8 +1,9 @@
-"""The checks every part of TargetService shares: ServiceError and the coercion of given values.
+"""What every part of TargetService shares beyond target/schema.py's checks: ServiceError, and the checks
+whose refusals come from elsewhere (NQNs, masking, host authentication) turned into ServiceErrors.
 
 A leaf: it imports nothing of the service, so each resource module (subsystems, hosts, namespaces,
-listeners, ANA, replay, reload) takes its errors and checks from here. Each check returns the value as
-the service keeps it or raises ServiceError(400) naming what was wrong.
+listeners, ANA, replay, reload) takes its errors and checks from here. The fields' own checks (ranges,
+addresses, identifiers) are target/schema.py's, called directly: their SchemaError is a ServiceError(400).
 """
 
 from __future__ import annotations
