@@ -13,13 +13,14 @@ import itertools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 
 from nvmeof.spec.identify import NSID_MAX
 from target import config as configmod
 from target import schema
+from target.model import endpoint_id
 from target.service import ServiceError
 from tests.ports import free_port
 
@@ -43,12 +44,14 @@ class Case:
         return f"{self.kind}.{self.field}"
 
 
-def _ranged(kind: str, field: str, *, accept: tuple[int, ...] | None = None) -> Case:
+def _ranged(kind: str, field: str, *, accept: tuple[int, ...] | None = None, words: str | None = None) -> Case:
     """A field with a declared IntField: one outside each end refused, the bounds accepted (``accept``: the
     in-range values to try instead, where a bound cannot stand on its own for another reason)."""
-    limit = (schema.QOS if kind == "qos" else schema.ITEMS[kind])[field].range
+    fields = {"qos": schema.QOS, "ana": {"anagrpid": schema.NAMESPACE["anagrpid"]}}.get(kind) or schema.ITEMS[kind]
+    limit = fields[field].range
     assert limit is not None
-    return Case(kind, field, (limit.low - 1, limit.high + 1), (limit.low, limit.high) if accept is None else accept)
+    accepted = (limit.low, limit.high) if accept is None else accept
+    return Case(kind, field, (limit.low - 1, limit.high + 1), accepted, words)
 
 
 CASES = [
@@ -68,6 +71,9 @@ CASES = [
     Case("namespace", "block_size", (1024, 0), schema.BLOCK_SIZES, words="block size"),
     Case("referral", "trtype", ("fc", "TCP"), schema.TRTYPES, words="transport type"),
     Case("listener", "tls", ("maybe",), ("none", "optional", "required")),
+    # a group's ANA state on a listener: the file's ana_states, PUT .../ana/<anagrpid>, set_ana_state
+    Case("ana", "state", ("bogus", 3), tuple(get_args(schema.AnaStateName)), words="ANA state"),
+    _ranged("ana", "anagrpid", words="ANA group"),  # the file's key
 ]
 
 
@@ -94,9 +100,24 @@ def _subsystem(client: Any) -> str:
     return nqn
 
 
+def _ana(case: Case, value: Any) -> tuple[Any, Any]:
+    """The ANA group and state an "ana" case sets."""
+    return (value, "inaccessible") if case.field == "anagrpid" else (2, value)
+
+
+def _listener(client: Any) -> int:
+    """A listener on a free port of 127.0.0.1, for the ANA cases: its port."""
+    port = free_port()
+    client.portal.call(lambda: client.app.state.service.add_listener("tcp", "127.0.0.1", port))
+    return port
+
+
 def _via_rest(client: Any, case: Case, value: Any) -> tuple[bool, str]:
     item = _item(case, value)
-    if case.kind == "subsystem":
+    if case.kind == "ana":
+        grp, state = _ana(case, value)
+        response = client.put(f"/api/v1/listeners/tcp/127.0.0.1/{_listener(client)}/ana/{grp}", json={"state": state})
+    elif case.kind == "subsystem":
         response = client.post(SUBS, json=item)
     elif case.kind == "namespace":
         response = client.post(f"{SUBS}/{_subsystem(client)}/namespaces", json=item)
@@ -116,7 +137,11 @@ def _via_service(client: Any, case: Case, value: Any) -> tuple[bool, str]:
     service = client.app.state.service
     item = _item(case, value)
     call: Callable[[], Any]
-    if case.kind == "subsystem":
+    if case.kind == "ana":
+        grp, state = _ana(case, value)
+        lid = endpoint_id("tcp", "127.0.0.1", _listener(client))
+        call = lambda: service.set_ana_state(lid, grp, state)  # noqa: E731
+    elif case.kind == "subsystem":
         call = lambda: service.add_subsystem(item.pop("nqn"), **item)  # noqa: E731
     elif case.kind == "namespace":
         nqn = _subsystem(client)
@@ -141,7 +166,10 @@ def _via_config_file(client: Any, case: Case, value: Any, path: Any) -> tuple[bo
     """The daemon's start-up: the file is loaded (its structure checked) and replayed through the service."""
     item = _item(case, value)
     config: dict[str, Any] = {"version": 1}
-    if case.kind == "subsystem":
+    if case.kind == "ana":
+        grp, state = _ana(case, value)
+        config["listeners"] = [{"traddr": "127.0.0.1", "trsvcid": free_port(), "ana_states": {str(grp): state}}]
+    elif case.kind == "subsystem":
         config["subsystems"] = [item]
     elif case.kind in ("namespace", "qos"):
         if case.kind == "qos":
