@@ -182,7 +182,7 @@ def check_tls_mode(tls: Any, trtype: str) -> str:
 
 
 def check_ana_state(value: Any) -> AnaState:
-    """An ANA state: an AnaState, its number or its word (ANA_STATE_NAMES)."""
+    """An ANA state: an AnaState, or its word (ANA_STATE_NAMES; parse_ana_state takes any case, "_" for "-")."""
     try:
         return parse_ana_state(value)
     except ValueError as exc:
