@@ -44,14 +44,18 @@ class Case:
         return f"{self.kind}.{self.field}"
 
 
-def _ranged(kind: str, field: str, *, accept: tuple[int, ...] | None = None, words: str | None = None) -> Case:
-    """A field with a declared IntField: one outside each end refused, the bounds accepted (``accept``: the
-    in-range values to try instead, where a bound cannot stand on its own for another reason)."""
+def _ranged(kind: str, field: str, *, accept: tuple[int, ...] | None = None, words: str | None = None,
+            typed: bool = True) -> Case:
+    """A field with a declared IntField: one outside each end refused, and a value of another JSON type (a
+    boolean, a float); the bounds accepted (``accept``: the in-range values to try instead, where a bound cannot
+    stand on its own for another reason; ``typed`` False: the value is text where it goes, a URL's path or a
+    JSON object's key, so JSON's types do not apply)."""
     fields = {"qos": schema.QOS, "ana": {"anagrpid": schema.NAMESPACE["anagrpid"]}}.get(kind) or schema.ITEMS[kind]
     limit = fields[field].range
     assert limit is not None
     accepted = (limit.low, limit.high) if accept is None else accept
-    return Case(kind, field, (limit.low - 1, limit.high + 1), accepted, words)
+    other_types = (True, float(limit.high)) if typed else ()
+    return Case(kind, field, (limit.low - 1, limit.high + 1, *other_types), accepted, words)
 
 
 CASES = [
@@ -71,9 +75,10 @@ CASES = [
     Case("namespace", "block_size", (1024, 0), schema.BLOCK_SIZES, words="block size"),
     Case("referral", "trtype", ("fc", "TCP"), schema.TRTYPES, words="transport type"),
     Case("listener", "tls", ("maybe",), ("none", "optional", "required")),
+    Case("namespace", "read_only", ("yes", 1), (True, False)),  # a boolean is JSON's, nothing else
     # a group's ANA state on a listener: the file's ana_states, PUT .../ana/<anagrpid>, set_ana_state
     Case("ana", "state", ("bogus", 3), tuple(get_args(schema.AnaStateName)), words="ANA state"),
-    _ranged("ana", "anagrpid", words="ANA group"),  # the file's key
+    _ranged("ana", "anagrpid", words="ANA group", typed=False),  # the file's key, the URL's path
 ]
 
 
