@@ -19,8 +19,7 @@ from target import schema
 
 TrType = schema.TrType  # target/model.py, checked by target/schema.py
 AdrFam = schema.AdrFam
-# nvmeof.spec.logs.ANA_STATE_NAMES (tests/test_ana_api.py keeps the two equal)
-AnaStateName = Literal["optimized", "non-optimized", "inaccessible", "persistent-loss", "change"]
+AnaStateName = schema.AnaStateName  # nvmeof.spec.logs.ANA_STATE_NAMES
 TlsMode = schema.TlsMode  # a TCP listener's TLS
 
 
@@ -181,10 +180,10 @@ class NamespaceAnaGroup(_body("_AnaGroupFields", schema.NAMESPACE, only=("anagrp
     model_config = _example({"anagrpid": 2})
 
 
-class NamespaceHostAdd(_Request):
+class NamespaceHostAdd(_body("_NamespaceHostFields", schema.HOST, only=("nqn",),  # type: ignore[misc]
+                             sets={"nqn": "A host allowed on the subsystem; its controllers see the namespace "
+                                          "from now on"})):
     model_config = _example({"hostnqn": "nqn.2014-08.org.nvmexpress:uuid:0f2d2f36-8a4e-4a3b-9a52-3b1f1f2f7c11"})
-
-    hostnqn: str = Field(description="A host allowed on the subsystem; its controllers see the namespace from now on")
 
 
 _AUTO_VISIBLE = ("true: every allowed host sees the namespace (the host list is dropped); "
@@ -285,10 +284,8 @@ class ListenerOut(BaseModel):
         default_factory=dict, description="ANA state per group id on this listener; groups not listed are optimized")
 
 
-class AnaStateSet(_Request):
+class AnaStateSet(_body("_AnaStateFields", schema.ANA_STATE)):  # type: ignore[misc]
     model_config = _example({"state": "inaccessible"})
-
-    state: AnaStateName
 
 
 class AnaListenerOut(BaseModel):

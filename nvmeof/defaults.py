@@ -5,6 +5,7 @@ DEFAULT_SUBSYSTEM_NQN = "nqn.2026-11.io.nvmeof-toolkit:ramdisk0"
 
 TCP_IO_PORT = 4420          # IANA NVMe-oF port
 TCP_DISCOVERY_PORT = 8009   # NVME_TCP_DISC_PORT
+PORT_MAX = 65535            # a trsvcid is an IP port, 1..PORT_MAX (NVMe/TCP, and RDMA through the RDMA CM)
 API_PORT = 8080
 LISTEN_ADDRESS = "127.0.0.1"
 

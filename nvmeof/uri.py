@@ -6,6 +6,8 @@ from __future__ import annotations
 import ipaddress
 from typing import NamedTuple
 
+from nvmeof import defaults
+
 TRANSPORTS = ("tcp", "rdma", "loop")
 
 
@@ -57,6 +59,6 @@ def parse_address(text: str, default_port: int, default_trtype: str = "tcp") -> 
         port_num = int(port)
     except ValueError:
         raise ValueError(f"port {port!r} in {text!r} is not a number") from None
-    if not 0 < port_num < 65536:
-        raise ValueError(f"port {port_num} in {text!r} is out of range 1-65535")
+    if not 0 < port_num <= defaults.PORT_MAX:
+        raise ValueError(f"port {port_num} in {text!r} is out of range 1-{defaults.PORT_MAX}")
     return TransportAddress(trtype, host, port_num)

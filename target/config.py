@@ -48,15 +48,8 @@ from target.qos import parse_config as parse_qos
 CONFIG_VERSION = 1
 CONFIG_FILE_MODE = 0o600
 
-_INT = "integer"
-_STR = "string"
-_BOOL = "boolean"
-_LIST = "list"
-_DICT = "object"
-
-TOP_KEYS: dict[str, str] = {"version": _INT, "subsystems": _LIST, "listeners": _LIST, "referrals": _LIST,
-                            "backing_dirs": _LIST, "allow_block_devices": _LIST,
-                            "ceph_confs": _LIST, "ceph_keyrings": _LIST}
+TOP_KEYS = ("version", "subsystems", "listeners", "referrals", "backing_dirs", "allow_block_devices", "ceph_confs",
+            "ceph_keyrings")
 # Where file namespaces may live and which Ceph client files RBD namespaces may name, added to the
 # `nvmeof serve` option (first) when the daemon starts from this file; an import through the API cannot
 # add to them (TargetService). Each key maps to that option and to BackingPolicy's argument.
@@ -66,81 +59,73 @@ POLICY_KEYS: dict[str, tuple[str, str]] = {
     "ceph_confs": ("--ceph-conf", "ceph_confs"),
     "ceph_keyrings": ("--ceph-keyring", "ceph_keyrings"),
 }
-# The items' fields and their JSON types are declared once, in target/schema.py; these name the types
-# the way this module's messages do.
-_KIND_NAMES = {int: _INT, str: _STR, bool: _BOOL, list: _LIST, dict: _DICT}
 
 
-def _kinds(fields: dict[str, type]) -> dict[str, str]:
-    return {key: _KIND_NAMES[kind] for key, kind in fields.items()}
+def policy_path_ok(entry: Any) -> bool:
+    """An entry of a POLICY_KEYS list: an absolute path (a NUL cannot be part of one)."""
+    return isinstance(entry, str) and os.path.isabs(entry) and "\0" not in entry
 
 
-SUBSYSTEM_KEYS = _kinds(schema.SUBSYSTEM_FIELDS)
-HOST_KEYS = _kinds(schema.HOST_FIELDS)
-NAMESPACE_KEYS = _kinds(schema.NAMESPACE_FIELDS)  # and each backend's settings (strings): _allowed_keys
 # a listener's tls as nvmet's port addr_treq (with addr_tsas "tls1.3" for the two TLS modes)
 _NVMET_TREQ = {"none": "not specified", "optional": "not required", "required": "required"}
-LISTENER_KEYS = _kinds(schema.LISTENER_FIELDS)
-REFERRAL_KEYS = _kinds(schema.REFERRAL_FIELDS)
-REQUIRED = schema.REQUIRED
-ITEM_KEYS: dict[str, dict[str, str]] = {
-    "subsystem": SUBSYSTEM_KEYS,
-    "namespace": NAMESPACE_KEYS,
-    "listener": LISTENER_KEYS,
-    "referral": REFERRAL_KEYS,
-}
 
 
 class ConfigError(Exception):
     """A configuration file that cannot be read, parsed or written; the message names the place."""
 
 
-def _type_ok(value: Any, kind: str) -> bool:
-    if kind == _INT:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind == _STR:
-        return isinstance(value, str)
-    if kind == _BOOL:
-        return isinstance(value, bool)
-    if kind == _DICT:
-        return isinstance(value, dict)
-    return isinstance(value, list)
+def _fields(kind: str) -> dict[str, schema.Field]:
+    """The fields a ``kind`` item keeps in the file; a namespace's include every registered backend's
+    settings (strings; the service checks which kind takes which), as registered when the item is read."""
+    fields = {key: field for key, field in schema.ITEMS[kind].items() if field.in_file}
+    if kind == "namespace":
+        fields.update({key: schema.Field(str) for keys in BACKEND_OPTIONS.values() for key in keys})
+    return fields
 
 
-def _allowed_keys(kind: str) -> dict[str, str]:
-    """The keys of a ``kind`` item; a namespace's include every registered backend's settings (the
-    service checks which kind takes which), as registered when the item is read."""
-    if kind != "namespace":
-        return ITEM_KEYS[kind]
-    return {**NAMESPACE_KEYS, **{key: _STR for keys in BACKEND_OPTIONS.values() for key in keys}}
+def _field_problems(kind: str, item: dict[str, Any], where: str) -> list[str]:
+    """What the declarations of a ``kind`` item (target/schema.py) refuse in it: unknown keys, values of
+    another JSON type, lists of strings with an element that is none, missing required keys. A secret is
+    never echoed."""
+    fields = _fields(kind)
+    problems = []
+    for key, value in item.items():
+        field = fields.get(key)
+        if field is None:
+            problems.append(f"{where}: unknown key {key!r} (a {kind} takes {', '.join(fields)})")
+        elif value is None or schema.is_json(field.kind, value):
+            continue
+        elif field.secret and isinstance(value, bool):
+            # never echo the value: it is a secret, or here the presence flag of an API export
+            problems.append(f"{where}.{key}: expected a DHHC-1 secret string, got a boolean (an API export shows "
+                            "only whether a secret is set; put the secret itself here)")
+        else:
+            shown = "a secret" if field.secret else repr(value)
+            problems.append(f"{where}.{key}: expected {schema.JSON_TYPES[field.kind]}, got {type(value).__name__} "
+                            f"{shown}")
+    for key, field in fields.items():
+        if field.required_in_file and item.get(key) is None:
+            problems.append(f"{where}: missing required key {key!r}" + (" (the host NQN)" if kind == "host" else ""))
+    for key, field in fields.items():
+        value = item.get(key)
+        if field.each is not None and isinstance(value, list) and any(not isinstance(v, str) for v in value):
+            problems.append(f"{where}.{key}: expected a list of {field.each}")
+    return problems
 
 
 def item_problems(kind: str, item: Any, where: str) -> list[str]:
-    """Structural problems of one config item (``kind`` in ITEM_KEYS): unknown keys, wrong types,
+    """Structural problems of one config item (``kind`` in schema.ITEMS): unknown keys, wrong types,
     missing required keys. Nested namespaces are not checked here."""
     if not isinstance(item, dict):
         return [f"{where}: expected an object, got {type(item).__name__}"]
-    allowed = _allowed_keys(kind)
-    problems = []
-    for key, value in item.items():
-        if key not in allowed:
-            problems.append(f"{where}: unknown key {key!r} (a {kind} takes {', '.join(allowed)})")
-        elif value is not None and not _type_ok(value, allowed[key]):
-            problems.append(f"{where}.{key}: expected {allowed[key]}, got {type(value).__name__} {value!r}")
-    for key in REQUIRED[kind]:
-        if item.get(key) is None:
-            problems.append(f"{where}: missing required key {key!r}")
+    problems = _field_problems(kind, item, where)
     if kind == "subsystem":
+        # a host is its NQN, or an object with its settings
         for i, host in enumerate(item.get("hosts") or []):
             if isinstance(host, dict):
-                problems.extend(_host_problems(host, f"{where}.hosts[{i}]"))
+                problems.extend(_field_problems("host", host, f"{where}.hosts[{i}]"))
             elif not isinstance(host, str):
                 problems.append(f"{where}.hosts[{i}]: expected a host NQN string or object, got {host!r}")
-        for key in ("dhchap_hash", "dhchap_dhgroup"):
-            if any(not isinstance(name, str) for name in item.get(key) or []):
-                problems.append(f"{where}.{key}: expected a list of names")
-    if kind == "namespace" and any(not isinstance(h, str) for h in item.get("hosts") or []):
-        problems.append(f"{where}.hosts: expected a list of host NQN strings")
     if kind == "namespace" and isinstance(item.get("qos"), dict):
         try:
             parse_qos(item["qos"], f"{where}.qos")
@@ -151,36 +136,24 @@ def item_problems(kind: str, item: Any, where: str) -> list[str]:
     return problems
 
 
+_ANAGRPIDS = f"{schema.ANAGRPID.low}..{schema.ANAGRPID.high}"
+
+
+def _anagrpid_ok(grpid: Any) -> bool:
+    """An ANA group id as a JSON key or an nvmetcli dump gives it (digits only, the int's text)."""
+    return str(grpid).isdigit() and schema.ANAGRPID.accepts(int(grpid))
+
+
 def ana_states_problems(states: dict[Any, Any], where: str) -> list[str]:
-    """A listener's ``ana_states``: keys are ANA group ids 1..ANAGRPMAX (strings in JSON), values state words."""
+    """A listener's ``ana_states``: keys are ANA group ids (strings in JSON), values state words."""
     problems = []
     for key, value in states.items():
-        grp, field = str(key), schema.ANAGRPID
-        if not grp.isdigit() or not field.low <= int(grp) <= field.high:
-            problems.append(f"{where}: key {key!r} is not an ANA group id {field.low}..{field.high}")
+        if not _anagrpid_ok(key):
+            problems.append(f"{where}: key {key!r} is not an ANA group id {_ANAGRPIDS}")
         try:
-            parse_ana_state(value)
-        except ValueError as exc:
+            schema.check_ana_state(value)
+        except schema.SchemaError as exc:
             problems.append(f"{where}[{key!r}]: {exc}")
-    return problems
-
-
-def _host_problems(host: dict[str, Any], where: str) -> list[str]:
-    problems = []
-    for key, value in host.items():
-        if key not in HOST_KEYS:
-            problems.append(f"{where}: unknown key {key!r} (a host takes {', '.join(HOST_KEYS)})")
-        elif isinstance(value, bool) and key in schema.HOST_SECRET_FIELDS:
-            # never echo the value: it is a secret, or here the presence flag of an API export
-            problems.append(f"{where}.{key}: expected a DHHC-1 secret string, got a boolean (an API export shows "
-                            "only whether a secret is set; put the secret itself here)")
-        elif value is not None and not _type_ok(value, HOST_KEYS[key]):
-            shown = "a secret" if key in schema.HOST_SECRET_FIELDS else repr(value)
-            problems.append(f"{where}.{key}: expected {HOST_KEYS[key]}, got {type(value).__name__} {shown}")
-        elif key in ("dhchap_hash", "dhchap_dhgroup") and any(not isinstance(v, str) for v in value or []):
-            problems.append(f"{where}.{key}: expected a list of names")
-    if not isinstance(host.get("nqn"), str):
-        problems.append(f"{where}: missing required key 'nqn' (the host NQN)")
     return problems
 
 
@@ -213,7 +186,7 @@ def validate_config(data: Any, source: str = "config") -> dict[str, Any]:
             problems.append(f"{source}: {key!r} must be a list of absolute paths, got {type(value).__name__}")
             continue
         for i, entry in enumerate(value):
-            if not isinstance(entry, str) or not os.path.isabs(entry) or "\0" in entry:
+            if not policy_path_ok(entry):
                 problems.append(f"{source}: {key}[{i}]: expected an absolute path, got {entry!r}")
     for key in ("subsystems", "listeners", "referrals"):
         value = data.get(key, [])
@@ -637,9 +610,8 @@ def _import_ana_groups(port: dict[str, Any], where: str, warnings: list[str]) ->
     for k, group in enumerate(port.get("ana_groups") or []):
         grpid = group.get("grpid")
         word = (group.get("ana") or {}).get("state", "optimized")
-        if not str(grpid).isdigit() or not 1 <= int(grpid) <= defaults.ANAGRPMAX:
-            warnings.append(f"{where}.ana_groups[{k}]: ANA group {grpid!r} is outside 1..{defaults.ANAGRPMAX}, "
-                            "skipped")
+        if not _anagrpid_ok(grpid):
+            warnings.append(f"{where}.ana_groups[{k}]: ANA group {grpid!r} is outside {_ANAGRPIDS}, skipped")
             continue
         try:
             state = parse_ana_state(word)
@@ -670,10 +642,10 @@ def _import_namespace(ns: Any, where: str, warnings: list[str]) -> dict[str, Any
     # namespaces/<nsid>/ana_grpid; the default group (1) is left implicit
     grpid = ns.get("ana_grpid")
     if grpid is not None and str(grpid) != str(defaults.DEFAULT_ANAGRPID):
-        if str(grpid).isdigit() and 1 <= int(grpid) <= defaults.ANAGRPMAX:
+        if _anagrpid_ok(grpid):
             out["anagrpid"] = int(grpid)
         else:
-            warnings.append(f"{where} (nsid {ns['nsid']}): ANA group {grpid!r} is outside 1..{defaults.ANAGRPMAX}; "
+            warnings.append(f"{where} (nsid {ns['nsid']}): ANA group {grpid!r} is outside {_ANAGRPIDS}; "
                             f"it joins group {defaults.DEFAULT_ANAGRPID}")
     for key in ("uuid", "nguid"):
         text = device.get(key)

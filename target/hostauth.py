@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 from nvmeof.auth import DHGROUP_IDS, HASH_IDS, DhchapSecret, parse_dhgroup, parse_hash
 from nvmeof.tls.psk import TlsKey
+from target import schema
 from target.model import HostAuth, Subsystem
 
 SECRET_FIELDS = ("dhchap_key", "dhchap_ctrl_key")
@@ -23,8 +24,8 @@ DHCHAP_FIELDS = SECRET_FIELDS + LIST_FIELDS
 TLS_KEY = "tls_key"
 # derive the host's TLS PSK for digest-less (NVMe0R) identities as libnvme's *_compat functions do: not a secret
 TLS_COMPAT = "tls_compat"
-FIELDS = (*DHCHAP_FIELDS, TLS_KEY, TLS_COMPAT)
-REDACTED = (*SECRET_FIELDS, TLS_KEY)   # shown as presence flags only
+FIELDS = tuple(name for name in schema.HOST if name != "nqn")   # a host's settings, declared there
+REDACTED = schema.HOST_SECRET_FIELDS   # shown as presence flags only
 # The defaults, in the controller's order of preference (the first the host offers is used): every hash,
 # SHA-256 first (nvmet's default dhchap_hash); every DH group, ffdhe2048 first and null last, which is what
 # nvmet with its default dhchap_dhgroup ends up choosing for a Linux host (nvmet_auth_negotiate).

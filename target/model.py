@@ -19,10 +19,8 @@ from target.backends.base import Backend
 from target.qos import NamespaceQos
 from target.reservations import EMPTY as EMPTY_RESERVATION
 from target.reservations import ReservationState
+from target.schema import AdrFam, TrType
 
-TrType = Literal["tcp", "rdma"]
-AdrFam = Literal["ipv4", "ipv6"]
-TRTYPES = ("tcp", "rdma")
 # What I/O to a namespace gets on a path where its ANA group is in this state (nvmet_check_ana_state);
 # optimized and non-optimized groups serve I/O.
 ANA_IO_STATUS: dict[AnaState, int] = {
@@ -30,8 +28,6 @@ ANA_IO_STATUS: dict[AnaState, int] = {
     AnaState.PERSISTENT_LOSS: Status.ANA_PERSISTENT_LOSS,
     AnaState.CHANGE: Status.ANA_TRANSITION,
 }
-ADRFAMS = ("ipv4", "ipv6")
-BLOCK_SIZES = (512, 4096)
 
 
 # I/O latency histogram: bucket i counts latencies below 2**(LATENCY_SHIFT + i) ns (and, for i > 0, at

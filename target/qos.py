@@ -52,9 +52,10 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from nvmeof import defaults
+from target import schema
 
 MIB = 1 << 20
-LIMIT_KEYS = ("rw_ios_per_second", "rw_mbytes_per_second", "r_mbytes_per_second", "w_mbytes_per_second")
+LIMIT_KEYS = tuple(schema.QOS)  # the limits and their ranges are declared there
 # A bucket within this many seconds of refill counts as refilled: the timer that wakes a waiter fires
 # at the computed instant, and rounding must not make it sleep again for a microsecond.
 _SLACK = 1e-6
@@ -86,11 +87,12 @@ class QosLimits:
                 raise QosError(f"unknown QoS limit {name!r} (the limits are {', '.join(LIMIT_KEYS)})")
             if value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, int):
+            if not schema.is_json(int, value):
                 raise QosError(f"{name} must be a whole number, got {value!r}")
-            high = defaults.QOS_IOS_MAX if key == "rw_ios_per_second" else defaults.QOS_MBYTES_MAX
-            if not 0 <= value <= high:
-                raise QosError(f"{name} must be 0 (unlimited) .. {high}, got {value}")
+            limit = schema.QOS[key].range
+            assert limit is not None  # schema.QOS declares each limit with its range, 0 (unlimited) first
+            if not limit.accepts(value):
+                raise QosError(f"{name} must be 0 (unlimited) .. {limit.high}, got {value}")
             out[key] = value
         return QosLimits(**out)
 

@@ -19,17 +19,42 @@ from typing import Any, Literal
 from nvmeof import defaults
 from nvmeof.spec.fabrics import PORTID_MAX
 from nvmeof.spec.identify import NSID_MAX
+from nvmeof.spec.logs import ANA_STATE_NAMES, AnaState, parse_ana_state
 from target.backends import KINDS
-from target.model import ADRFAMS as ADRFAMS  # re-exported: the API bodies name them through here
-from target.model import BLOCK_SIZES as BLOCK_SIZES
-from target.model import TRTYPES as TRTYPES
 
 SERIAL_MAX = 20  # Identify Controller SN, bytes
 MODEL_MAX = 40  # Identify Controller MN, bytes
+# The values a listener, referral and namespace take; target/model.py's objects hold them
+TRTYPES = ("tcp", "rdma")
+ADRFAMS = ("ipv4", "ipv6")
+BLOCK_SIZES = (512, 4096)
 
 
-class SchemaError(ValueError):
-    """A value a field refuses; the message names the field and the reason."""
+class ServiceError(Exception):
+    """A refused or failed management request. ``status`` follows HTTP: 400 bad input, 404 no such
+    object, 409 conflicts with the current state, 500 the change could not be applied or saved."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class SchemaError(ServiceError, ValueError):
+    """A value a field refuses; the message names the field and the reason. It is the service's 400 as it
+    stands (the service calls these checks directly; a config replay records the message per item)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(400, message)
+
+
+# JSON's types as json.loads gives them, named as the configuration file's messages name them
+JSON_TYPES: dict[type, str] = {int: "integer", str: "string", bool: "boolean", list: "list", dict: "object"}
+
+
+def is_json(kind: type, value: Any) -> bool:
+    """Whether ``value`` is of the JSON type ``kind`` (JSON_TYPES): a boolean is no integer."""
+    return isinstance(value, kind) and not (kind is int and isinstance(value, bool))
 
 
 @dataclass(frozen=True)
@@ -50,17 +75,25 @@ class IntField:
         high = self.high if high is None else high
         if isinstance(value, str) and value.strip().isdigit():
             value = int(value)
-        if not isinstance(value, int) or isinstance(value, bool):
+        if not is_json(int, value):
             raise SchemaError(f"{self.name} must be an integer, got {value!r}")
         if not self.low <= value <= high:
             raise SchemaError(f"{self.name} {value} is out of range; use {self.low}..{high}")
         return value
 
+    def accepts(self, value: Any) -> bool:
+        """Whether ``check`` takes ``value`` (a JSON object's key, a dump's text)."""
+        try:
+            self.check(value)
+        except SchemaError:
+            return False
+        return True
+
 
 NSID = IntField("nsid", 1, NSID_MAX)
 MAX_NAMESPACES = IntField("max_namespaces", 1, NSID_MAX)
 ANAGRPID = IntField("anagrpid", 1, defaults.ANAGRPMAX)
-TRSVCID = IntField("port (trsvcid)", 1, 65535)
+TRSVCID = IntField("port (trsvcid)", 1, defaults.PORT_MAX)
 LISTENER_PORTID = IntField("portid", 1, PORTID_MAX)  # 0 is left for referrals that name no port
 REFERRAL_PORTID = IntField("portid", 0, PORTID_MAX)
 CNTLID = IntField("cntlid", 0, 0xFFFF)
@@ -72,7 +105,7 @@ EUI64_LEN = 8  # bytes (Identify Namespace EUI64)
 
 
 def check_bool(value: Any, name: str) -> bool:
-    if not isinstance(value, bool):
+    if not is_json(bool, value):
         raise SchemaError(f"{name} must be true or false, got {value!r}")
     return value
 
@@ -148,6 +181,14 @@ def check_tls_mode(tls: Any, trtype: str) -> str:
     return str(tls)
 
 
+def check_ana_state(value: Any) -> AnaState:
+    """An ANA state: an AnaState, or its word (ANA_STATE_NAMES; parse_ana_state takes any case, "_" for "-")."""
+    try:
+        return parse_ana_state(value)
+    except ValueError as exc:
+        raise SchemaError(str(exc)) from None
+
+
 def check_block_size(value: Any) -> int:
     if isinstance(value, bool) or value not in BLOCK_SIZES:
         raise SchemaError(f"block size {value!r} is not supported; use {' or '.join(map(str, BLOCK_SIZES))}")
@@ -176,6 +217,9 @@ class Field:
     in_body: bool = True  # False: kept in the file, set through a route of its own (a listener's ana_states)
     in_file: bool = True  # False: an action of the body, not kept (a namespace's "create")
     body_name: str | None = None  # the body's name where it differs (a host's "nqn" is the body's "hostnqn")
+    required_in_file: bool = False  # the file's item must give it (the body may have a default or make one)
+    each: str | None = None  # a list of strings in the file: what its elements are, as a message names them
+    secret: bool = False  # never echoed in a message, never shown by the API (only whether it is set)
 
     def body_type(self) -> Any:
         """The body's type: ``annotation``, else ``kind`` (optional where the default is None)."""
@@ -187,11 +231,13 @@ REQUIRED_IN_BODY: Any = ...  # pydantic's marker of a field without a default
 TrType = Literal[TRTYPES]  # type: ignore[valid-type]
 AdrFam = Literal[ADRFAMS]  # type: ignore[valid-type]
 TlsMode = Literal[defaults.TLS_MODES]  # type: ignore[valid-type]  # a TCP listener's TLS
+AnaStateName = Literal[tuple(ANA_STATE_NAMES.values())]  # type: ignore[valid-type]  # nvmeof.spec.logs
 
 LISTENER: dict[str, Field] = {
     "trtype": Field(str, "tcp", TrType),
-    "traddr": Field(str, REQUIRED_IN_BODY, min_length=1, description="IPv4 or IPv6 address to listen on"),
-    "trsvcid": Field(int, defaults.TCP_IO_PORT, range=TRSVCID),
+    "traddr": Field(str, REQUIRED_IN_BODY, min_length=1, description="IPv4 or IPv6 address to listen on",
+                    required_in_file=True),
+    "trsvcid": Field(int, defaults.TCP_IO_PORT, range=TRSVCID, required_in_file=True),
     "adrfam": Field(str, None, AdrFam, description="Derived from traddr when omitted"),
     "discovery": Field(bool, False, description="Serve the discovery subsystem on this listener"),
     "portid": Field(int, None, range=LISTENER_PORTID, description="Discovery log port ID; a free one if omitted"),
@@ -201,10 +247,14 @@ LISTENER: dict[str, Field] = {
     # {"<anagrpid>": state word}: groups not named are optimized on this listener (PUT .../ana/... sets them)
     "ana_states": Field(dict, in_body=False),
 }
+# PUT .../ana/<anagrpid>: one group's state on a listener (kept in the listener's "ana_states")
+ANA_STATE: dict[str, Field] = {
+    "state": Field(str, REQUIRED_IN_BODY, AnaStateName),
+}
 REFERRAL: dict[str, Field] = {
     "trtype": Field(str, "tcp", TrType),
-    "traddr": Field(str, REQUIRED_IN_BODY, min_length=1),
-    "trsvcid": Field(int, defaults.TCP_DISCOVERY_PORT, range=TRSVCID),
+    "traddr": Field(str, REQUIRED_IN_BODY, min_length=1, required_in_file=True),
+    "trsvcid": Field(int, defaults.TCP_DISCOVERY_PORT, range=TRSVCID, required_in_file=True),
     "adrfam": Field(str, None, AdrFam),
     "subnqn": Field(str, defaults.DISCOVERY_NQN),
     "portid": Field(int, 0, range=REFERRAL_PORTID),
@@ -228,7 +278,7 @@ _TLS_COMPAT = ("Derive the host's TLS PSK for identities without a digest (NVMe0
                "for a host (e.g. Linux with nvme-cli 2.13 / libnvme 1.13) whose keyring key was inserted that way. "
                "Default false (RFC 8446 HKDF-Expand-Label)")
 SUBSYSTEM: dict[str, Field] = {
-    "nqn": Field(str, description="NQN; generated (UUID form) when omitted"),
+    "nqn": Field(str, description="NQN; generated (UUID form) when omitted", required_in_file=True),
     "serial": Field(str, max_length=SERIAL_MAX, description="Serial number; generated when omitted"),
     "model": Field(str, defaults.MODEL, min_length=1, max_length=MODEL_MAX),
     "allow_any_host": Field(bool, description="Let every host connect; defaults to true when no hosts are listed"),
@@ -236,30 +286,29 @@ SUBSYSTEM: dict[str, Field] = {
     "hosts": Field(list, [], list[str], description="Host NQNs allowed to connect"),
     "max_namespaces": Field(int, defaults.MAX_NAMESPACES, range=MAX_NAMESPACES),
     "namespaces": Field(list, in_body=False),  # NAMESPACE items; the body adds none (POST .../namespaces)
-    "dhchap_hash": Field(list, None, list[str], description=DHCHAP_HASH),
-    "dhchap_dhgroup": Field(list, None, list[str], description=DHCHAP_DHGROUP),
+    "dhchap_hash": Field(list, None, list[str], description=DHCHAP_HASH, each="names"),
+    "dhchap_dhgroup": Field(list, None, list[str], description=DHCHAP_DHGROUP, each="names"),
 }
 # A host object in a subsystem's "hosts" list (the kernel's configfs names, hosts/<nqn>/dhchap_*)
 HOST: dict[str, Field] = {
-    "nqn": Field(str, REQUIRED_IN_BODY, body_name="hostnqn"),
-    "dhchap_key": Field(str, description=_DHCHAP_KEY),
+    "nqn": Field(str, REQUIRED_IN_BODY, body_name="hostnqn", required_in_file=True),
+    "dhchap_key": Field(str, description=_DHCHAP_KEY, secret=True),
     "dhchap_ctrl_key": Field(str, description="The controller's secret for bidirectional authentication (needs "
-                                              "dhchap_key); never shown again"),
-    "dhchap_hash": Field(list, None, list[str], description=DHCHAP_HASH),
-    "dhchap_dhgroup": Field(list, None, list[str], description=DHCHAP_DHGROUP),
+                                              "dhchap_key); never shown again", secret=True),
+    "dhchap_hash": Field(list, None, list[str], description=DHCHAP_HASH, each="names"),
+    "dhchap_dhgroup": Field(list, None, list[str], description=DHCHAP_DHGROUP, each="names"),
     # the host's NVMe/TCP TLS PSK on the subsystem (NVMeTLSkey-1:NN:...:)
-    "tls_key": Field(str, description=_TLS_KEY),
+    "tls_key": Field(str, description=_TLS_KEY, secret=True),
     # its NVMe0R TLS PSK derived as libnvme's *_compat functions do (nvme-cli 2.13)
     "tls_compat": Field(bool, description=_TLS_COMPAT),
 }
-# the host fields that hold secrets: never echoed in a message, never shown by the API
-HOST_SECRET_FIELDS = ("dhchap_key", "dhchap_ctrl_key", "tls_key")
+HOST_SECRET_FIELDS = tuple(name for name, field in HOST.items() if field.secret)
 HEX_NGUID = rf"^[0-9A-Fa-f]{{{2 * NGUID_LEN}}}$"
 HEX_EUI64 = rf"^[0-9A-Fa-f]{{{2 * EUI64_LEN}}}$"
 # A namespace in a subsystem's "namespaces" list; besides these, the settings of its backend kind
 # (target.backends.BACKEND_OPTIONS, strings)
 NAMESPACE: dict[str, Field] = {
-    "backend": Field(str, REQUIRED_IN_BODY, Literal[KINDS]),  # type: ignore[valid-type]  # target/backends
+    "backend": Field(str, REQUIRED_IN_BODY, Literal[KINDS], required_in_file=True),  # type: ignore[valid-type]
     "path": Field(str, description="Absolute path of a file under a backing directory, or of an allowed block "
                                    "device (backend 'file'); stored resolved"),
     "size": Field(int, range=SIZE, description="Bytes; required for ram/null, or with create=true"),
@@ -279,7 +328,7 @@ NAMESPACE: dict[str, Field] = {
     # false: only the "hosts" listed see it (masking; default true)
     "auto_visible": Field(bool, True, description="Visible to every allowed host (default); false: only to `hosts` "
                                                   "(masking: other hosts see an inactive NSID)"),
-    "hosts": Field(list, [], list[str], max_length=1024,
+    "hosts": Field(list, [], list[str], max_length=1024, each="host NQN strings",
                    description="Host NQNs that see it (needs auto_visible false); each must be allowed on the "
                                "subsystem"),
     # QoS limits (target/qos.py): {"rw_ios_per_second": N, ..., "hosts": {"<hostnqn>": {...}}}; PUT .../qos
@@ -298,9 +347,7 @@ HOST_FIELDS = kinds(HOST)
 NAMESPACE_FIELDS = kinds(NAMESPACE)
 LISTENER_FIELDS = kinds(LISTENER)
 REFERRAL_FIELDS = kinds(REFERRAL)
-REQUIRED: dict[str, tuple[str, ...]] = {
-    "subsystem": ("nqn",),
-    "namespace": ("backend",),
-    "listener": ("traddr", "trsvcid"),
-    "referral": ("traddr", "trsvcid"),
+# The configuration file's items by the name its messages give them (target/config.py checks each against these)
+ITEMS: dict[str, dict[str, Field]] = {
+    "subsystem": SUBSYSTEM, "host": HOST, "namespace": NAMESPACE, "listener": LISTENER, "referral": REFERRAL,
 }

@@ -12,7 +12,7 @@ from nvmeof.spec.fabrics import PORTID_MAX
 from nvmeof.spec.identify import NSID_MAX
 from target import config, schema
 from target.backends import OPTION_KEYS
-from target.service.checks import ServiceError, _address, _int
+from target.service.checks import ServiceError
 
 
 def _bounds(model: type, name: str) -> tuple[int | None, int | None]:
@@ -56,7 +56,7 @@ def test_int_field_check_words_the_refusal() -> None:
     with pytest.raises(schema.SchemaError, match="nsid must be an integer, got True"):
         schema.NSID.check(True)
     with pytest.raises(ServiceError) as err:
-        _int(schema.REFERRAL_PORTID, PORTID_MAX + 1)
+        schema.REFERRAL_PORTID.check(PORTID_MAX + 1)  # the service's refusal as it stands: a 400
     assert err.value.status == 400
     assert err.value.message == f"portid {PORTID_MAX + 1} is out of range; use 0..{PORTID_MAX}"
 
@@ -73,9 +73,9 @@ def test_value_checks() -> None:
         schema.check_uuid("nope")
     with pytest.raises(schema.SchemaError, match="the limit is 20"):
         schema.check_ascii("x" * 21, "serial", schema.SERIAL_MAX)
-    assert _address("tcp", "[::1]", "4420", None) == ("tcp", "ipv6", "::1", 4420)
+    assert schema.check_address("tcp", "[::1]", "4420", None) == ("tcp", "ipv6", "::1", 4420)
     with pytest.raises(ServiceError, match="is ipv4, but the address family given is ipv6"):
-        _address("tcp", "127.0.0.1", 4420, "ipv6")
+        schema.check_address("tcp", "127.0.0.1", 4420, "ipv6")
 
 
 @pytest.mark.parametrize(("body", "fields", "api_only"), [
@@ -92,8 +92,8 @@ def test_the_api_bodies_name_the_schema_fields(body: type, fields: dict[str, typ
 
 
 def test_the_config_checks_the_schema_fields() -> None:
-    assert set(config.LISTENER_KEYS) == set(schema.LISTENER_FIELDS)
-    assert config.NAMESPACE_KEYS["nsid"] == "integer" and config.HOST_KEYS["tls_key"] == "string"
+    assert set(config._fields("listener")) == set(schema.LISTENER_FIELDS)
+    assert config._fields("namespace")["nsid"].kind is int and config._fields("host")["tls_key"].kind is str
     with pytest.raises(config.ConfigError, match=r"listeners\[0\]\.trsvcid: expected integer, got str"):
         config.validate_config({"version": 1, "listeners": [{"traddr": "::1", "trsvcid": "4420"}]})
 

@@ -13,7 +13,6 @@ from fastapi import APIRouter, Path, Response, status
 from api import render, schemas
 from api.deps import JsonRoute, Service
 from api.errors import ERRORS
-from nvmeof import defaults
 from target import schema
 from target.model import endpoint_id
 
@@ -21,7 +20,7 @@ listeners = APIRouter(prefix="/listeners", tags=["listeners"], responses=ERRORS,
 referrals = APIRouter(prefix="/referrals", tags=["referrals"], responses=ERRORS, route_class=JsonRoute)
 
 Port = Path(**schema.TRSVCID.bounds(), description="Transport service ID (TCP port)")
-AnaGroup = Path(ge=1, le=defaults.ANAGRPMAX, description="ANA group ID")
+AnaGroup = Path(**schema.ANAGRPID.bounds(), description="ANA group ID")
 
 
 def _endpoint(trtype: str, traddr: str, trsvcid: int) -> str:

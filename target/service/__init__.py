@@ -16,8 +16,8 @@ them, ``retry_unrestored()`` tries again, ``discard_unrestored()`` drops them fo
 request that would collide with one of them (same NQN, same NSID, same file) is refused with 409.
 
 The service by resource, each module a mixin on ServiceBase (base.py: the state, the reads, ``_commit``,
-``_save`` and ``_steps``, the unrestored items); checks.py (ServiceError and the coercion every part
-shares) imports nothing of the service:
+``_save`` and ``_steps``, the unrestored items); checks.py (ServiceError and the checks every part
+shares beside target/schema.py's, which they call directly) imports nothing of the service:
 
     subsystems.py          subsystems, allow_any_host, their DH-HMAC-CHAP lists
     hosts.py               a subsystem's allowed hosts and each host's DH-HMAC-CHAP settings

@@ -14,10 +14,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from nvmeof.spec.logs import ANA_STATE_NAMES, AnaState, parse_ana_state
-from target import masking
+from target import masking, schema
 from target.model import Listener, Namespace
 from target.service.base import ServiceBase
-from target.service.checks import ServiceError, _ana_state, _anagrpid
+from target.service.checks import ServiceError
 from target.transaction import Undo
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ class AnaMixin(ServiceBase):
             return ns
 
     def _anagrpid_step(self, ns: Namespace, anagrpid: int) -> Undo | None:
-        anagrpid = _anagrpid(anagrpid)
+        anagrpid = schema.ANAGRPID.check(anagrpid)
         old = ns.anagrpid
         if old == anagrpid:
             return None
@@ -68,8 +68,8 @@ class AnaMixin(ServiceBase):
                                "states by hand")
         async with self._lock:
             listener = self.get_listener(listener_id)
-            grp = _anagrpid(anagrpid)
-            st = _ana_state(state)
+            grp = schema.ANAGRPID.check(anagrpid)
+            st = schema.check_ana_state(state)
             await self._apply_ana({grp: st}, [listener], persist=persist)
             return listener
 
@@ -79,7 +79,7 @@ class AnaMixin(ServiceBase):
         change AEN per controller concerned. ``persist=False`` (a gateway group recomputing who owns
         what) changes only what is served; the configuration file keeps what the operator set."""
         async with self._lock:
-            checked = {_anagrpid(g): _ana_state(st) for g, st in states.items()}
+            checked = {schema.ANAGRPID.check(g): schema.check_ana_state(st) for g, st in states.items()}
             if listener_ids is None:
                 listeners = [lst for lst in self.target.listeners.values() if not lst.discovery]
             else:

@@ -1,77 +1,25 @@
-"""The checks every part of TargetService shares: ServiceError and the coercion of given values.
+"""What every part of TargetService shares beyond target/schema.py's checks: ServiceError, and the checks
+whose refusals come from elsewhere (NQNs, masking, host authentication) turned into ServiceErrors.
 
 A leaf: it imports nothing of the service, so each resource module (subsystems, hosts, namespaces,
-listeners, ANA, replay, reload) takes its errors and checks from here. Each check returns the value as
-the service keeps it or raises ServiceError(400) naming what was wrong.
+listeners, ANA, replay, reload) takes its errors and checks from here. The fields' own checks (ranges,
+addresses, identifiers) are target/schema.py's, called directly: their SchemaError is a ServiceError(400).
 """
 
 from __future__ import annotations
 
-import uuid as uuidlib
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
-from nvmeof.spec.logs import AnaState, parse_ana_state
 from target import hostauth, masking, schema
 from target.model import Namespace, Subsystem, endpoint_id
 from target.nqn import NqnError, validate_nqn
 from target.schema import SchemaError
-
-T = TypeVar("T")
-
-
-class ServiceError(Exception):
-    """A refused or failed management request. ``status`` follows HTTP: 400 bad input, 404 no such
-    object, 409 conflicts with the current state, 500 the change could not be applied or saved."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
+from target.schema import ServiceError as ServiceError  # declared beside SchemaError, its 400
 
 
 def _bad(message: str) -> ServiceError:
     return ServiceError(400, message)
-
-
-def _checked(check: Callable[..., T], *args: Any) -> T:
-    """A target/schema.py check with its refusal as a 400 (the message as the schema words it)."""
-    try:
-        return check(*args)
-    except SchemaError as exc:
-        raise _bad(str(exc)) from None
-
-
-def _int(field: schema.IntField, value: Any, high: int | None = None) -> int:
-    """``value`` checked against a field declared in target/schema.py (``high`` narrows its range)."""
-    return _checked(field.check, value, high)
-
-
-def _anagrpid(value: Any) -> int:
-    return _int(schema.ANAGRPID, value)
-
-
-def _ana_state(value: Any) -> AnaState:
-    try:
-        return parse_ana_state(value)
-    except ValueError as exc:
-        raise _bad(str(exc)) from None
-
-
-def _bool(value: Any, name: str) -> bool:
-    return _checked(schema.check_bool, value, name)
-
-
-def _ascii_field(value: Any, name: str, limit: int) -> str:
-    return _checked(schema.check_ascii, value, name, limit)
-
-
-def _hex_id(value: Any, name: str, length: int) -> bytes:
-    return _checked(schema.check_hex_id, value, name, length)
-
-
-def _uuid(value: Any) -> uuidlib.UUID:
-    return _checked(schema.check_uuid, value)
 
 
 def _nqn(value: Any, what: str) -> str:
@@ -79,10 +27,6 @@ def _nqn(value: Any, what: str) -> str:
         return validate_nqn(value, what=what)
     except NqnError as exc:
         raise _bad(str(exc)) from None
-
-
-def _address(trtype: Any, traddr: Any, trsvcid: Any, adrfam: Any) -> tuple[str, str, str, int]:
-    return _checked(schema.check_address, trtype, traddr, trsvcid, adrfam)
 
 
 def _masking(check: Callable[[], Any]) -> Any:
@@ -115,9 +59,9 @@ def _given(item: dict[str, Any], key: str, default: Any) -> Any:
 def _endpoint_key(item: dict[str, Any]) -> str | None:
     """The listener/referral id an item would get, or None if its address does not parse."""
     try:
-        trtype, _, traddr, port = _address(_given(item, "trtype", "tcp"), item.get("traddr"),
-                                           item.get("trsvcid"), item.get("adrfam"))
-    except ServiceError:
+        trtype, _, traddr, port = schema.check_address(_given(item, "trtype", "tcp"), item.get("traddr"),
+                                                       item.get("trsvcid"), item.get("adrfam"))
+    except SchemaError:
         return None
     return endpoint_id(trtype, traddr, port)
 

@@ -13,7 +13,7 @@ from nvmeof import defaults
 from target import schema
 from target.model import Listener, Referral, endpoint_id
 from target.service.base import ServiceBase, locked
-from target.service.checks import ServiceError, _address, _bad, _bool, _checked, _endpoint_key, _int, _nqn
+from target.service.checks import ServiceError, _bad, _endpoint_key, _nqn
 
 
 class ListenersMixin(ServiceBase):
@@ -28,9 +28,9 @@ class ListenersMixin(ServiceBase):
         tls: str | None = None,
     ) -> Listener:
         """Listen on an address; ``tls`` none|optional|required (NVMe/TCP only, TP 8011)."""
-        trtype, adrfam, traddr, port = _address(trtype, traddr, trsvcid, adrfam)
-        tls = _checked(schema.check_tls_mode, tls, trtype)
-        discovery = _bool(discovery, "discovery")
+        trtype, adrfam, traddr, port = schema.check_address(trtype, traddr, trsvcid, adrfam)
+        tls = schema.check_tls_mode(tls, trtype)
+        discovery = schema.check_bool(discovery, "discovery")
         lid = endpoint_id(trtype, traddr, port)
         if lid in self.target.listeners:
             raise ServiceError(409, f"listener {lid} already exists")
@@ -41,7 +41,7 @@ class ListenersMixin(ServiceBase):
             if portid is None:
                 raise ServiceError(409, f"every port id 1..{schema.LISTENER_PORTID.high} is used by a listener")
         else:
-            portid = _int(schema.LISTENER_PORTID, portid)
+            portid = schema.LISTENER_PORTID.check(portid)
             if portid in used:
                 raise ServiceError(
                     409,
@@ -103,10 +103,10 @@ class ListenersMixin(ServiceBase):
         portid: int = 0,
     ) -> Referral:
         """Point hosts to another discovery service (a Discovery Log Page entry of subtype referral)."""
-        trtype, adrfam, traddr, port = _address(trtype, traddr, trsvcid, adrfam)
+        trtype, adrfam, traddr, port = schema.check_address(trtype, traddr, trsvcid, adrfam)
         if subnqn != defaults.DISCOVERY_NQN:
             subnqn = _nqn(subnqn, "referral subsystem NQN")
-        portid = _int(schema.REFERRAL_PORTID, portid)
+        portid = schema.REFERRAL_PORTID.check(portid)
         rid = endpoint_id(trtype, traddr, port)
         if any(r.id == rid for r in self.target.referrals):
             raise ServiceError(409, f"a referral to {rid} already exists")
@@ -142,7 +142,7 @@ class ListenersMixin(ServiceBase):
             self.target.discovery_changed()
 
     async def disconnect_controller(self, cntlid: int) -> None:
-        cntlid = _int(schema.CNTLID, cntlid)
+        cntlid = schema.CNTLID.check(cntlid)
         if not self.target.disconnect_controller(cntlid):
             raise ServiceError(404, f"no connected controller with cntlid {cntlid}")
         await self._settle()  # with worker processes: its I/O queues there are closed before this returns

@@ -18,7 +18,7 @@ from target import qos as qosmod
 from target.backends import BackendError
 from target.model import Namespace, Subsystem
 from target.service.base import ServiceBase
-from target.service.checks import ServiceError, _bad, _bool, _int, _masking, _nqn, _restore_hosts
+from target.service.checks import ServiceError, _bad, _masking, _nqn, _restore_hosts
 from target.transaction import Undo
 
 log = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ class NamespaceSettingsMixin(ServiceBase):
         RAM and null namespaces are no user files: they resize either way."""
         async with self._lock:
             ns = self.get_namespace(subnqn, nsid)
-            undo = await self._resize_step(ns, size, allow_shrink=_bool(allow_shrink, "allow_shrink"))
+            undo = await self._resize_step(ns, size, allow_shrink=schema.check_bool(allow_shrink, "allow_shrink"))
             if undo is None:
                 return ns
             await self._commit(True, undo)
@@ -41,7 +41,7 @@ class NamespaceSettingsMixin(ServiceBase):
 
     async def _resize_step(self, ns: Namespace, size: int, *, allow_shrink: bool) -> Undo | None:
         """The resize itself, unsaved and unannounced (resize_namespace and reload); None: no change."""
-        size = _int(schema.SIZE, size)
+        size = schema.SIZE.check(size)
         if size % ns.block_size:
             raise _bad(f"size {size} is not a multiple of the block size {ns.block_size}")
         old_size = ns.backend.size
@@ -88,7 +88,7 @@ class NamespaceSettingsMixin(ServiceBase):
             return ns
 
     def _enabled_step(self, ns: Namespace, enabled: bool) -> Undo | None:
-        enabled = _bool(enabled, "enabled")
+        enabled = schema.check_bool(enabled, "enabled")
         if ns.enabled == enabled:
             return None
         ns.enabled = enabled
@@ -204,7 +204,7 @@ class NamespaceSettingsMixin(ServiceBase):
         hosts then added with add_namespace_host."""
         async with self._lock:
             ns = self.get_namespace(subnqn, nsid)
-            auto_visible = _bool(auto_visible, "auto_visible")
+            auto_visible = schema.check_bool(auto_visible, "auto_visible")
             return await self._apply_visibility(subnqn, ns, auto_visible, set() if auto_visible else ns.hosts)
 
     async def _apply_visibility(self, subnqn: str, ns: Namespace, auto_visible: bool, hosts: set[str]) -> Namespace:

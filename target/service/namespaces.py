@@ -33,14 +33,8 @@ from target.model import Namespace
 from target.service.base import ServiceBase, locked
 from target.service.checks import (
     ServiceError,
-    _anagrpid,
     _bad,
-    _bool,
-    _checked,
-    _hex_id,
-    _int,
     _show,
-    _uuid,
     _visibility,
 )
 
@@ -93,19 +87,19 @@ class NamespacesMixin(ServiceBase):
         ``pool``, ``image``, ...). ``anagrpid``: its ANA group, 1..ANAGRPMAX. ``auto_visible`` False:
         only the controllers of ``hosts`` see it (target/masking.py)."""
         sub = self.get_subsystem(subnqn)
-        anagrpid = _anagrpid(defaults.DEFAULT_ANAGRPID if anagrpid is None else anagrpid)
+        anagrpid = schema.ANAGRPID.check(defaults.DEFAULT_ANAGRPID if anagrpid is None else anagrpid)
         if backend not in kinds():
             raise _bad(f"backend {backend!r} is not one of {', '.join(kinds())}")
         if self.gateway is not None and not backend_class(backend).same_data_in_every_process:
             raise _bad(f"backend {backend!r} cannot be exported by gateway group {self.gateway.group_name}: every "
                        "gateway would serve its own copy under one NGUID/UUID, and a host switching paths would "
                        "read another gateway's data; use --backend file on storage every gateway reaches, or rbd")
-        block_size = _checked(schema.check_block_size, block_size)
-        read_only = _bool(read_only, "read_only")
-        enabled = _bool(enabled, "enabled")
-        create = _bool(create, "create")
+        block_size = schema.check_block_size(block_size)
+        read_only = schema.check_bool(read_only, "read_only")
+        enabled = schema.check_bool(enabled, "enabled")
+        create = schema.check_bool(create, "create")
         if size is not None:
-            size = _int(schema.SIZE, size)
+            size = schema.SIZE.check(size)
             if size % block_size:
                 raise _bad(
                     f"size {size} is not a multiple of the block size {block_size}; "
@@ -139,7 +133,7 @@ class NamespacesMixin(ServiceBase):
                     409, f"subsystem {subnqn} already has its maximum of {sub.max_namespaces} namespaces"
                 )
         else:
-            nsid = _int(schema.NSID, nsid, sub.max_namespaces)
+            nsid = schema.NSID.check(nsid, sub.max_namespaces)
             if nsid in sub.namespaces:
                 free = next((n for n in range(1, sub.max_namespaces + 1) if n not in taken), None)
                 hint = f"; NSID {free} is free" if free else ""
@@ -148,17 +142,17 @@ class NamespacesMixin(ServiceBase):
                 if u.subnqn == subnqn and u.item.get("nsid") == nsid:
                     raise self._pending_conflict(f"NSID {nsid} of {subnqn}", u)
         auto_visible, visible_hosts = _visibility(sub, nsid, auto_visible, hosts)
-        ns_uuid = self._unique_id("uuid", "UUID", None if uuid is None else _uuid(uuid), uuidlib.uuid4)
+        ns_uuid = self._unique_id("uuid", "UUID", None if uuid is None else schema.check_uuid(uuid), uuidlib.uuid4)
         ns_nguid = self._unique_id(
             "nguid",
             "NGUID",
-            None if nguid is None else _hex_id(nguid, "nguid", schema.NGUID_LEN),
+            None if nguid is None else schema.check_hex_id(nguid, "nguid", schema.NGUID_LEN),
             lambda: secrets.token_bytes(16),
         )
         ns_eui64 = self._unique_id(
             "eui64",
             "EUI-64",
-            None if eui64 is None else _hex_id(eui64, "eui64", schema.EUI64_LEN),
+            None if eui64 is None else schema.check_hex_id(eui64, "eui64", schema.EUI64_LEN),
             lambda: defaults.IEEE_OUI + secrets.token_bytes(5),
         )
 
@@ -242,9 +236,9 @@ class NamespacesMixin(ServiceBase):
         with it (a config entry does, since it was written from it)."""
         try:
             ids = (
-                _uuid(stored["uuid"]),
-                _hex_id(stored["nguid"], "nguid", schema.NGUID_LEN),
-                _hex_id(stored["eui64"], "eui64", schema.EUI64_LEN),
+                schema.check_uuid(stored["uuid"]),
+                schema.check_hex_id(stored["nguid"], "nguid", schema.NGUID_LEN),
+                schema.check_hex_id(stored["eui64"], "eui64", schema.EUI64_LEN),
             )
         except (KeyError, TypeError, ServiceError) as exc:
             raise _bad(f"{shown} carries an unreadable namespace identity ({exc}); remove its metadata key "

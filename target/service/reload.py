@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from target import config as configmod
-from target import hostauth, masking
+from target import hostauth, masking, schema
 from target import qos as qosmod
 from target.model import Listener, Namespace, Subsystem
 from target.reload import plan_reload
@@ -23,7 +23,6 @@ from target.service.base import ServiceBase, Unrestored
 from target.service.checks import (
     ServiceError,
     _bad,
-    _bool,
     _endpoint_key,
     _given,
     _host_auth,
@@ -190,7 +189,7 @@ class ReloadMixin(ServiceBase):
         sub = self.target.subsystems[item["nqn"]]
         nqns, settings = _split_hosts(_given(item, "hosts", []))
         hosts = {_nqn(h, "host NQN") for h in nqns}
-        allow = _bool(_given(item, "allow_any_host", not hosts), "allow_any_host")
+        allow = schema.check_bool(_given(item, "allow_any_host", not hosts), "allow_any_host")
         if allow and hosts:
             raise _bad(f"subsystem {sub.nqn}: give either allow_any_host or a list of hosts, not both")
         auth = {h: entry for h, s in settings.items() if not (entry := _host_auth(h, s)).empty}

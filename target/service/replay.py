@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
-import os
 from typing import Any
 
 from nvmeof import defaults
@@ -145,7 +144,7 @@ class ReplayMixin(ServiceBase):
             if value is None:
                 continue
             entries = value if isinstance(value, list) else []
-            good = [e for e in entries if isinstance(e, str) and os.path.isabs(e) and "\0" not in e]
+            good = [e for e in entries if configmod.policy_path_ok(e)]
             if len(good) != len(entries) or not isinstance(value, list):
                 errors.append(f"{key}: expected a list of absolute paths, got {value!r}; the bad entries are ignored")
             if start_up:

@@ -17,7 +17,7 @@ from target import hostauth, schema
 from target.model import Subsystem
 from target.nqn import generate_nqn
 from target.service.base import ServiceBase, locked
-from target.service.checks import ServiceError, _ascii_field, _bad, _bool, _host_auth, _int, _nqn
+from target.service.checks import ServiceError, _bad, _host_auth, _nqn
 
 
 class SubsystemsMixin(ServiceBase):
@@ -46,19 +46,19 @@ class SubsystemsMixin(ServiceBase):
         if serial is None:
             serial = secrets.token_hex(schema.SERIAL_MAX // 2)
         else:
-            serial = _ascii_field(serial, "serial", schema.SERIAL_MAX)
-        model = _ascii_field(model, "model", schema.MODEL_MAX)
+            serial = schema.check_ascii(serial, "serial", schema.SERIAL_MAX)
+        model = schema.check_ascii(model, "model", schema.MODEL_MAX)
         if isinstance(hosts, str):
             raise _bad("hosts must be a list of host NQNs, not a single string")
         host_set = {_nqn(h, "host NQN") for h in hosts}
         if allow_any_host is None:
             allow_any_host = not host_set
-        elif _bool(allow_any_host, "allow_any_host") and host_set:
+        elif schema.check_bool(allow_any_host, "allow_any_host") and host_set:
             raise _bad(
                 "give either allow_any_host or a list of hosts, not both: "
                 "with allow_any_host every host may connect and the list would mean nothing"
             )
-        max_namespaces = _int(schema.MAX_NAMESPACES, max_namespaces)
+        max_namespaces = schema.MAX_NAMESPACES.check(max_namespaces)
         auth = {}
         for hostnqn, settings in (host_auth or {}).items():
             if hostnqn not in host_set:
@@ -133,7 +133,7 @@ class SubsystemsMixin(ServiceBase):
         Returns how many controllers were disconnected."""
         async with self._lock:
             sub = self.get_subsystem(nqn)
-            allow = _bool(allow, "allow_any_host")
+            allow = schema.check_bool(allow, "allow_any_host")
             if allow and sub.hosts:
                 raise ServiceError(
                     409,

@@ -252,7 +252,7 @@ def format_normal(report: Any) -> str:
                    "Default: the local process listening on the target address, if any.")
 @click.option("-t", "--transport", type=click.Choice(["tcp", "rdma"]), default="tcp", help="Transport type.")
 @click.option("-a", "--traddr", default=defaults.LISTEN_ADDRESS, help="Target address.")
-@click.option("-s", "--trsvcid", type=click.IntRange(1, 65535), default=defaults.TCP_IO_PORT,
+@click.option("-s", "--trsvcid", type=click.IntRange(1, defaults.PORT_MAX), default=defaults.TCP_IO_PORT,
               help="Target port.")
 @click.option("-n", "--nqn", default=defaults.DEFAULT_SUBSYSTEM_NQN, help="Subsystem NQN.")
 @click.option("-q", "--hostnqn", default=None, help="Host NQN (default: generated).")

@@ -100,7 +100,7 @@ def connection_options(default_port: int, *, nqn_required: bool = True) -> Calla
                          show_default=True),
             click.option("-a", "--traddr", default=defaults.LISTEN_ADDRESS, show_default=True,
                          help="Target address."),
-            click.option("-s", "--trsvcid", type=click.IntRange(1, 65535), default=default_port,
+            click.option("-s", "--trsvcid", type=click.IntRange(1, defaults.PORT_MAX), default=default_port,
                          show_default=True, help="Target port."),
             click.option("-q", "--hostnqn", help="Host NQN (default: generated, or /etc/nvme/hostnqn)."),
             click.option("-I", "--hostid", help="Host identifier (UUID)."),
@@ -382,7 +382,8 @@ def _kernel_guard(func: Callable) -> Callable:
 @click.command()
 @click.option("-t", "--transport", type=click.Choice(["tcp", "rdma"]), default="tcp", show_default=True)
 @click.option("-a", "--traddr", default=defaults.LISTEN_ADDRESS, show_default=True)
-@click.option("-s", "--trsvcid", type=click.IntRange(1, 65535), default=defaults.TCP_IO_PORT, show_default=True)
+@click.option("-s", "--trsvcid", type=click.IntRange(1, defaults.PORT_MAX), default=defaults.TCP_IO_PORT,
+              show_default=True)
 @click.option("-n", "--nqn", help="Subsystem NQN.")
 @click.option("-q", "--hostnqn")
 @click.option("-I", "--hostid")
