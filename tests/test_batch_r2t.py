@@ -19,6 +19,7 @@ rules). These tests show:
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
@@ -254,5 +255,113 @@ async def test_a_backend_that_would_wait_gets_the_write_through_the_lifecycle(se
     assert cqe.status_code == 0 and conn.fast_commands == before
     await wait_until(lambda: conn._h2c_bytes == 0 and not conn._tasks, what="the write's budget to come back")
     assert bytes(disk[16 * 512:16 * 512 + size]) == data
+    admin.close()
+    await peer.close()
+
+
+# --- a RAM disk's write received straight into the disk -------------------------------------------------
+
+BLOCK = 512
+
+
+def _inq(conn: Any) -> int:
+    """The bytes the target's socket still holds (what it has not received yet)."""
+    import fcntl
+    import struct
+    import termios
+
+    buf = bytearray(4)
+    fcntl.ioctl(conn.transport._fd, termios.FIONREAD, buf, True)
+    return struct.unpack("i", buf)[0]
+
+
+def _torn(disk: memoryview, start: int, old: bytes, new: bytes) -> list[int]:
+    """The blocks of ``disk[start:]`` that are neither all ``old`` nor all ``new``."""
+    now = bytes(disk[start:start + len(new)])
+    return [b for b in range(0, len(new), BLOCK)
+            if now[b:b + BLOCK] != old[b:b + BLOCK] and now[b:b + BLOCK] != new[b:b + BLOCK]]
+
+
+async def _send_cut(peer: RawPeer, conn: Any, wire: bytes, cuts: list[int], check: Any) -> None:
+    """``wire`` in pieces ending at ``cuts``, each taken by the target (its socket empty again, the loop
+    run) before ``check(sent)`` looks at the disk, as any read between two callbacks would."""
+    pos = 0
+    for cut in cuts:
+        await peer.send(wire[pos:cut])
+        pos = cut
+        await wait_until(lambda: _inq(conn) == 0, what="the target to take the piece")
+        for _ in range(5):
+            await asyncio.sleep(0)
+        check(pos)
+    await peer.send(wire[pos:])
+
+
+# payload bytes at which the pieces end: block boundaries and the middle of blocks, one piece over
+# several blocks, pieces shorter than a block, one ending a byte before a block's end
+_CUTS = [700, 1024, 1500, 1501, 4096 + 3, 4096 + 511, 40000, 40001, 65536, 100000 + 7, 131071]
+
+
+async def test_a_cut_write_lands_in_the_ram_disk_a_whole_block_at_a_time(served):
+    """A RAM disk's 128 KiB write in one H2CData, cut at any byte: the payload is received into the disk
+    itself (no copy out of a write buffer), and between two callbacks of the loop, where any read runs,
+    every block of its range is all old or all new (single-block atomicity, AWUN 0)."""
+    admin, peer, conn = await _io_peer(served)
+    disk = served.target.subsystems[SUBNQN].namespaces[1].backend.memory_view()
+    size, slba = 128 * 1024, 256
+    start = slba * BLOCK
+    old = os.urandom(size)
+    disk[start:start + size] = old
+    new = os.urandom(size)
+    await peer.send(rw_capsule(IoOpcode.WRITE, 3, slba, size))
+    r2t = await _r2t(peer, 3)
+    wire = h2c_data(3, r2t["ttag"], 0, new, last=True)
+    seen_new: list[int] = []
+
+    def check(sent: int) -> None:
+        assert not _torn(disk, start, old, new), f"a torn block with {sent} bytes sent"
+        now = bytes(disk[start:start + size])
+        seen_new.append(sum(now[b:b + BLOCK] == new[b:b + BLOCK] for b in range(0, size, BLOCK)))
+
+    await _send_cut(peer, conn, wire, [24 + c for c in _CUTS], check)
+    assert await peer.wait_for(lambda o: o.done(3), 5)
+    assert peer.out.cqe(3).status_code == 0 and not peer.out.errors
+    assert bytes(disk[start:start + size]) == new
+    # the disk took the data as it came (in whole blocks), not at the end in one copy
+    assert seen_new[0] == 700 // BLOCK and seen_new[-2] == 100000 // BLOCK and seen_new[-1] == 131071 // BLOCK
+    assert not conn._h2c and conn._h2c_bytes == 0 and conn._h2c_dest is None and conn._h2c_disk is None
+    assert await _read_back(peer, 9, slba, size) == new
+    admin.close()
+    await peer.close()
+
+
+async def test_a_namespace_changed_under_a_write_in_the_disk_takes_the_buffered_road(served):
+    """A namespace disabled while a write is received into it: nothing more is placed in the disk, what
+    came so far moves to a write buffer, and the write ends as the lifecycle judges it (refused)."""
+    admin, peer, conn = await _io_peer(served)
+    ns = served.target.subsystems[SUBNQN].namespaces[1]
+    disk = ns.backend.memory_view()
+    size, slba = 128 * 1024, 512
+    start = slba * BLOCK
+    old = bytes(disk[start:start + size])
+    new = os.urandom(size)
+    await peer.send(rw_capsule(IoOpcode.WRITE, 5, slba, size))
+    r2t = await _r2t(peer, 5)
+    wire = h2c_data(5, r2t["ttag"], 0, new, last=True)
+    placed = 0
+
+    def check(sent: int) -> None:
+        nonlocal placed
+        if sent == 24 + 5000:
+            now = bytes(disk[start:start + size])
+            placed = sum(now[b:b + BLOCK] == new[b:b + BLOCK] for b in range(0, size, BLOCK)) * BLOCK
+            ns.enabled = False
+
+    await _send_cut(peer, conn, wire, [24 + 5000, 24 + 5300, 24 + 70000], check)
+    assert await peer.wait_for(lambda o: o.done(5), 5)
+    assert peer.out.cqe(5).status_code != 0   # the lifecycle refuses a write to a disabled namespace
+    assert placed == 4608   # the nine whole blocks that came before the change
+    assert bytes(disk[start + placed:start + size]) == old[placed:]
+    await wait_until(lambda: conn._h2c_bytes == 0 and not conn._tasks, what="the write's budget to come back")
+    assert conn._h2c_disk is None and conn._h2c_dest is None
     admin.close()
     await peer.close()

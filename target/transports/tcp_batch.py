@@ -34,10 +34,14 @@ sans-IO connection, which reports it (tests/test_batch_r2t.py compares the TermR
 after PDUs the engine took). A payload cut by the end of a read is received straight into the write's
 buffer by the next reads (``get_buffer``), and a cut H2CData header is carried like a cut CapsuleCmd.
 The H2CData of a larger (R2T) Write is received into the write's own buffer (the stream engine's
-``place`` hook on the sans-IO path), never straight into a RAM disk's memory: H2CData arrives cut at any byte, so a
-read running meanwhile would see half a block, and two overlapping writes on two queues could leave
-one block mixing both (AWUN 0 promises single-block atomicity). nvmet receives into its own pages
-too (nvmet_tcp_map_data) and the backend copies them when the command executes, in one step.
+``place`` hook on the sans-IO path), not byte by byte into a RAM disk's memory: H2CData arrives cut at
+any byte, so a read running meanwhile would see half a block, and two overlapping writes on two queues
+could leave one block mixing both (AWUN 0 promises single-block atomicity). nvmet receives into its own
+pages too (nvmet_tcp_map_data) and the backend copies them when the command executes, in one step.
+The exception is a RAM disk's write in one H2CData cut by the end of a read, on this engine's socket:
+its rest is received into the disk in whole blocks only, as many as the socket holds (FIONREAD), a cut
+block gathered aside and copied in once whole (``_h2c_direct_start``): the same atomicity without the
+copy of the whole write.
 
 Anything else (ICReq, Fabrics and admin commands, a queue that is not connected, enabled or
 authenticated yet, any command that fails a check, TermReq, a backend that would wait, and every
