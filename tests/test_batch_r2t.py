@@ -45,6 +45,7 @@ from target.transports import tcp_batch
 from target.transports.tcp import TcpPort
 
 MAXH2C = defaults.MAXH2CDATA
+TCP_RECV_MAX = defaults.TCP_RECV_BUFFER_MAX
 
 
 @pytest.fixture
@@ -363,5 +364,38 @@ async def test_a_namespace_changed_under_a_write_in_the_disk_takes_the_buffered_
     assert bytes(disk[start + placed:start + size]) == old[placed:]
     await wait_until(lambda: conn._h2c_bytes == 0 and not conn._tasks, what="the write's budget to come back")
     assert conn._h2c_disk is None and conn._h2c_dest is None
+    admin.close()
+    await peer.close()
+
+
+async def test_a_write_whose_data_is_all_there_is_still_received_into_the_disk(served, monkeypatch):
+    """While R2Ts wait for data a read takes at most an H2CData header and 4 KiB, even into a grown receive
+    buffer and with (most of) the 128 KiB PDU waiting in the socket: the rest is received into the RAM
+    disk: 4 KiB are copied out of the receive buffer, the backend copies nothing (write_nowait)."""
+    admin, peer, conn = await _io_peer(served)
+    backend = served.target.subsystems[SUBNQN].namespaces[1].backend
+    copies: list[int] = []   # payload bytes copied: by the backend, or out of the receive buffer into the disk
+    write_nowait = backend.write_nowait
+    monkeypatch.setattr(backend, "write_nowait", lambda offset, data, **k: copies.append(len(data))
+                        or write_nowait(offset, data, **k))
+    direct_start = conn._h2c_direct_start
+    monkeypatch.setattr(conn, "_h2c_direct_start", lambda fw, data: copies.append(len(data))
+                        or direct_start(fw, data))
+    size, slba = 128 * 1024, 1024
+    for cid in (3, 4):
+        data = os.urandom(size)
+        await peer.send(rw_capsule(IoOpcode.WRITE, cid, slba, size))
+        r2t = await _r2t(peer, cid)
+        conn._recv = memoryview(bytearray(TCP_RECV_MAX))   # as after reads that filled it
+        conn.transport.pause_reading()
+        await peer.send(h2c_data(cid, r2t["ttag"], 0, data, last=True))
+        # what the socket takes before its window closes (about 128 KB here), so most of the PDU
+        await wait_until(lambda: _inq(conn) >= 64 * 1024, what="the PDU in the target's socket")
+        await asyncio.sleep(0.05)
+        conn.transport.resume_reading()
+        assert await peer.wait_for(lambda o, cid=cid: o.done(cid), 5)
+        assert peer.out.cqe(cid).status_code == 0
+        assert await _read_back(peer, 10 + cid, slba, size) == data
+    assert copies == [4096, 4096], copies
     admin.close()
     await peer.close()

@@ -155,6 +155,10 @@ _H2C_HEAD = _H2C_TYPE | _DATA_HLEN << 16 | _DATA_HLEN << 24
 _H2C_HEAD_LAST = _H2C_HEAD | _LAST << 8
 _perf_ns = time.perf_counter_ns
 _ioctl = fcntl.ioctl
+# While R2Ts wait for their data, a read from a PDU boundary takes at most an H2CData header and 4 KiB
+# (whole blocks) of its payload: the rest of a RAM disk's write is then received into the disk
+# (_h2c_direct_start), not into the receive buffer and copied from there.
+_H2C_FIRST_READ = spec.DATA_PDU_HEADER_SIZE + 4096
 _FIONREAD = termios.FIONREAD   # SIOCINQ on a TCP socket: the bytes queued in order, ready to read
 
 
@@ -285,7 +289,9 @@ class BatchMixin:
         carry = self._carry
         # A carry exists only while the sans-IO connection holds nothing (no payload being placed), so
         # ``buf`` is the receive buffer: the next read goes behind the carried bytes.
-        return buf[carry:] if carry else buf
+        if carry:
+            return buf[carry:]
+        return buf[:_H2C_FIRST_READ] if self._h2c and not self._recv_direct else buf
 
     def buffer_updated(self, nbytes: int) -> None:
         if self._h2c_dest is not None:
@@ -341,7 +347,9 @@ class BatchMixin:
         streamed = False
         self._yield_at = _perf_ns() + _TIME_BUDGET_NS
         while not self._closed:
-            if self._fast_ready():
+            ready = self._fast_ready()
+            # (_fast takes CapsuleCmds: a read starting with H2CData goes to _fast_h2c without its set-up)
+            if ready and pos < end and mv[pos] == _CMD:
                 if streamed:
                     streamed = False
                     self._send_queued()   # the slow path's replies so far go ahead of the fast path's
@@ -361,10 +369,11 @@ class BatchMixin:
                         self._hold(mv, pos, end - pos)
                         return False
                     continue
+                ready = self._fast_ready()
             rest = end - pos
-            if not rest or self._closed or self._fast_tail(mv, pos, rest):
+            if not rest or self._closed:
                 return streamed
-            if mv[pos] == _H2C_TYPE and self._fast_ready():
+            if ready and mv[pos] == _H2C_TYPE:
                 if rest < _DATA_HLEN:
                     # a cut H2CData header: kept at the start of the receive buffer for the next read (given
                     # to the sans-IO connection, it would take every later PDU until a read ends on a boundary)
@@ -376,6 +385,8 @@ class BatchMixin:
                     streamed = True   # a write it completed queued its CapsuleResp on the sans-IO connection
                     pos += taken
                     continue
+            elif self._fast_tail(mv, pos, rest):
+                return streamed
             # One whole PDU the fast path did not take goes through the slow path, then the fast
             # path goes on; a PDU cut by the end of the read (or anything while the sans-IO layer
             # holds bytes) goes there with everything after it.
