@@ -291,7 +291,8 @@ class BatchMixin:
         # ``buf`` is the receive buffer: the next read goes behind the carried bytes.
         if carry:
             return buf[carry:]
-        return buf[:_H2C_FIRST_READ] if self._h2c and not self._recv_direct else buf
+        # (not under TLS: the socket carries records, which the session opens whole)
+        return buf[:_H2C_FIRST_READ] if self._h2c and not self._recv_direct and self._tls is None else buf
 
     def buffer_updated(self, nbytes: int) -> None:
         if self._h2c_dest is not None:
