@@ -371,7 +371,8 @@ async def test_a_namespace_changed_under_a_write_in_the_disk_takes_the_buffered_
 async def test_a_write_whose_data_is_all_there_is_still_received_into_the_disk(served, monkeypatch):
     """While R2Ts wait for data a read takes at most an H2CData header and 4 KiB, even into a grown receive
     buffer and with (most of) the 128 KiB PDU waiting in the socket: the rest is received into the RAM
-    disk: 4 KiB are copied out of the receive buffer, the backend copies nothing (write_nowait)."""
+    disk: 4 KiB are copied out of the receive buffer, the backend copies nothing (write_nowait), and the
+    receive that took the header took what was waiting behind it as well (no second trip through the loop)."""
     admin, peer, conn = await _io_peer(served)
     backend = served.target.subsystems[SUBNQN].namespaces[1].backend
     copies: list[int] = []   # payload bytes copied: by the backend, or out of the receive buffer into the disk
@@ -392,9 +393,17 @@ async def test_a_write_whose_data_is_all_there_is_still_received_into_the_disk(s
         # what the socket takes before its window closes (about 128 KB here), so most of the PDU
         await wait_until(lambda: _inq(conn) >= 64 * 1024, what="the PDU in the target's socket")
         await asyncio.sleep(0.05)
+        waiting = _inq(conn) - 24
+        left: list[int] = []   # payload bytes still to come after each of the transport's receives
+        recv_once = conn.transport._recv_once
+        monkeypatch.setattr(conn.transport, "_recv_once", lambda recv_once=recv_once, left=left: (
+            recv_once(), left.append(0 if conn._h2c_dest is None else len(conn._h2c_dest)))[0])
         conn.transport.resume_reading()
         assert await peer.wait_for(lambda o, cid=cid: o.done(cid), 5)
         assert peer.out.cqe(cid).status_code == 0
+        # the receive that took the header (and 4 KiB) took the whole blocks waiting behind it too, into the disk
+        assert left[0] <= size - waiting + waiting % BLOCK, (left, waiting)
+        monkeypatch.setattr(conn.transport, "_recv_once", recv_once)
         assert await _read_back(peer, 10 + cid, slba, size) == data
     assert copies == [4096, 4096], copies
     admin.close()

@@ -802,7 +802,24 @@ class BatchMixin:
         self._h2c_dest = span[whole:]
         self._h2c_fw = fw
         self._h2c_stop = fw.length
+        self._h2c_pull(transport)
         return True
+
+    def _h2c_pull(self, transport: SocketTransport) -> None:
+        """Receive the whole blocks the socket holds now, into the disk, without another trip through the
+        selector and the loop first (the header's read usually leaves most of the payload waiting). An error
+        or the end of the stream is left to the transport's next receive, which meets it again."""
+        if not transport._reading:
+            return
+        buf = self._h2c_disk_buffer(self._h2c_dest)   # type: ignore[arg-type]
+        if not self._h2c_into_disk:
+            return   # less than a block there (or the namespace changed): the transport's reads go on
+        try:
+            n = transport._sock.recv_into(buf)
+        except OSError:
+            return
+        if n:
+            self._h2c_received(n)
 
     def _h2c_unchanged(self, fw: _FastWrite, disk: memoryview | None) -> bool:
         """The namespace of ``fw`` still takes its data as when its R2T went (``disk``: the view then)."""
