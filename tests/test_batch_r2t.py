@@ -408,3 +408,32 @@ async def test_a_write_whose_data_is_all_there_is_still_received_into_the_disk(s
     assert copies == [4096, 4096], copies
     admin.close()
     await peer.close()
+
+
+async def test_a_reservation_taken_before_the_data_keeps_a_write_out_of_the_disk(served):
+    """Another host reserves the namespace (Write Exclusive) between a write's R2T and its data: nothing is
+    received into the disk (the buffered road), and io.parse's check refuses the write when it executes."""
+    from target.reservations import ReservationState
+
+    admin, peer, conn = await _io_peer(served)
+    ns = served.target.subsystems[SUBNQN].namespaces[1]
+    disk = ns.backend.memory_view()
+    size, slba = 128 * 1024, 768
+    start = slba * BLOCK
+    old = bytes(disk[start:start + size])
+    new = os.urandom(size)
+    await peer.send(rw_capsule(IoOpcode.WRITE, 6, slba, size))
+    r2t = await _r2t(peer, 6)
+    other = b"\xee" * 16   # not the raw host's hostid
+    ns.pr = ReservationState(generation=1, registrants=((other, 7),), rtype=1, holder=other)
+    wire = h2c_data(6, r2t["ttag"], 0, new, last=True)
+
+    def check(sent: int) -> None:
+        assert bytes(disk[start:start + size]) == old, f"the disk changed with {sent} bytes sent"
+
+    await _send_cut(peer, conn, wire, [24 + 5000, 24 + 70000], check)
+    assert await peer.wait_for(lambda o: o.done(6), 5)
+    assert peer.out.cqe(6).status_code == 0x83   # Reservation Conflict
+    assert bytes(disk[start:start + size]) == old
+    admin.close()
+    await peer.close()

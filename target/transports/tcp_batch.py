@@ -781,7 +781,8 @@ class BatchMixin:
         if type(transport) is not SocketTransport:
             return False
         disk = fw.backend.memory_view()
-        if disk is None or not self._h2c_unchanged(fw, disk):
+        # (registrants that came since the R2T: the buffered road, whose end hands it to io.parse's check)
+        if disk is None or fw.ns.pr.registrants or not self._h2c_unchanged(fw, disk):
             return False
         bs = fw.ns.block_size
         if len(self._h2c_stage) < bs:
