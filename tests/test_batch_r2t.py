@@ -19,6 +19,7 @@ rules). These tests show:
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
@@ -44,6 +45,7 @@ from target.transports import tcp_batch
 from target.transports.tcp import TcpPort
 
 MAXH2C = defaults.MAXH2CDATA
+TCP_RECV_MAX = defaults.TCP_RECV_BUFFER_MAX
 
 
 @pytest.fixture
@@ -238,7 +240,10 @@ async def test_a_backend_that_would_wait_gets_the_write_through_the_lifecycle(se
     s = served
     admin, peer, conn = await _io_peer(s)
     backend = s.target.subsystems[SUBNQN].namespaces[1].backend
+    disk = backend.memory_view()
+    # a backend that would wait is not memory either (a cut write is otherwise received into a RAM disk)
     monkeypatch.setattr(backend, "write_nowait", lambda *a, **k: False)
+    monkeypatch.setattr(backend, "memory_view", lambda: None)
     size = 128 * 1024
     data = os.urandom(size)
     await peer.send(rw_capsule(IoOpcode.WRITE, 3, 16, size))
@@ -250,6 +255,185 @@ async def test_a_backend_that_would_wait_gets_the_write_through_the_lifecycle(se
     cqe = peer.out.cqe(3)
     assert cqe.status_code == 0 and conn.fast_commands == before
     await wait_until(lambda: conn._h2c_bytes == 0 and not conn._tasks, what="the write's budget to come back")
-    assert bytes(backend.memory_view()[16 * 512:16 * 512 + size]) == data
+    assert bytes(disk[16 * 512:16 * 512 + size]) == data
+    admin.close()
+    await peer.close()
+
+
+# --- a RAM disk's write received straight into the disk -------------------------------------------------
+
+BLOCK = 512
+
+
+def _inq(conn: Any) -> int:
+    """The bytes the target's socket still holds (what it has not received yet)."""
+    import fcntl
+    import struct
+    import termios
+
+    buf = bytearray(4)
+    fcntl.ioctl(conn.transport._fd, termios.FIONREAD, buf, True)
+    return struct.unpack("i", buf)[0]
+
+
+def _torn(disk: memoryview, start: int, old: bytes, new: bytes) -> list[int]:
+    """The blocks of ``disk[start:]`` that are neither all ``old`` nor all ``new``."""
+    now = bytes(disk[start:start + len(new)])
+    return [b for b in range(0, len(new), BLOCK)
+            if now[b:b + BLOCK] != old[b:b + BLOCK] and now[b:b + BLOCK] != new[b:b + BLOCK]]
+
+
+async def _send_cut(peer: RawPeer, conn: Any, wire: bytes, cuts: list[int], check: Any) -> None:
+    """``wire`` in pieces ending at ``cuts``, each taken by the target (its socket empty again, the loop
+    run) before ``check(sent)`` looks at the disk, as any read between two callbacks would."""
+    pos = 0
+    for cut in cuts:
+        await peer.send(wire[pos:cut])
+        pos = cut
+        await wait_until(lambda: _inq(conn) == 0, what="the target to take the piece")
+        for _ in range(5):
+            await asyncio.sleep(0)
+        check(pos)
+    await peer.send(wire[pos:])
+
+
+# payload bytes at which the pieces end: block boundaries and the middle of blocks, one piece over
+# several blocks, pieces shorter than a block, one ending a byte before a block's end
+_CUTS = [700, 1024, 1500, 1501, 4096 + 3, 4096 + 511, 40000, 40001, 65536, 100000 + 7, 131071]
+
+
+async def test_a_cut_write_lands_in_the_ram_disk_a_whole_block_at_a_time(served):
+    """A RAM disk's 128 KiB write in one H2CData, cut at any byte: the payload is received into the disk
+    itself (no copy out of a write buffer), and between two callbacks of the loop, where any read runs,
+    every block of its range is all old or all new (single-block atomicity, AWUN 0)."""
+    admin, peer, conn = await _io_peer(served)
+    disk = served.target.subsystems[SUBNQN].namespaces[1].backend.memory_view()
+    size, slba = 128 * 1024, 256
+    start = slba * BLOCK
+    old = os.urandom(size)
+    disk[start:start + size] = old
+    new = os.urandom(size)
+    await peer.send(rw_capsule(IoOpcode.WRITE, 3, slba, size))
+    r2t = await _r2t(peer, 3)
+    wire = h2c_data(3, r2t["ttag"], 0, new, last=True)
+    seen_new: list[int] = []
+
+    def check(sent: int) -> None:
+        assert not _torn(disk, start, old, new), f"a torn block with {sent} bytes sent"
+        now = bytes(disk[start:start + size])
+        seen_new.append(sum(now[b:b + BLOCK] == new[b:b + BLOCK] for b in range(0, size, BLOCK)))
+
+    await _send_cut(peer, conn, wire, [24 + c for c in _CUTS], check)
+    assert await peer.wait_for(lambda o: o.done(3), 5)
+    assert peer.out.cqe(3).status_code == 0 and not peer.out.errors
+    assert bytes(disk[start:start + size]) == new
+    # the disk took the data as it came (in whole blocks), not at the end in one copy
+    assert seen_new[0] == 700 // BLOCK and seen_new[-2] == 100000 // BLOCK and seen_new[-1] == 131071 // BLOCK
+    assert not conn._h2c and conn._h2c_bytes == 0 and conn._h2c_dest is None and conn._h2c_disk is None
+    assert await _read_back(peer, 9, slba, size) == new
+    admin.close()
+    await peer.close()
+
+
+async def test_a_namespace_changed_under_a_write_in_the_disk_takes_the_buffered_road(served):
+    """A namespace disabled while a write is received into it: nothing more is placed in the disk, what
+    came so far moves to a write buffer, and the write ends as the lifecycle judges it (refused)."""
+    admin, peer, conn = await _io_peer(served)
+    ns = served.target.subsystems[SUBNQN].namespaces[1]
+    disk = ns.backend.memory_view()
+    size, slba = 128 * 1024, 512
+    start = slba * BLOCK
+    old = bytes(disk[start:start + size])
+    new = os.urandom(size)
+    await peer.send(rw_capsule(IoOpcode.WRITE, 5, slba, size))
+    r2t = await _r2t(peer, 5)
+    wire = h2c_data(5, r2t["ttag"], 0, new, last=True)
+    placed = 0
+
+    def check(sent: int) -> None:
+        nonlocal placed
+        if sent == 24 + 5000:
+            now = bytes(disk[start:start + size])
+            placed = sum(now[b:b + BLOCK] == new[b:b + BLOCK] for b in range(0, size, BLOCK)) * BLOCK
+            ns.enabled = False
+
+    await _send_cut(peer, conn, wire, [24 + 5000, 24 + 5300, 24 + 70000], check)
+    assert await peer.wait_for(lambda o: o.done(5), 5)
+    assert peer.out.cqe(5).status_code != 0   # the lifecycle refuses a write to a disabled namespace
+    assert placed == 4608   # the nine whole blocks that came before the change
+    assert bytes(disk[start + placed:start + size]) == old[placed:]
+    await wait_until(lambda: conn._h2c_bytes == 0 and not conn._tasks, what="the write's budget to come back")
+    assert conn._h2c_disk is None and conn._h2c_dest is None
+    admin.close()
+    await peer.close()
+
+
+async def test_a_write_whose_data_is_all_there_is_still_received_into_the_disk(served, monkeypatch):
+    """While R2Ts wait for data a read takes at most an H2CData header and 4 KiB, even into a grown receive
+    buffer and with (most of) the 128 KiB PDU waiting in the socket: the rest is received into the RAM
+    disk: 4 KiB are copied out of the receive buffer, the backend copies nothing (write_nowait), and the
+    receive that took the header took what was waiting behind it as well (no second trip through the loop)."""
+    admin, peer, conn = await _io_peer(served)
+    backend = served.target.subsystems[SUBNQN].namespaces[1].backend
+    copies: list[int] = []   # payload bytes copied: by the backend, or out of the receive buffer into the disk
+    write_nowait = backend.write_nowait
+    monkeypatch.setattr(backend, "write_nowait", lambda offset, data, **k: copies.append(len(data))
+                        or write_nowait(offset, data, **k))
+    direct_start = conn._h2c_direct_start
+    monkeypatch.setattr(conn, "_h2c_direct_start", lambda fw, data: copies.append(len(data))
+                        or direct_start(fw, data))
+    size, slba = 128 * 1024, 1024
+    for cid in (3, 4):
+        data = os.urandom(size)
+        await peer.send(rw_capsule(IoOpcode.WRITE, cid, slba, size))
+        r2t = await _r2t(peer, cid)
+        conn._recv = memoryview(bytearray(TCP_RECV_MAX))   # as after reads that filled it
+        conn.transport.pause_reading()
+        await peer.send(h2c_data(cid, r2t["ttag"], 0, data, last=True))
+        # what the socket takes before its window closes (about 128 KB here), so most of the PDU
+        await wait_until(lambda: _inq(conn) >= 64 * 1024, what="the PDU in the target's socket")
+        await asyncio.sleep(0.05)
+        waiting = _inq(conn) - 24
+        left: list[int] = []   # payload bytes still to come after each of the transport's receives
+        recv_once = conn.transport._recv_once
+        monkeypatch.setattr(conn.transport, "_recv_once", lambda recv_once=recv_once, left=left: (
+            recv_once(), left.append(0 if conn._h2c_dest is None else len(conn._h2c_dest)))[0])
+        conn.transport.resume_reading()
+        assert await peer.wait_for(lambda o, cid=cid: o.done(cid), 5)
+        assert peer.out.cqe(cid).status_code == 0
+        # the receive that took the header (and 4 KiB) took the whole blocks waiting behind it too, into the disk
+        assert left[0] <= size - waiting + waiting % BLOCK, (left, waiting)
+        monkeypatch.setattr(conn.transport, "_recv_once", recv_once)
+        assert await _read_back(peer, 10 + cid, slba, size) == data
+    assert copies == [4096, 4096], copies
+    admin.close()
+    await peer.close()
+
+
+async def test_a_reservation_taken_before_the_data_keeps_a_write_out_of_the_disk(served):
+    """Another host reserves the namespace (Write Exclusive) between a write's R2T and its data: nothing is
+    received into the disk (the buffered road), and io.parse's check refuses the write when it executes."""
+    from target.reservations import ReservationState
+
+    admin, peer, conn = await _io_peer(served)
+    ns = served.target.subsystems[SUBNQN].namespaces[1]
+    disk = ns.backend.memory_view()
+    size, slba = 128 * 1024, 768
+    start = slba * BLOCK
+    old = bytes(disk[start:start + size])
+    new = os.urandom(size)
+    await peer.send(rw_capsule(IoOpcode.WRITE, 6, slba, size))
+    r2t = await _r2t(peer, 6)
+    other = b"\xee" * 16   # not the raw host's hostid
+    ns.pr = ReservationState(generation=1, registrants=((other, 7),), rtype=1, holder=other)
+    wire = h2c_data(6, r2t["ttag"], 0, new, last=True)
+
+    def check(sent: int) -> None:
+        assert bytes(disk[start:start + size]) == old, f"the disk changed with {sent} bytes sent"
+
+    await _send_cut(peer, conn, wire, [24 + 5000, 24 + 70000], check)
+    assert await peer.wait_for(lambda o: o.done(6), 5)
+    assert peer.out.cqe(6).status_code == 0x83   # Reservation Conflict
+    assert bytes(disk[start:start + size]) == old
     admin.close()
     await peer.close()

@@ -368,8 +368,9 @@ async def _settle() -> None:
 
 async def test_r2t_write_leaves_the_disk_alone_until_its_data_is_whole(monkeypatch: pytest.MonkeyPatch) -> None:
     """H2CData arrives cut at any byte: placed straight into the RAM disk, a read meanwhile would see
-    half a block (AWUN 0 promises single-block atomicity). The disk changes only once the write has all
-    its data, in one copy when it executes."""
+    half a block (AWUN 0 promises single-block atomicity). On the buffered road (this transport is not
+    the engine's socket, so the engine cannot ask what it holds) the disk changes only once the write has
+    all its data, in one copy when it executes; tests/test_batch_r2t.py shows the road into the disk."""
     _use_batch(monkeypatch)
     tgt = make_target()
     disk = tgt.subsystems[SUBNQN].namespaces[1].backend.memory_view()

@@ -34,10 +34,14 @@ sans-IO connection, which reports it (tests/test_batch_r2t.py compares the TermR
 after PDUs the engine took). A payload cut by the end of a read is received straight into the write's
 buffer by the next reads (``get_buffer``), and a cut H2CData header is carried like a cut CapsuleCmd.
 The H2CData of a larger (R2T) Write is received into the write's own buffer (the stream engine's
-``place`` hook on the sans-IO path), never straight into a RAM disk's memory: H2CData arrives cut at any byte, so a
-read running meanwhile would see half a block, and two overlapping writes on two queues could leave
-one block mixing both (AWUN 0 promises single-block atomicity). nvmet receives into its own pages
-too (nvmet_tcp_map_data) and the backend copies them when the command executes, in one step.
+``place`` hook on the sans-IO path), not byte by byte into a RAM disk's memory: H2CData arrives cut at
+any byte, so a read running meanwhile would see half a block, and two overlapping writes on two queues
+could leave one block mixing both (AWUN 0 promises single-block atomicity). nvmet receives into its own
+pages too (nvmet_tcp_map_data) and the backend copies them when the command executes, in one step.
+The exception is a RAM disk's write in one H2CData cut by the end of a read, on this engine's socket:
+its rest is received into the disk in whole blocks only, as many as the socket holds (FIONREAD), a cut
+block gathered aside and copied in once whole (``_h2c_direct_start``): the same atomicity without the
+copy of the whole write.
 
 Anything else (ICReq, Fabrics and admin commands, a queue that is not connected, enabled or
 authenticated yet, any command that fails a check, TermReq, a backend that would wait, and every
@@ -63,12 +67,14 @@ import asyncio
 import collections
 import contextlib
 import errno
+import fcntl
 import itertools
 import logging
 import os
 import select
 import socket
 import struct
+import termios
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -117,6 +123,7 @@ _unpack_cmd = CMD_FAST.unpack_from
 _unpack_common = COMMON_FAST.unpack_from
 _unpack_h2c = H2C_FAST.unpack_from
 _unpack_u32 = struct.Struct("<I").unpack_from
+_unpack_int = struct.Struct("i").unpack_from
 _pack_resp = RESP_FAST.pack_into
 _pack_c2h = spec.DATA_PDU_HDR.pack_into
 _pack_sqhd = struct.Struct("<H").pack_into
@@ -147,6 +154,12 @@ _H2C_TYPE = spec.PduType.H2C_DATA.value
 _H2C_HEAD = _H2C_TYPE | _DATA_HLEN << 16 | _DATA_HLEN << 24
 _H2C_HEAD_LAST = _H2C_HEAD | _LAST << 8
 _perf_ns = time.perf_counter_ns
+_ioctl = fcntl.ioctl
+# While R2Ts wait for their data, a read from a PDU boundary takes at most an H2CData header and 4 KiB
+# (whole blocks) of its payload: the rest of a RAM disk's write is then received into the disk
+# (_h2c_direct_start), not into the receive buffer and copied from there.
+_H2C_FIRST_READ = spec.DATA_PDU_HEADER_SIZE + 4096
+_FIONREAD = termios.FIONREAD   # SIOCINQ on a TCP socket: the bytes queued in order, ready to read
 
 
 class _Slot:
@@ -250,6 +263,17 @@ class BatchMixin:
         self._h2c_dest: memoryview | None = None
         self._h2c_fw: _FastWrite | None = None
         self._h2c_stop = 0
+        # ... or, for a RAM disk's write, its range of the disk (_h2c_direct_start): then _h2c_dest is the part
+        # of that range still to come, received there in whole blocks (_h2c_bs, the LBA size), a block cut
+        # by what the socket holds gathered in _h2c_stage first (_h2c_staged bytes of it)
+        self._h2c_bs = 0
+        self._h2c_disk: memoryview | None = None   # the disk's view the range was cut from (a resize replaces it)
+        self._h2c_span: memoryview | None = None   # the write's range of it
+        self._h2c_stage = memoryview(bytearray(0))
+        self._h2c_staged = 0
+        self._h2c_into_disk = False                # the last get_buffer handed out a part of the range
+        self._h2c_fd = -1
+        self._h2c_inq = bytearray(4)
         self._parked: set[Any] = set()       # reads parked at a QoS limit (qos.Parked), not let go yet
         self._released: list[Any] = []       # ... let go, to run in _run_released (one call_soon)
         self._release_due = False
@@ -260,12 +284,15 @@ class BatchMixin:
         dest = self._h2c_dest
         if dest is not None:
             self._recv_direct = False
-            return dest
+            return self._h2c_disk_buffer(dest) if self._h2c_bs else dest
         buf = super().get_buffer(sizehint)   # type: ignore[misc]
         carry = self._carry
         # A carry exists only while the sans-IO connection holds nothing (no payload being placed), so
         # ``buf`` is the receive buffer: the next read goes behind the carried bytes.
-        return buf[carry:] if carry else buf
+        if carry:
+            return buf[carry:]
+        # (not under TLS: the socket carries records, which the session opens whole)
+        return buf[:_H2C_FIRST_READ] if self._h2c and not self._recv_direct and self._tls is None else buf
 
     def buffer_updated(self, nbytes: int) -> None:
         if self._h2c_dest is not None:
@@ -321,7 +348,9 @@ class BatchMixin:
         streamed = False
         self._yield_at = _perf_ns() + _TIME_BUDGET_NS
         while not self._closed:
-            if self._fast_ready():
+            ready = self._fast_ready()
+            # (_fast takes CapsuleCmds: a read starting with H2CData goes to _fast_h2c without its set-up)
+            if ready and pos < end and mv[pos] == _CMD:
                 if streamed:
                     streamed = False
                     self._send_queued()   # the slow path's replies so far go ahead of the fast path's
@@ -341,10 +370,11 @@ class BatchMixin:
                         self._hold(mv, pos, end - pos)
                         return False
                     continue
+                ready = self._fast_ready()
             rest = end - pos
-            if not rest or self._closed or self._fast_tail(mv, pos, rest):
+            if not rest or self._closed:
                 return streamed
-            if mv[pos] == _H2C_TYPE and self._fast_ready():
+            if ready and mv[pos] == _H2C_TYPE:
                 if rest < _DATA_HLEN:
                     # a cut H2CData header: kept at the start of the receive buffer for the next read (given
                     # to the sans-IO connection, it would take every later PDU until a read ends on a boundary)
@@ -356,6 +386,8 @@ class BatchMixin:
                     streamed = True   # a write it completed queued its CapsuleResp on the sans-IO connection
                     pos += taken
                     continue
+            elif self._fast_tail(mv, pos, rest):
+                return streamed
             # One whole PDU the fast path did not take goes through the slow path, then the fast
             # path goes on; a PDU cut by the end of the read (or anything while the sans-IO layer
             # holds bytes) goes there with everything after it.
@@ -693,6 +725,8 @@ class BatchMixin:
             fw.received = stop
             self._fast_write_done(fw, data)   # the whole write in one PDU: no copy to its buffer
             return plen
+        if rest < plen and not datao and stop == length and self._h2c_direct_start(fw, data):
+            return rest   # the whole write in one PDU, cut: the rest is received straight into the disk
         buf = fw.buf
         if buf is None:
             buf = fw.buf = self._take_wbuf(length)
@@ -711,9 +745,12 @@ class BatchMixin:
         return plen
 
     def _h2c_received(self, nbytes: int) -> None:
-        """``nbytes`` of a cut fast-path H2CData landed in its write's buffer."""
+        """``nbytes`` of a cut fast-path H2CData landed in its write's buffer (or its range of the disk)."""
         dest = self._h2c_dest
         assert dest is not None
+        if self._h2c_bs:
+            self._h2c_disk_received(dest, nbytes)
+            return
         if nbytes < len(dest):
             self._h2c_dest = dest[nbytes:]
             return
@@ -724,6 +761,150 @@ class BatchMixin:
         fw.received = self._h2c_stop
         if fw.received == fw.length:
             self._fast_write_done(fw, fw.buf)
+
+    # A RAM disk's write in one H2CData, cut by the end of a read, is received into the disk itself: the
+    # copy out of the write's buffer (the whole write again, into memory that is rarely in cache) is gone.
+    # Single-block atomicity (AWUN 0) holds as with that copy: between two callbacks of the loop, where
+    # any read runs, every block of the range is all old or all new. Whole blocks are received into the
+    # disk only as many as the socket holds (FIONREAD: a receive of no more than that returns all of it in
+    # one copy, nothing else running meanwhile); a block that is only partly there is gathered in
+    # _h2c_stage and copied in once whole. Before each placement the namespace is checked as the copy
+    # would be (_h2c_unchanged): if it changed (disabled, resized, write-protected, another backend, the
+    # controller gone), what came so far moves to a write buffer and the write takes the buffered road,
+    # whose end judges it as before (_fast_write_done, the lifecycle). A write once placed in part is
+    # done whole: as nvmet, it was admitted at its command (reservations and all) before its R2T.
+
+    def _h2c_direct_start(self, fw: _FastWrite, data: memoryview) -> bool:
+        """Place the cut single-PDU write ``fw`` in the disk, ``data`` (its payload so far) first; False where
+        it cannot be (no RAM disk, or a transport that is not this engine's own socket: no FIONREAD)."""
+        transport = self.transport
+        if type(transport) is not SocketTransport:
+            return False
+        disk = fw.backend.memory_view()
+        # (registrants that came since the R2T: the buffered road, whose end hands it to io.parse's check)
+        if disk is None or fw.ns.pr.registrants or not self._h2c_unchanged(fw, disk):
+            return False
+        bs = fw.ns.block_size
+        if len(self._h2c_stage) < bs:
+            self._h2c_stage = memoryview(bytearray(bs))
+        span = disk[fw.offset:fw.offset + fw.length]
+        have = len(data)
+        whole = have - have % bs
+        if whole:
+            span[:whole] = data[:whole]
+        staged = have - whole
+        if staged:
+            self._h2c_stage[:staged] = data[whole:]
+        self._h2c_fd = transport._fd
+        self._h2c_bs = bs
+        self._h2c_disk = disk
+        self._h2c_span = span
+        self._h2c_staged = staged
+        self._h2c_dest = span[whole:]
+        self._h2c_fw = fw
+        self._h2c_stop = fw.length
+        self._h2c_pull(transport)
+        return True
+
+    def _h2c_pull(self, transport: SocketTransport) -> None:
+        """Receive the whole blocks the socket holds now, into the disk, without another trip through the
+        selector and the loop first (the header's read usually leaves most of the payload waiting). An error
+        or the end of the stream is left to the transport's next receive, which meets it again."""
+        if not transport._reading:
+            return
+        buf = self._h2c_disk_buffer(self._h2c_dest)   # type: ignore[arg-type]
+        if not self._h2c_into_disk:
+            return   # less than a block there (or the namespace changed): the transport's reads go on
+        try:
+            n = transport._sock.recv_into(buf)
+        except OSError:
+            return
+        if n:
+            self._h2c_received(n)
+
+    def _h2c_unchanged(self, fw: _FastWrite, disk: memoryview | None) -> bool:
+        """The namespace of ``fw`` still takes its data as when its R2T went (``disk``: the view then)."""
+        ns = fw.ns
+        backend = fw.backend
+        return (self.queue.ctrl is not None and ns.enabled and ns.backend is backend and not backend.read_only
+                and not ns.read_only and backend.memory_view() is disk)
+
+    def _h2c_disk_buffer(self, dest: memoryview) -> memoryview:
+        """get_buffer while a write is placed in the disk: the whole blocks the socket holds, else the rest
+        of the block being gathered."""
+        bs = self._h2c_bs
+        staged = self._h2c_staged
+        if not staged:
+            _ioctl(self._h2c_fd, _FIONREAD, self._h2c_inq, True)
+            whole = min(_unpack_int(self._h2c_inq)[0], len(dest))
+            whole -= whole % bs
+            if whole:
+                fw = self._h2c_fw
+                if fw is not None and self._h2c_unchanged(fw, self._h2c_disk):
+                    self._h2c_into_disk = True
+                    return dest[:whole]
+                self._h2c_unplace()
+                assert self._h2c_dest is not None
+                return self._h2c_dest
+        self._h2c_into_disk = False
+        return self._h2c_stage[staged:min(bs, len(dest))]
+
+    def _h2c_disk_received(self, dest: memoryview, nbytes: int) -> None:
+        bs = self._h2c_bs
+        if self._h2c_into_disk:
+            cut = nbytes % bs
+            if cut:
+                # FIONREAD said more was there: not expected; the block's new start waits in the stage,
+                # and the block is whole again once its rest comes
+                nbytes -= cut
+                self._h2c_stage[:cut] = dest[nbytes:nbytes + cut]
+                self._h2c_staged = cut
+            dest = dest[nbytes:]
+        else:
+            staged = self._h2c_staged + nbytes
+            full = min(bs, len(dest))
+            self._h2c_staged = staged
+            if staged < full:
+                return
+            fw = self._h2c_fw
+            if fw is None or not self._h2c_unchanged(fw, self._h2c_disk):
+                self._h2c_unplace()
+                self._h2c_received(0)
+                return
+            dest[:full] = self._h2c_stage[:full]
+            self._h2c_staged = 0
+            dest = dest[full:]
+        if len(dest) or self._h2c_staged:
+            self._h2c_dest = dest
+            return
+        fw = self._h2c_fw
+        self._h2c_direct_end()
+        if fw is None or self._closed or self._h2c.get(fw.ttag) is not fw:
+            return
+        fw.received = fw.length
+        self._fast_write_done(fw, None)
+
+    def _h2c_unplace(self) -> None:
+        """The namespace changed under a write being placed in the disk: what came so far goes to a write
+        buffer (from the old range: its view keeps that memory), and the rest is received there."""
+        fw = self._h2c_fw
+        dest = self._h2c_dest
+        span = self._h2c_span
+        assert fw is not None and dest is not None and span is not None
+        placed = len(span) - len(dest)
+        staged = self._h2c_staged
+        buf = fw.buf = self._take_wbuf(fw.length)
+        buf[:placed] = span[:placed]
+        buf[placed:placed + staged] = self._h2c_stage[:staged]
+        self._h2c_direct_end()
+        self._h2c_fw = fw
+        self._h2c_stop = fw.length
+        self._h2c_dest = memoryview(buf)[placed + staged:]
+
+    def _h2c_direct_end(self) -> None:
+        self._h2c_bs = self._h2c_staged = 0
+        self._h2c_disk = self._h2c_span = self._h2c_dest = self._h2c_fw = None
+        self._h2c_into_disk = False
 
     def _place(self, cccid: int, ttag: int, datao: int, datal: int) -> memoryview | None:
         """The sans-IO ``place`` hook: a large H2CData payload of a fast-path write goes straight into the
@@ -762,7 +943,8 @@ class BatchMixin:
     def _fast_write_done(self, fw: _FastWrite, data: Any) -> None:
         """All of a fast-path write's data is in: the backend takes it inline (one copy out of the write's
         buffer, as nvmet's backends copy out of its pages) and the CapsuleResp is queued; a backend that
-        would wait, a namespace that changed meanwhile or an error hands it to the lifecycle."""
+        would wait, a namespace that changed meanwhile or an error hands it to the lifecycle. ``data``
+        None: it is in the RAM disk already (_h2c_direct_start)."""
         del self._h2c[fw.ttag]
         self.conn.drop_r2t(fw.ttag)   # the sans-IO layer forgot it with its last byte; this states it
         ns = fw.ns
@@ -770,7 +952,9 @@ class BatchMixin:
         ctrl = queue.ctrl
         start = _perf_ns()
         done = False
-        if ctrl is not None and ns.enabled and not ns.pr.registrants and ns.backend is fw.backend:
+        if data is None:
+            done = True   # placed in the disk as it came, each part after _h2c_unchanged
+        elif ctrl is not None and ns.enabled and not ns.pr.registrants and ns.backend is fw.backend:
             try:
                 done = fw.backend.write_nowait(fw.offset, data, fua=fw.fua)
             except Exception:   # the lifecycle runs it again and reports the error
@@ -938,7 +1122,7 @@ class BatchMixin:
     def _cleanup(self) -> None:
         # The fast-path writes still waiting for data give their budget back now (the stream engine's
         # writes do as their cancelled tasks end).
-        self._h2c_dest = self._h2c_fw = None
+        self._h2c_direct_end()
         h2c = self._h2c
         for ttag in [t for t, p in h2c.items() if type(p) is _FastWrite]:
             fw = h2c.pop(ttag)
