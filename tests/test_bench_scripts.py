@@ -194,6 +194,33 @@ def test_the_loop_lag_probe_sees_a_stalled_loop(tmp_path: Path) -> None:
     assert sum(r["over_2ms"] for r in reports) >= 1
 
 
+def test_the_loop_lag_probe_adds_no_thread_and_no_child_to_the_target(tmp_path: Path) -> None:
+    """A probe thread in the target needs its GIL for every probe, and one preempted while holding it
+    made the loop sleep on the GIL for milliseconds (a stall the probe then reported): the ticks come
+    from another process, which is not the target's child either (`nvmeof bench --target-pid` counts
+    the target's descendants as target CPU)."""
+    import asyncio
+    import os
+    import threading
+
+    out = tmp_path / "lag.jsonl"
+    before = threading.active_count()
+    seen: dict[str, object] = {}
+
+    def children() -> list[str]:
+        return [c for t in os.listdir("/proc/self/task")
+                for c in Path(f"/proc/self/task/{t}/children").read_text().split()]
+
+    async def serves() -> None:
+        await asyncio.sleep(0.25)
+        seen.update(threads=threading.active_count(), children=children())
+
+    lagprobe._wrap(asyncio.run, str(out), 0.001)(serves())
+    assert seen == {"threads": before, "children": []}
+    reports = [json.loads(line) for line in out.read_text().splitlines()]
+    assert reports and sum(r["n"] for r in reports) >= 50
+
+
 def test_libapi_goal_is_the_median_ratio() -> None:
     import libapi
 

@@ -420,6 +420,9 @@ class FileBackend(Backend):
         self._write_policy = InlinePolicy()   # when plain buffered writes run inline (target/backends/inline.py)
         self.inline_ops = 0   # reads/writes completed on the event loop
         self.thread_ops = 0   # calls handed to the thread pool (cold reads, FUA, flush, fallocate, ...)
+        # which road the inline writes took: RWF_NOWAIT (the kernel bounds them), or timed by the write
+        # policy where the file system refuses RWF_NOWAIT for buffered writes (ext4, tmpfs)
+        self.nowait_writes = self.timed_writes = 0
 
     def _follow_open_flags(self) -> None:
         # A descriptor opened O_DIRECT / O_SYNC / O_DSYNC (one handed over by whoever opened it) waits
@@ -429,7 +432,8 @@ class FileBackend(Backend):
 
     def io_counts(self) -> dict[str, int]:
         return {"inline": self.inline_ops, "thread": self.thread_ops, "pool_buffers": len(self._pool),
-                "pool_misses": self._pool.misses, **{f"write_{k}": v for k, v in self._write_policy.counts().items()}}
+                "pool_misses": self._pool.misses, "write_nowait": self.nowait_writes, "write_timed": self.timed_writes,
+                **{f"write_{k}": v for k, v in self._write_policy.counts().items()}}
 
     def _open(self, flags: int) -> int:
         try:
@@ -607,7 +611,9 @@ class FileBackend(Backend):
         fd, length = self._fd, len(view)
         if self._nowait_write:
             try:
-                return os.pwritev(fd, [view], offset, _RWF_NOWAIT)  # type: ignore[arg-type]
+                done = os.pwritev(fd, [view], offset, _RWF_NOWAIT)  # type: ignore[arg-type]
+                self.nowait_writes += done == length
+                return done
             except BlockingIOError:
                 return 0
             except OSError as exc:
@@ -626,6 +632,7 @@ class FileBackend(Backend):
             policy.record(start, clock(), switches)
             raise BackendError(f"{self._name()}: write failed: {exc.strerror or exc}") from exc
         policy.record(start, clock(), switches)
+        self.timed_writes += 1
         return length
 
     def read_nowait(self, offset: int, length: int) -> memoryview | None:
