@@ -267,7 +267,7 @@ def main(argv: list[str]) -> None:
 
 def window(path: str, start_ns: int, end_ns: int) -> dict[str, Any]:
     """The worst lag among the reports written between ``start_ns`` and ``end_ns`` (monotonic_ns)."""
-    worst = worst_own = probes = over_1ms = over_2ms = own_over_2ms = 0
+    worst = worst_own = probes = over_1ms = over_2ms = own_over_1ms = own_over_2ms = gc_worst = 0
     first: dict[str, int] | None = None
     last: dict[str, int] = {}
     try:
@@ -286,7 +286,9 @@ def window(path: str, start_ns: int, end_ns: int) -> dict[str, Any]:
             probes += rec["n"]
             over_1ms += rec["over_1ms"]
             over_2ms += rec["over_2ms"]
+            own_over_1ms += rec.get("own_over_1ms", 0)
             own_over_2ms += rec.get("own_over_2ms", 0)
+            gc_worst = max(gc_worst, rec.get("gc_max_ns", 0))
             last = rec.get("files") or {}
             if first is None:
                 first = last
@@ -294,8 +296,8 @@ def window(path: str, start_ns: int, end_ns: int) -> dict[str, Any]:
     files = {k: v - (first or {}).get(k, 0) if not k.startswith(("write_worst", "write_on")) else v
              for k, v in last.items()}
     return {"max_us": worst / 1000 if probes else None, "max_own_us": worst_own / 1000 if probes else None,
-            "probes": probes, "over_1ms": over_1ms, "over_2ms": over_2ms, "own_over_2ms": own_over_2ms,
-            "files": files}
+            "probes": probes, "over_1ms": over_1ms, "over_2ms": over_2ms, "own_over_1ms": own_over_1ms,
+            "own_over_2ms": own_over_2ms, "gc_max_us": gc_worst / 1000 if probes else None, "files": files}
 
 
 if __name__ == "__main__":

@@ -270,9 +270,10 @@ def goals(by_name: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         add(f"file-4k-randwrite-qd32 >= {GOAL_FILE_WRITE_IOPS} IOPS with no loop stall over "
             f"{GOAL_LOOP_STALL_US / 1000:g} ms (own part)", "met" if ok else "MISSED",
             f"{n['iops']:.0f} IOPS; worst loop lag {_f(lag.get('max_us'), '.0f')} us, own {_f(own, '.0f')} us; "
-            f"probes late > 1 ms {lag.get('over_1ms')}, > 2 ms {lag.get('over_2ms')} (own {lag.get('own_over_2ms')}) "
-            f"of {lag.get('probes')}; writes inline by RWF_NOWAIT {files.get('write_nowait', '-')}, inline timed "
-            f"{files.get('write_timed', '-')}, on the pool {files.get('thread', '-')} "
+            f"probes late > 1 ms {lag.get('over_1ms')} (own {lag.get('own_over_1ms')}), > 2 ms {lag.get('over_2ms')} "
+            f"(own {lag.get('own_over_2ms')}) of {lag.get('probes')}; longest GC pause "
+            f"{_f(lag.get('gc_max_us'), '.0f')} us; writes inline by RWF_NOWAIT {files.get('write_nowait', '-')}, "
+            f"inline timed {files.get('write_timed', '-')}, on the pool {files.get('thread', '-')} "
             f"({files.get('write_backoffs', '-')} back-offs, worst inline write "
             f"{files.get('write_worst_inline_us', '-')} us)")
     for job in MATRIX:

@@ -163,14 +163,16 @@ def test_pinning_reads_two_cpu_lists_and_refuses_cpus_not_available() -> None:
 
 def test_loop_lag_window_takes_the_reports_of_its_time_span(tmp_path: Path) -> None:
     out = tmp_path / "lag.jsonl"
-    lines = [{"t": t, "max_ns": lag, "max_own_ns": own, "n": 90, "over_1ms": o1, "over_2ms": o2, "own_over_2ms": o2,
+    lines = [{"t": t, "max_ns": lag, "max_own_ns": own, "n": 90, "over_1ms": o1, "over_2ms": o2, "own_over_1ms": o1,
+              "own_over_2ms": o2, "gc_max_ns": t * 1000,
               "files": {"inline": t * t // 1000, "thread": t // 20, "write_worst_inline_us": 3 * t}}
              for t, lag, own, o1, o2 in ((100, 9_000_000, 8_000_000, 3, 2), (200, 1_500_000, 700_000, 1, 0),
                                          (300, 2_500_000, 2_100_000, 2, 1), (400, 50_000_000, 1, 9, 9))]
     out.write_text("".join(json.dumps(rec) + "\n" for rec in lines) + '{"t": 5')   # the last line half written
     got = lagprobe.window(str(out), 150, 350)
     assert got == {"max_us": 2500.0, "max_own_us": 2100.0, "probes": 180, "over_1ms": 3, "over_2ms": 1,
-                   "own_over_2ms": 1, "files": {"inline": 50, "thread": 5, "write_worst_inline_us": 900}}
+                   "own_over_1ms": 3, "own_over_2ms": 1, "gc_max_us": 300.0,
+                   "files": {"inline": 50, "thread": 5, "write_worst_inline_us": 900}}
     assert lagprobe.window(str(out), 500, 600)["max_us"] is None
     assert lagprobe.window(str(tmp_path / "none.jsonl"), 0, 1)["probes"] == 0
 
