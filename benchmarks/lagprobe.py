@@ -24,7 +24,8 @@ it from outside the code under test, so both trees of an A/B are measured the sa
   it sends a tick and the loop reads it again when the tick lands; lateness minus that wait is the part
   the loop spent running or sleeping in a call (a stall of its own: a blocking pwrite, a long batch,
   a wait for the GIL), reported as ``own``. A pacer delayed between its clock reading and its write
-  makes both figures larger, never smaller;
+  would make both figures larger (never smaller), so it runs as a real-time task (SCHED_FIFO) where
+  allowed: on a loaded machine a normal one was, and reported "own" stalls of an idle loop;
 * every 100 ms the loop sends the pacer one JSON line, which it appends to OUT: ``t``
   (time.monotonic_ns, CLOCK_MONOTONIC, comparable across processes), ``max_ns`` and ``max_own_ns``
   (the worst lateness that landed in those 100 ms, and the worst own part), ``n`` (probes),
@@ -190,6 +191,12 @@ def pacer(tick_w: int, report_r: int, done_w: int, out: str, pid: int, tid: int,
         schedstat = None
     os.set_blocking(tick_w, False)
     os.set_blocking(report_r, False)
+    try:
+        # a pacer preempted between its clock reading and its write would add its own delay to both figures:
+        # as a real-time task it runs as soon as it wakes, and nothing of normal priority takes the CPU from it
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+    except (OSError, AttributeError):
+        pass   # not allowed (no root, no CAP_SYS_NICE): the figures may be a little too large under load
     step = int(interval * 1e9)
     next_tick = time.monotonic_ns() + step
     pending = b""
