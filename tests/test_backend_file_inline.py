@@ -240,23 +240,6 @@ async def test_writes_inline_and_on_the_thread_pool(tmp_path, monkeypatch):
 
 
 @needs_nowait
-async def test_a_nowait_write_that_would_block_goes_to_the_thread_pool(tmp_path, monkeypatch):
-    path = tmp_path / "wb.img"
-    f = FileBackend(path, size=MiB, create=True)
-    try:
-        f._nowait_write = True   # as on XFS/btrfs, which take RWF_NOWAIT buffered writes
-        calls = _nowait_spy(monkeypatch, write_errno=errno.EAGAIN)
-        await f.write(0, b"\x77" * 4096)
-        assert calls == [("pwritev", NOWAIT), ("pwritev", 0)] and f._nowait_write
-        assert f.io_counts()["thread"] == 1 and f.io_counts()["inline"] == 0
-        assert not f.write_nowait(4096, b"\x78" * 4096)
-        assert path.read_bytes()[:4096] == b"\x77" * 4096
-        assert f.io_counts()["write_nowait"] == 0 and f.io_counts()["write_timed"] == 0
-    finally:
-        f.close()
-
-
-@needs_nowait
 async def test_a_write_rwf_nowait_takes_runs_inline_untimed(tmp_path, monkeypatch):
     """Where the file system takes RWF_NOWAIT buffered writes (XFS, btrfs) the kernel bounds them: no
     timing, and io_counts says which road the writes took."""
@@ -471,6 +454,28 @@ async def test_a_slow_inline_write_moves_the_file_to_the_pool_and_back(timed_fil
     want = b"\x01" * 4096 + b"\x02" * 4096 + b"\x03" * 8192 + b"\x04" * 4096 + b"\x05" * 4096
     assert bytes(await f.read(0, len(want))) == want
     assert path.read_bytes()[:len(want)] == want
+
+
+@needs_nowait
+async def test_a_nowait_write_that_would_block_runs_under_the_write_policy(timed_file, monkeypatch):
+    """EAGAIN from an RWF_NOWAIT write (on XFS nearly always the timestamp update, once per clock tick):
+    the write is done without the flag, inline and timed while the write policy says inline, and on the
+    thread pool while the file is backed off; RWF_NOWAIT is still tried first (it never waits)."""
+    f, path, clock = timed_file
+    f._nowait_write = True   # as on XFS/btrfs, which take RWF_NOWAIT buffered writes
+    calls = _nowait_spy(monkeypatch, write_errno=errno.EAGAIN)
+    await f.write(0, b"\x77" * 4096)
+    assert calls == [("pwritev", NOWAIT), ("pwritev", 0)] and f._nowait_write
+    counts = f.io_counts()
+    assert (counts["inline"], counts["thread"], counts["write_eagain"], counts["write_timed"]) == (1, 0, 1, 1)
+    _call(f._write_policy, clock, 10 * MS, voluntary=1)   # a write that slept: the file backs off
+    calls.clear()
+    assert not f.write_nowait(4096, b"\x78" * 4096)       # EAGAIN, and not inline now: the caller ...
+    await f.write(4096, b"\x78" * 4096)                   # ... goes through write(), to the pool
+    assert calls == [("pwritev", NOWAIT), ("pwritev", NOWAIT), ("pwritev", 0)]
+    counts = f.io_counts()
+    assert (counts["inline"], counts["thread"], counts["write_eagain"], counts["write_timed"]) == (1, 1, 3, 1)
+    assert path.read_bytes()[:8192] == b"\x77" * 4096 + b"\x78" * 4096
 
 
 async def test_fua_and_flush_never_run_inline(timed_file, monkeypatch):
