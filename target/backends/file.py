@@ -5,9 +5,9 @@ RWF_NOWAIT (mm/filemap.c filemap_read gives up with EAGAIN, or a short count, in
 for the device), into a buffer from the backend's pool (target/backends/buffers.py), and only what
 is not cached goes to a small dedicated thread pool; a write tries pwritev2 with RWF_NOWAIT the
 same way, and where the file system does not support that for buffered writes (ext4 answers
-EOPNOTSUPP) or answers EAGAIN, page-aligned writes up to FILE_INLINE_WRITE_MAX still run inline while they stay fast
-(InlinePolicy, target/backends/inline.py: a slow one sends the file's writes to the pool for a
-back-off period, as does dirty-page pressure) and the others on the pool. FUA writes,
+EOPNOTSUPP) or answers EAGAIN, page-aligned writes up to FILE_INLINE_WRITE_MAX still run inline
+while they stay fast (InlinePolicy, target/backends/inline.py: a slow one sends the file's writes
+to the pool for a back-off period, as does dirty-page pressure) and the others on the pool. FUA writes,
 Flush, Write Zeroes and Deallocate wait for the device or the journal: always the thread pool,
 so the event loop keeps serving other queues. Write Zeroes and Deallocate use fallocate(2) (zero
 range, punch hole) so they cost no data transfer where the file system or device supports them,
@@ -421,7 +421,8 @@ class FileBackend(Backend):
         self.inline_ops = 0   # reads/writes completed on the event loop
         self.thread_ops = 0   # calls handed to the thread pool (cold reads, FUA, flush, fallocate, ...)
         # which road the inline writes took: RWF_NOWAIT (the kernel bounds them), or timed by the write
-        # policy where the file system refuses RWF_NOWAIT for buffered writes (ext4, tmpfs)
+        # policy where the file system refuses RWF_NOWAIT for buffered writes (ext4, tmpfs) or a write
+        # answered EAGAIN (counted too)
         self.nowait_writes = self.timed_writes = self.nowait_eagain = 0
 
     def _follow_open_flags(self) -> None:

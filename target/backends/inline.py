@@ -2,9 +2,8 @@
 
 ``InlinePolicy`` runs a buffered write that RWF_NOWAIT cannot bound inline while such writes complete fast,
 and sends them to the thread pool for a doubling back-off after a slow one that slept in the kernel (not one
-that only waited for a CPU), or while the
-page cache's dirty pages are at the background writeback threshold. The reasons and the measurements:
-ARCHITECTURE.md, "Inline writes".
+that only waited for a CPU), or while the page cache's dirty pages are at the background writeback
+threshold. The reasons and the measurements: ARCHITECTURE.md, "Inline writes".
 """
 
 from __future__ import annotations
