@@ -88,6 +88,8 @@ GOAL_SEQ_READ_RATIO = 0.90    # 128 KiB sequential read / raw baseline
 # issue 26 "Large writes": 128 KiB sequential write QD8 next to the 128 KiB reads of the same run
 GOAL_WRITE_CPU_RATIO = 1.10   # target CPU per byte of the writes / of the reads
 GOAL_SEQ_WRITE_RATIO = 0.80   # 128 KiB sequential write / raw baseline
+GOAL_FILE_WRITE_IOPS = 3 * 3600   # file-4k-randwrite-qd32: 3x the thread pool's 3.6k IOPS (issue 26)
+GOAL_LOOP_STALL_US = 2000     # ... without the target's loop stalling longer (own part: lagprobe.py)
 
 
 @contextmanager
@@ -258,6 +260,22 @@ def goals(by_name: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         add(f"{job.name} next to RAM (file in the page cache)", "info",
             f"{n['iops']:.0f} vs {_f(b and b['iops'], '.0f')} IOPS = {_f(r['throughput_ratio'], '.2f')}x; "
             f"target {_f(n['target_cpu_us_per_io'])} vs {_f(b and b['target_cpu_us_per_io'])} us/IO")
+    fw = usable("file-4k-randwrite-qd32")
+    if fw and fw["nvmeof"].get("loop_lag"):
+        n, lag = fw["nvmeof"], fw["nvmeof"]["loop_lag"]
+        files, own = lag.get("files") or {}, lag.get("max_own_us")
+        ok = n["iops"] >= GOAL_FILE_WRITE_IOPS and own is not None and own <= GOAL_LOOP_STALL_US
+        # which road the writes took (target/backends/file.py): RWF_NOWAIT where the file system takes it
+        # for buffered writes, else inline timed by the write policy, and the thread pool
+        add(f"file-4k-randwrite-qd32 >= {GOAL_FILE_WRITE_IOPS} IOPS with no loop stall over "
+            f"{GOAL_LOOP_STALL_US / 1000:g} ms (own part)", "met" if ok else "MISSED",
+            f"{n['iops']:.0f} IOPS; worst loop lag {_f(lag.get('max_us'), '.0f')} us, own {_f(own, '.0f')} us; "
+            f"probes late > 1 ms {lag.get('over_1ms')} (own {lag.get('own_over_1ms')}), > 2 ms {lag.get('over_2ms')} "
+            f"(own {lag.get('own_over_2ms')}) of {lag.get('probes')}; longest GC pause "
+            f"{_f(lag.get('gc_max_us'), '.0f')} us; writes inline by RWF_NOWAIT {files.get('write_nowait', '-')}, "
+            f"inline timed {files.get('write_timed', '-')}, on the pool {files.get('thread', '-')} "
+            f"({files.get('write_backoffs', '-')} back-offs, worst inline write "
+            f"{files.get('write_worst_inline_us', '-')} us)")
     for job in MATRIX:
         if not job.tls:
             continue

@@ -163,14 +163,16 @@ def test_pinning_reads_two_cpu_lists_and_refuses_cpus_not_available() -> None:
 
 def test_loop_lag_window_takes_the_reports_of_its_time_span(tmp_path: Path) -> None:
     out = tmp_path / "lag.jsonl"
-    lines = [{"t": t, "max_ns": lag, "max_own_ns": own, "n": 90, "over_1ms": o1, "over_2ms": o2, "own_over_2ms": o2,
+    lines = [{"t": t, "max_ns": lag, "max_own_ns": own, "n": 90, "over_1ms": o1, "over_2ms": o2, "own_over_1ms": o1,
+              "own_over_2ms": o2, "gc_max_ns": t * 1000,
               "files": {"inline": t * t // 1000, "thread": t // 20, "write_worst_inline_us": 3 * t}}
              for t, lag, own, o1, o2 in ((100, 9_000_000, 8_000_000, 3, 2), (200, 1_500_000, 700_000, 1, 0),
                                          (300, 2_500_000, 2_100_000, 2, 1), (400, 50_000_000, 1, 9, 9))]
     out.write_text("".join(json.dumps(rec) + "\n" for rec in lines) + '{"t": 5')   # the last line half written
     got = lagprobe.window(str(out), 150, 350)
     assert got == {"max_us": 2500.0, "max_own_us": 2100.0, "probes": 180, "over_1ms": 3, "over_2ms": 1,
-                   "own_over_2ms": 1, "files": {"inline": 50, "thread": 5, "write_worst_inline_us": 900}}
+                   "own_over_1ms": 3, "own_over_2ms": 1, "gc_max_us": 300.0,
+                   "files": {"inline": 50, "thread": 5, "write_worst_inline_us": 900}}
     assert lagprobe.window(str(out), 500, 600)["max_us"] is None
     assert lagprobe.window(str(tmp_path / "none.jsonl"), 0, 1)["probes"] == 0
 
@@ -192,6 +194,34 @@ def test_the_loop_lag_probe_sees_a_stalled_loop(tmp_path: Path) -> None:
     reports = [json.loads(line) for line in out.read_text().splitlines()]
     assert reports and max(r["max_ns"] for r in reports) >= 100_000_000
     assert sum(r["over_2ms"] for r in reports) >= 1
+
+
+def test_the_loop_lag_probe_adds_no_thread_and_no_child_to_the_target(tmp_path: Path) -> None:
+    """A probe thread in the target needs its GIL for every probe, and one preempted while holding it
+    made the loop sleep on the GIL for milliseconds (a stall the probe then reported): the ticks come
+    from another process, which is not the target's child either (`nvmeof bench --target-pid` counts
+    the target's descendants as target CPU)."""
+    import asyncio
+    import os
+    import threading
+
+    out = tmp_path / "lag.jsonl"
+    seen: dict[str, object] = {}
+
+    def children() -> set[str]:   # of this process (the test run may have some from other tests)
+        return {c for t in os.listdir("/proc/self/task")
+                for c in Path(f"/proc/self/task/{t}/children").read_text().split()}
+
+    before = (threading.active_count(), children())
+
+    async def serves() -> None:
+        await asyncio.sleep(0.25)
+        seen.update(threads=threading.active_count(), new_children=children() - before[1])
+
+    lagprobe._wrap(asyncio.run, str(out), 0.001)(serves())
+    assert seen == {"threads": before[0], "new_children": set()}
+    reports = [json.loads(line) for line in out.read_text().splitlines()]
+    assert reports and sum(r["n"] for r in reports) >= 50
 
 
 def test_libapi_goal_is_the_median_ratio() -> None:

@@ -5,9 +5,9 @@ RWF_NOWAIT (mm/filemap.c filemap_read gives up with EAGAIN, or a short count, in
 for the device), into a buffer from the backend's pool (target/backends/buffers.py), and only what
 is not cached goes to a small dedicated thread pool; a write tries pwritev2 with RWF_NOWAIT the
 same way, and where the file system does not support that for buffered writes (ext4 answers
-EOPNOTSUPP) page-aligned writes up to FILE_INLINE_WRITE_MAX still run inline while they stay fast
-(InlinePolicy, target/backends/inline.py: a slow one sends the file's writes to the pool for a
-back-off period, as does dirty-page pressure) and the others on the pool. FUA writes,
+EOPNOTSUPP) or answers EAGAIN, page-aligned writes up to FILE_INLINE_WRITE_MAX still run inline
+while they stay fast (InlinePolicy, target/backends/inline.py: a slow one sends the file's writes
+to the pool for a back-off period, as does dirty-page pressure) and the others on the pool. FUA writes,
 Flush, Write Zeroes and Deallocate wait for the device or the journal: always the thread pool,
 so the event loop keeps serving other queues. Write Zeroes and Deallocate use fallocate(2) (zero
 range, punch hole) so they cost no data transfer where the file system or device supports them,
@@ -420,6 +420,10 @@ class FileBackend(Backend):
         self._write_policy = InlinePolicy()   # when plain buffered writes run inline (target/backends/inline.py)
         self.inline_ops = 0   # reads/writes completed on the event loop
         self.thread_ops = 0   # calls handed to the thread pool (cold reads, FUA, flush, fallocate, ...)
+        # which road the inline writes took: RWF_NOWAIT (the kernel bounds them), or timed by the write
+        # policy where the file system refuses RWF_NOWAIT for buffered writes (ext4, tmpfs) or a write
+        # answered EAGAIN (counted too)
+        self.nowait_writes = self.timed_writes = self.nowait_eagain = 0
 
     def _follow_open_flags(self) -> None:
         # A descriptor opened O_DIRECT / O_SYNC / O_DSYNC (one handed over by whoever opened it) waits
@@ -429,7 +433,9 @@ class FileBackend(Backend):
 
     def io_counts(self) -> dict[str, int]:
         return {"inline": self.inline_ops, "thread": self.thread_ops, "pool_buffers": len(self._pool),
-                "pool_misses": self._pool.misses, **{f"write_{k}": v for k, v in self._write_policy.counts().items()}}
+                "pool_misses": self._pool.misses, "write_nowait": self.nowait_writes,
+                "write_eagain": self.nowait_eagain, "write_timed": self.timed_writes,
+                **{f"write_{k}": v for k, v in self._write_policy.counts().items()}}
 
     def _open(self, flags: int) -> int:
         try:
@@ -600,16 +606,23 @@ class FileBackend(Backend):
 
     def _write_cached(self, view: memoryview, offset: int) -> int:
         """Bytes at the start of ``view`` written on the event loop: pwritev2 with RWF_NOWAIT where
-        the file system allows it for buffered writes (XFS, btrfs), else, for a page-aligned write up
-        to FILE_INLINE_WRITE_MAX, a plain pwritev (it copies into the page cache and needs no read
-        of a partial page first) while the write policy says inline, timed for it; 0 means the caller
-        goes to the thread pool."""
+        the file system allows it for buffered writes (XFS, btrfs); where it does not (ext4, tmpfs),
+        or when it answers EAGAIN, for a page-aligned write up to FILE_INLINE_WRITE_MAX a plain pwritev
+        (it copies into the page cache and needs no read of a partial page first) while the write
+        policy says inline, timed for it; 0 means the caller goes to the thread pool.
+
+        EAGAIN goes to the write policy rather than straight to the pool: on XFS nearly every one is
+        the file's timestamp update, which IOCB_NOWAIT refuses whenever the clock has ticked since the
+        last one (file_modified_flags), about 250 a second here, and a pool hand-off for each stalled
+        the loop more (GIL hand-offs) than the update does; one that sleeps backs the file off."""
         fd, length = self._fd, len(view)
         if self._nowait_write:
             try:
-                return os.pwritev(fd, [view], offset, _RWF_NOWAIT)  # type: ignore[arg-type]
+                done = os.pwritev(fd, [view], offset, _RWF_NOWAIT)  # type: ignore[arg-type]
+                self.nowait_writes += done == length
+                return done
             except BlockingIOError:
-                return 0
+                self.nowait_eagain += 1
             except OSError as exc:
                 if exc.errno not in _UNSUPPORTED:
                     raise BackendError(f"{self._name()}: write failed: {exc.strerror or exc}") from exc
@@ -626,6 +639,7 @@ class FileBackend(Backend):
             policy.record(start, clock(), switches)
             raise BackendError(f"{self._name()}: write failed: {exc.strerror or exc}") from exc
         policy.record(start, clock(), switches)
+        self.timed_writes += 1
         return length
 
     def read_nowait(self, offset: int, length: int) -> memoryview | None:

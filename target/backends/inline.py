@@ -1,9 +1,9 @@
 """When a call that may block runs on the event loop anyway: while such calls stay fast.
 
 ``InlinePolicy`` runs a buffered write that RWF_NOWAIT cannot bound inline while such writes complete fast,
-and sends them to the thread pool for a doubling back-off after one that slept in the kernel, or while the
-page cache's dirty pages are at the background writeback threshold. The reasons and the measurements:
-ARCHITECTURE.md, "Inline writes".
+and sends them to the thread pool for a doubling back-off after a slow one that slept in the kernel (not one
+that only waited for a CPU), or while the page cache's dirty pages are at the background writeback
+threshold. The reasons and the measurements: ARCHITECTURE.md, "Inline writes".
 """
 
 from __future__ import annotations
@@ -85,11 +85,14 @@ class InlinePolicy:
     ``record(start_ns, end_ns, switches)`` is told how long each inline call took, on ``clock``'s scale
     (time.perf_counter_ns; tests give a fake clock), with ``switches()`` as it was before the call.
     Counters: ``slow`` calls seen, ``preempted`` (slow ones only waiting for a CPU, no back-off),
-    ``backoffs`` entered (slow calls and dirty-page pressure), ``probes`` (first calls after a back-off).
+    ``unswitched`` (slow ones with no context switch at all: the time went to interrupts or the
+    hypervisor, no back-off), ``backoffs`` entered (slow calls that slept, and dirty-page pressure),
+    ``probes`` (first calls after a back-off).
     """
 
     __slots__ = ("_backoff", "_checked_ns", "_probing", "_until", "backoff_max_ns", "backoff_ns", "backoffs",
-                 "clock", "preempted", "pressure", "probes", "slow", "slow_ns", "switches", "worst_ns")
+                 "clock", "preempted", "pressure", "probes", "slow", "slow_ns", "switches", "unswitched",
+                 "worst_ns")
 
     def __init__(
         self,
@@ -111,7 +114,7 @@ class InlinePolicy:
         self._backoff = self.backoff_ns
         self._probing = False     # the next inline call is the first after a back-off
         self._checked_ns = clock()
-        self.slow = self.preempted = self.backoffs = self.probes = 0
+        self.slow = self.preempted = self.unswitched = self.backoffs = self.probes = 0
         self.worst_ns = 0         # the longest inline call seen
 
     def inline_now(self) -> bool:
@@ -138,8 +141,15 @@ class InlinePolicy:
         if elapsed > self.slow_ns:
             self.slow += 1
             after = self.switches()
-            if after.ru_nvcsw == before.ru_nvcsw and after.ru_nivcsw != before.ru_nivcsw:
-                self.preempted += 1   # it only waited for a CPU: so would a pool thread
+            if after.ru_nvcsw == before.ru_nvcsw:
+                # it never slept: it waited for a CPU (preempted) or, with no context switch at all, the time
+                # went to interrupts or to a hypervisor holding the vCPU; a pool thread would wait the same.
+                # (The thread's CPU time cannot tell more: getrusage's lags by up to a tick for a running
+                # thread, and a preemption adds what the loop ran before the call.)
+                if after.ru_nivcsw != before.ru_nivcsw:
+                    self.preempted += 1
+                else:
+                    self.unswitched += 1
                 return
             # a slow probe: the condition lasted the whole back-off, so wait longer next time
             self._backoff = min(self._backoff * 2, self.backoff_max_ns) if self._probing else self.backoff_ns
@@ -160,8 +170,9 @@ class InlinePolicy:
         self._until = (now_ns + self._backoff) or 1
 
     def counts(self) -> dict[str, int]:
-        return {"slow": self.slow, "preempted": self.preempted, "backoffs": self.backoffs, "probes": self.probes,
-                "worst_inline_us": self.worst_ns // 1000, "on_pool": int(bool(self._until))}
+        return {"slow": self.slow, "preempted": self.preempted, "unswitched": self.unswitched,
+                "backoffs": self.backoffs, "probes": self.probes, "worst_inline_us": self.worst_ns // 1000,
+                "on_pool": int(bool(self._until))}
 
 
 def sync_flags(fd: int) -> int:
