@@ -411,6 +411,9 @@ class TargetConnection(asyncio.BufferedProtocol):
         self.tls_mode = listener.tls if listener is not None else "none"
         self._first = True
         self._tls: TlsSession | None = None
+        # Set by the batch engine once it decrypts this connection's records itself (past the handshake):
+        # data_received then gets plaintext (target/transports/tcp_batch.py BatchMixin._tls_take).
+        self._tls_plain = False
 
     # --- asyncio protocol -----------------------------------------------------------------------
 
@@ -466,7 +469,7 @@ class TargetConnection(asyncio.BufferedProtocol):
         if self._first:
             if not data or not self._tls_gate(data):
                 return
-        if self._tls is not None:
+        if self._tls is not None and not self._tls_plain:
             self._tls_received(data)
             return
         self._handle(self.conn.receive_data(data))
@@ -515,13 +518,7 @@ class TargetConnection(asyncio.BufferedProtocol):
         try:
             plain = tls.receive(data)
         except TlsError as exc:
-            out = tls.data_to_send()   # the alert, if any, tells the host why
-            if out and self.transport is not None:
-                self.transport.write(out)
-            # a version-0 identity that found a PSK and still failed: name the likely cause (target/tls.py)
-            hint = "" if was_done else handshake_hint(self.target.subsystems, self.queue.tls, str(exc))
-            self._refuse(f"NVMe/TCP TLS handshake with {self.queue.peer or '?'} failed: {exc}; closing it{hint}"
-                         if not was_done else f"NVMe/TCP TLS from {self.queue.peer or '?'} failed: {exc}; closing it")
+            self._tls_failed(exc, was_done)
             return
         if not was_done and tls.handshake_done:
             log.info("NVMe/TCP TLS from %s: %s %s, PSK identity %s%s", self.queue.peer, tls.version, tls.cipher_name,
@@ -536,10 +533,29 @@ class TargetConnection(asyncio.BufferedProtocol):
         if tls.closed and not self._closed:
             self.close()
 
+    def _tls_failed(self, exc: TlsError, was_done: bool) -> None:
+        """The session failed (``was_done``: after its handshake): the alert goes out, the connection closes."""
+        assert self._tls is not None
+        out = self._tls.data_to_send()   # the alert, if any, tells the host why
+        if out and self.transport is not None:
+            self.transport.write(out)
+        # a version-0 identity that found a PSK and still failed: name the likely cause (target/tls.py)
+        hint = "" if was_done else handshake_hint(self.target.subsystems, self.queue.tls, str(exc))
+        self._refuse(f"NVMe/TCP TLS handshake with {self.queue.peer or '?'} failed: {exc}; closing it{hint}"
+                     if not was_done else f"NVMe/TCP TLS from {self.queue.peer or '?'} failed: {exc}; closing it")
+
     def _send_tls(self) -> None:
         out = self._tls.data_to_send() if self._tls is not None else b""
         if out and self.transport is not None:
             self.transport.write(out)
+
+    def _tls_write(self, bufs: list[Any]) -> None:
+        """Plaintext PDUs out through the session: encrypted together (records of up to 16 KiB each, not one
+        per PDU) and written in one go."""
+        assert self._tls is not None
+        if bufs:
+            self._tls.send(b"".join(bufs) if len(bufs) > 1 else bufs[0])
+        self._send_tls()
 
     def _refuse(self, text: str) -> None:
         log.warning(text, extra=self._fields("failure", text))
@@ -748,9 +764,7 @@ class TargetConnection(asyncio.BufferedProtocol):
             return   # data_received writes everything the batch queued at its end
         out = self.conn.data_to_send()
         if self._tls is not None:
-            if out:
-                self._tls.send(b"".join(out) if len(out) > 1 else out[0])
-            self._send_tls()
+            self._tls_write(out)
             return
         if out and self.transport is not None:
             self.transport.writelines(out)

@@ -85,9 +85,10 @@ from nvmeof.spec.nvme import (
     IoOpcode,
     pack_cqe,
 )
+from nvmeof.tls.openssl import TlsError
 from target.lifecycle import start_command
 from target.model import LATENCY_SHIFT
-from target.transports.tcp import RECV_BUFFER_MIN, TargetConnection, TcpListener, TcpRequest
+from target.transports.tcp import RECV_BUFFER_MAX, RECV_BUFFER_MIN, TargetConnection, TcpListener, TcpRequest
 
 if TYPE_CHECKING:
     from target.model import Listener
@@ -218,6 +219,11 @@ class BatchMixin:
     _deadline: Any
     _write_paused: bool
     _tls: Any
+    _tls_plain: bool
+    _tls_failed: Any
+    _tls_write: Any
+    _send_tls: Any
+    close: Any
     # ... and for the R2T writes: the transfer tags, the H2C budgets, the tasks (stream engine's methods too)
     target: Any
     _h2c: dict[int, Any]
@@ -253,10 +259,28 @@ class BatchMixin:
         self._parked: set[Any] = set()       # reads parked at a QoS limit (qos.Parked), not let go yet
         self._released: list[Any] = []       # ... let go, to run in _run_released (one call_soon)
         self._release_due = False
+        self._tls_cipher: memoryview | None = None   # TLS: the ciphertext receive buffer (see _tls_in)
 
     # --- BufferedProtocol -----------------------------------------------------------------------
+    # get_buffer/buffer_updated are the socket's receive. A TLS queue past its handshake receives ciphertext
+    # into a buffer of its own instead; what it decrypts goes where the socket's bytes would have gone
+    # (_plain_buffer: the receive buffer behind a carry, or a cut H2CData's destination) and is taken as they
+    # would have been (_plain_updated), so the fast path parses plaintext exactly as clear bytes.
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        tls = self._tls
+        if tls is not None and tls.handshake_done:
+            return self._tls_in
+        return self._plain_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        tls = self._tls
+        if tls is not None and tls.handshake_done:
+            self._tls_update(nbytes)
+            return
+        self._plain_updated(nbytes)
+
+    def _plain_buffer(self, sizehint: int) -> memoryview:
         dest = self._h2c_dest
         if dest is not None:
             self._recv_direct = False
@@ -267,7 +291,7 @@ class BatchMixin:
         # ``buf`` is the receive buffer: the next read goes behind the carried bytes.
         return buf[carry:] if carry else buf
 
-    def buffer_updated(self, nbytes: int) -> None:
+    def _plain_updated(self, nbytes: int) -> None:
         if self._h2c_dest is not None:
             self._h2c_received(nbytes)
             return
@@ -281,6 +305,10 @@ class BatchMixin:
 
     def data_received(self, data: bytes | memoryview) -> None:
         """Bytes handed over without get_buffer (a transport that is not buffered)."""
+        tls = self._tls
+        if tls is not None and tls.handshake_done:
+            self._tls_take(data)
+            return
         dest = self._h2c_dest
         if dest is not None:
             mv = memoryview(data).cast("B")
@@ -297,6 +325,61 @@ class BatchMixin:
             data = joined
         mv = data if isinstance(data, memoryview) else memoryview(data)
         self._receive(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv)
+
+    # --- TLS: records in, plaintext to the fast path ------------------------------------------------
+
+    @property
+    def _tls_in(self) -> memoryview:
+        """The ciphertext receive buffer (a TLS queue past its handshake; made on first use)."""
+        buf = self._tls_cipher
+        if buf is None:
+            buf = self._tls_cipher = memoryview(bytearray(RECV_BUFFER_MIN))
+        return buf
+
+    def _tls_update(self, nbytes: int) -> None:
+        buf = self._tls_in
+        self._tls_take(buf[:nbytes])
+        # sized as the receive buffer is (TargetConnection._received): bigger while reads fill it, small when idle
+        size = len(buf)
+        if nbytes == size and size < RECV_BUFFER_MAX:
+            self._tls_cipher = memoryview(bytearray(min(size * 4, RECV_BUFFER_MAX)))
+        elif size > RECV_BUFFER_MIN and nbytes < RECV_BUFFER_MIN:
+            self._tls_cipher = None
+
+    def _tls_take(self, ciphertext: bytes | memoryview) -> None:
+        """Records of a TLS queue past its handshake (the handshake and the records that arrived with its
+        end went through TargetConnection._tls_received): fed to the session, then decrypted (_tls_pump)."""
+        tls = self._tls
+        self._tls_plain = True   # from now on the sans-IO side (data_received) gets plaintext
+        if self._closed:
+            return
+        try:
+            tls.feed(ciphertext)
+        except TlsError as exc:
+            self._tls_failed(exc, True)
+            return
+        self._tls_pump()
+
+    def _tls_pump(self) -> None:
+        """Decrypt into the buffer the socket would have filled and take it as received bytes, until the
+        session holds no more plaintext or a batch is held (then _release_held pumps on)."""
+        tls = self._tls
+        while not self._closed:
+            dest = self._plain_buffer(-1)
+            try:
+                n = tls.read_into(dest)
+            except TlsError as exc:
+                self._tls_failed(exc, True)
+                return
+            if n:
+                self._plain_updated(n)
+            if n < len(dest) or not n or self._held:
+                break
+        if not self._closed:
+            if tls.closed:
+                self.close()   # the host's close_notify
+            else:
+                self._send_tls()   # what reading made the session say (a KeyUpdate's answer), if anything
 
     # --- the fast path --------------------------------------------------------------------------
 
@@ -373,7 +456,10 @@ class BatchMixin:
     def _send_queued(self) -> None:
         out = self.conn.data_to_send()
         if out and self.transport is not None:
-            self.transport.writelines(out)
+            if self._tls is not None:
+                self._tls_write(out)
+            else:
+                self.transport.writelines(out)
 
     def _hold(self, mv: memoryview, pos: int, rest: int) -> None:
         """Keep the unread rest of a batch at the start of the receive buffer, with room behind it."""
@@ -398,6 +484,8 @@ class BatchMixin:
         carry = self._carry
         self._carry = 0
         self._receive(self._recv[:carry])
+        if self._tls_plain and not self._held:
+            self._tls_pump()   # what the session decrypted meanwhile, or still holds, no socket read announces
 
     def _stream(self, data: memoryview) -> None:
         """Bytes for the stream engine: the data_received of the connection class this is mixed into."""
@@ -408,8 +496,10 @@ class BatchMixin:
         past its Connect, no digests, and the sans-IO connection at a PDU boundary with nothing held."""
         queue = self.queue
         ctrl = queue.ctrl
-        if ctrl is None or not queue.qid or self._deadline is not None or self._tls is not None:
-            return False   # (TLS: the socket carries records; every byte goes through the session)
+        if ctrl is None or not queue.qid or self._deadline is not None:
+            return False
+        if self._tls is not None and not self._tls_plain:
+            return False   # TLS: until _tls_take decrypts, the bytes here are records
         conn = self.conn
         if conn.hdgst or conn.ddgst or not conn.idle_ready():
             return False
@@ -655,6 +745,9 @@ class BatchMixin:
         """The batch's reply buffers (``wire`` bytes) in one write: one sendmsg on the engine's own transport."""
         transport = self.transport
         if transport is None:
+            return
+        if self._tls is not None:
+            self._tls_write(out)   # one encryption of the whole batch, one write
             return
         send_batch = getattr(transport, "send_batch", None)
         if send_batch is not None:
