@@ -414,6 +414,9 @@ class TargetConnection(asyncio.BufferedProtocol):
         # Set by the batch engine once it decrypts this connection's records itself (past the handshake):
         # data_received then gets plaintext (target/transports/tcp_batch.py BatchMixin._tls_take).
         self._tls_plain = False
+        # ... and while it takes one socket read's records: what they make the queue send is encrypted as it comes
+        # and written once, at the end (_tls_write leaves the ciphertext in the session until then).
+        self._tls_defer = False
 
     # --- asyncio protocol -----------------------------------------------------------------------
 
@@ -551,11 +554,12 @@ class TargetConnection(asyncio.BufferedProtocol):
 
     def _tls_write(self, bufs: list[Any]) -> None:
         """Plaintext PDUs out through the session: encrypted together (records of up to 16 KiB each, not one
-        per PDU) and written in one go."""
+        per PDU) and written in one go (at the end of the batch engine's wake-up while _tls_defer is set)."""
         assert self._tls is not None
         if bufs:
             self._tls.send(b"".join(bufs) if len(bufs) > 1 else bufs[0])
-        self._send_tls()
+        if not self._tls_defer:
+            self._send_tls()
 
     def _refuse(self, text: str) -> None:
         log.warning(text, extra=self._fields("failure", text))
@@ -716,6 +720,7 @@ class TargetConnection(asyncio.BufferedProtocol):
         if self._closed:
             return
         self._batching = False
+        self._tls_defer = False
         self._flush()   # what earlier commands of this batch queued goes out before the FIN
         self._closed = True
         transport = self.transport

@@ -220,6 +220,7 @@ class BatchMixin:
     _write_paused: bool
     _tls: Any
     _tls_plain: bool
+    _tls_defer: bool
     _tls_failed: Any
     _tls_write: Any
     _send_tls: Any
@@ -364,22 +365,26 @@ class BatchMixin:
         """Decrypt into the buffer the socket would have filled and take it as received bytes, until the
         session holds no more plaintext or a batch is held (then _release_held pumps on)."""
         tls = self._tls
-        while not self._closed:
-            dest = self._plain_buffer(-1)
-            try:
-                n = tls.read_into(dest)
-            except TlsError as exc:
-                self._tls_failed(exc, True)
-                return
-            if n:
-                self._plain_updated(n)
-            if n < len(dest) or not n or self._held:
-                break
+        self._tls_defer = True   # what the records make us send leaves in one write, below
+        try:
+            while not self._closed:
+                dest = self._plain_buffer(-1)
+                try:
+                    n = tls.read_into(dest)
+                except TlsError as exc:
+                    self._tls_failed(exc, True)
+                    return
+                if n:
+                    self._plain_updated(n)
+                if n < len(dest) or not n or self._held:
+                    break
+        finally:
+            self._tls_defer = False
         if not self._closed:
             if tls.closed:
-                self.close()   # the host's close_notify
+                self.close()   # the host's close_notify (close flushes first)
             else:
-                self._send_tls()   # what reading made the session say (a KeyUpdate's answer), if anything
+                self._send_tls()   # the wake-up's replies (and what reading made the session say, a KeyUpdate's)
 
     # --- the fast path --------------------------------------------------------------------------
 
@@ -747,7 +752,9 @@ class BatchMixin:
         if transport is None:
             return
         if self._tls is not None:
-            self._tls_write(out)   # one encryption of the whole batch, one write
+            self._tls_write(out)   # one encryption of the whole batch; written at the end of the wake-up
+            if self._fast_full:
+                self._send_tls()   # ... unless it reached the high-water mark: the socket says whether to hold
             return
         send_batch = getattr(transport, "send_batch", None)
         if send_batch is not None:
