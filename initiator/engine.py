@@ -1,4 +1,4 @@
-"""The host's NVMe/TCP engine: every plain TCP queue of ``connect()`` (no TLS, not the loop transport).
+"""The host's NVMe/TCP engine: every TCP queue of ``connect()``, TLS ones included (not the loop transport).
 
 :class:`BatchQueue` is a :class:`initiator.queue.HostQueue` that owns its socket instead of an asyncio
 transport, the way SPDK's initiator (lib/nvme/nvme_tcp.c) drives a qpair from its poller:

@@ -8,8 +8,8 @@ command with Data Transfer Error; a protocol violation, a TermReq, a dropped con
 command timeout breaks the whole queue and every command in flight fails with ``TransportError``.
 
 HostQueue is the slow path of the one host NVMe/TCP engine (initiator/engine.py ``BatchQueue`` is a
-subclass that owns its socket) and, alone, serves the queues without a socket of their own or whose
-bytes go through a TLS session (``transport="loop"``, TLS). Tests run plain TCP on it as the reference
+subclass that owns its socket; it decrypts TLS queues' records into its own receive buffer) and, alone,
+serves the queues without a socket of their own (``transport="loop"``). Tests run TCP on it as the reference
 model the batch engine's fast path is compared against (``HostController._reference_queues``).
 """
 

@@ -356,7 +356,7 @@ class TlsSession:
     """One TLS connection, sans-IO.
 
     ``receive(ciphertext) -> plaintext`` (drives the handshake; raises TlsError on failure),
-    ``send(plaintext)`` (encrypts; before the handshake completes it is buffered), ``data_to_send() -> bytes``
+    ``send(plaintext)`` (encrypts; before the handshake completes it is buffered), ``data_to_send()``
     (the ciphertext to put on the wire, handshake messages included), ``handshake_done``.
     """
 
@@ -408,8 +408,6 @@ class TlsSession:
         self._alloc = ffi.new_allocator(should_clear_after_alloc=False)
         self._rbuf = None   # receive's plaintext buffer, made by its first call (read_into needs none)
         self._rsize = 0
-        self._wbuf = self._alloc("unsigned char[]", READ_CHUNK)
-        self._wsize = READ_CHUNK
         self._nbytes = ffi.new("size_t *")
 
     # -- handshake -----------------------------------------------------------------------------------------
@@ -524,18 +522,18 @@ class TlsSession:
             err = lib.SSL_get_error(self._ssl, 0)
             raise self._fail(f"TLS write failed (SSL error {err})")
 
-    def data_to_send(self) -> bytes:
-        """The ciphertext produced so far (handshake, records, alerts)."""
+    def data_to_send(self) -> bytes | memoryview:
+        """The ciphertext produced so far (handshake, records, alerts): b"" or a view of a buffer of its own, which
+        the caller may keep (a transport's backlog does). Read out of the BIO straight into that buffer, not
+        allocated cleared: one copy of every record, not two."""
         b = self._b
-        lib, ffi = b.lib, b.ffi
+        lib = b.lib
         n = lib.BIO_ctrl_pending(self._wbio)
         if not n:
             return b""
-        if n > self._wsize:
-            self._wsize = max(n, self._wsize * 2)
-            self._wbuf = self._alloc("unsigned char[]", self._wsize)
-        got = lib.BIO_read(self._wbio, self._wbuf, n)
-        return ffi.buffer(self._wbuf, max(got, 0))[:]
+        buf = self._alloc("unsigned char[]", n)
+        got = lib.BIO_read(self._wbio, buf, n)
+        return memoryview(b.ffi.buffer(buf, max(got, 0)))
 
     def close_notify(self) -> None:
         """Queue a close_notify alert (best effort)."""

@@ -41,12 +41,18 @@ too (nvmet_tcp_map_data) and the backend copies them when the command executes, 
 
 Anything else (ICReq, Fabrics and admin commands, a queue that is not connected, enabled or
 authenticated yet, any command that fails a check, TermReq, a backend that would wait, and every
-connection with header or data digests or TLS) goes, from the first
+connection with header or data digests) goes, from the first
 PDU the fast path does not take, through the stream engine's sans-IO ``TcpConnection`` and the
 lifecycle, so the bytes on the wire are the stream engine's: the fast path makes exactly the
 C2HData/CapsuleResp bytes ``queue_response`` makes (tests compare both engines byte for byte).
 A partial CapsuleCmd at the end of a read stays at the start of the receive buffer and completes
 with the next one (nothing is handed to the sans-IO layer that the fast path might still take).
+
+A TLS queue (TP 8011) runs all of this on plaintext once its handshake is done: its records are read into a
+buffer of their own and ``TlsSession.read_into`` decrypts them where the socket's bytes would have gone, to be
+taken as they would have been (``_tls_take``/``_tls_pump``); what one socket read's records make the queue
+send is encrypted together and written once (``_tls_write`` while ``_tls_defer`` holds the writes). The
+handshake itself stays with ``TargetConnection._tls_received``.
 
 `SocketTransport` is the engine's own asyncio transport on a non-blocking socket, driven by
 ``loop.add_reader``/``add_writer`` (any loop, uvloop included): receives into the protocol's
