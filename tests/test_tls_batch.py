@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import socket
 from typing import Any
 
 import pytest
@@ -31,6 +32,7 @@ from nvmeof.tls.openssl import TlsSession
 from nvmeof.tls.psk import HMAC_SHA256, TlsKey, generate_key
 from target.backends.ram import RamBackend
 from target.model import HostAuth, Listener, Namespace
+from target.transports import tcp_batch
 from target.transports.tcp_batch import BatchConnection, BatchTcpListener
 
 KEY = generate_key(hmac_id=HMAC_SHA256)
@@ -169,6 +171,88 @@ async def test_tls_session_gives_the_clear_bytes_on_the_fast_path(sqflow_off: bo
     assert statuses.count(0) < len(statuses)   # the errors were answered as errors
     # the fast path ran over TLS (on main every TLS PDU took the stream path: 0)
     assert clear[2] >= 150 and tls[2] >= 150
+
+
+async def _tls_io(tgt: Any, server: BatchTcpListener, seed: int) -> tuple[Any, RecordingHost, BatchConnection]:
+    """An admin queue over the loop transport and a TLS I/O queue over TCP."""
+    tgt.subsystems[SUBNQN].allow_any_host = True
+    admin, cntlid = await admin_session(tgt, SUBNQN)
+    io = await _open(server.port, True, random.Random(seed))
+    assert (await io.connect(SUBNQN, qid=1, cntlid=cntlid, sqsize=31)).status == 0
+    (conn,) = _io_conns(server)
+    return admin, io, conn
+
+
+async def test_tls_batch_past_its_time_budget_is_taken_up_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """test_tcp_batch's time-budget case over TLS: every batch stops after its first backend call and holds the rest;
+    the release parses it and decrypts what the session still holds (no socket read announces it), so 32
+    in-capsule writes and 32 reads sent at once are all answered, in order, on the fast path."""
+    monkeypatch.setattr(tcp_batch, "_TIME_BUDGET_NS", 0)
+    tgt, server = await _serve("required")
+    try:
+        admin, io, conn = await _tls_io(tgt, server, 5)
+        blocks = [random.Random(i).randbytes(4096) for i in range(32)]
+        done = conn.fast_commands
+        io.hold = True
+        futs = [io.send(Command(IoOpcode.WRITE, nsid=1, cdw10=8 * i, cdw12=7), blocks[i], incapsule=True)
+                for i in range(32)]
+        futs += [io.send(Command(IoOpcode.READ, nsid=1, cdw10=8 * i, cdw12=7), read_len=4096) for i in range(32)]
+        io.hold = False
+        io.flush()
+        results = await asyncio.wait_for(asyncio.gather(*futs), 20)
+        assert all(r.status == 0 for r in results)
+        assert [r.data for r in results[32:]] == blocks
+        assert conn.fast_commands - done == 64
+        assert not conn._held and not conn._carry
+        admin.close()
+        io.close()
+    finally:
+        await server.stop()
+        await tgt.close()
+
+
+async def test_tls_host_that_does_not_read_gets_a_bounded_backlog() -> None:
+    """test_tcp_batch's backlog case over TLS: 150 reads of 128 KiB from a host that stopped reading; the target
+    encrypts and writes as each batch reaches the high-water mark, holds the rest while the socket is full, and
+    answers everything, whole and in order, once the host reads again."""
+    from nvmeof import defaults
+
+    tgt, server = await _serve("required")
+    try:
+        admin, io, conn = await _tls_io(tgt, server, 6)
+        data = random.Random(6).randbytes(1 << 20)
+        assert (await io.cmd(Command(IoOpcode.WRITE, nsid=1, cdw10=0, cdw12=2047), data)).status == 0
+        assert io.transport is not None
+        conn.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 32 * 1024)
+        io.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 * 1024)
+        io.transport.pause_reading()
+        count = 150
+        done = conn.fast_commands
+        io.hold = True
+        futs = [io.send(Command(IoOpcode.READ, nsid=1, cdw10=256 * (i % 8), cdw12=255), read_len=128 * 1024)
+                for i in range(count)]
+        io.hold = False
+        io.flush()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while conn.transport.get_write_buffer_size() == 0 and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)   # more wake-ups, were the connection still reading
+        queued = conn.transport.get_write_buffer_size()
+        # as in the clear, plus the records' overhead (22 bytes per 16 KiB)
+        bound = 2 * defaults.TCP_WRITE_HIGH_WATER + 128 * 1024 + 4096 + 8192
+        assert 0 < queued <= bound, f"{queued} bytes queued"
+        assert conn.fast_commands - done < count
+        io.transport.resume_reading()
+        results = await asyncio.wait_for(asyncio.gather(*futs), 30)
+        for i, r in enumerate(results):
+            assert r.status == 0 and r.data == data[(i % 8) * 128 * 1024:(i % 8 + 1) * 128 * 1024]
+        assert conn.fast_commands - done == count
+        admin.close()
+        io.close()
+    finally:
+        await server.stop()
+        await tgt.close()
 
 
 # --- both ends over real sockets ------------------------------------------------------------------------------
