@@ -271,7 +271,7 @@ async def test_tls_slot_commands_take_both_fast_paths() -> None:
             assert isinstance(q, BatchQueue) and q._tls is not None and q._tls.handshake_done
             (conn,) = _io_conns(server)
             reads = writes = 0
-            real_update, real_write = conn.buffer_updated, conn.transport.write   # type: ignore[union-attr]
+            real_update, real_write = conn._tls_update, conn.transport.write   # type: ignore[union-attr]
 
             def updated(n: int) -> None:
                 nonlocal reads
@@ -283,7 +283,7 @@ async def test_tls_slot_commands_take_both_fast_paths() -> None:
                 writes += 1
                 real_write(data)
 
-            conn.buffer_updated = updated   # type: ignore[method-assign]
+            conn._tls_update = updated   # type: ignore[method-assign]   # one per socket read of records
             conn.transport.write = write    # type: ignore[union-attr,method-assign]
             to_sansio: list[int] = []
             real_receive = q._conn.receive_data

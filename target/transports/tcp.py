@@ -529,12 +529,16 @@ class TargetConnection(asyncio.BufferedProtocol):
                      "does: SHA-256 suite)" if tls.sha256_binder else "", extra=self._fields("tls", "handshake done"))
             if self._deadline is not None:   # the ICReq gets its own window after the handshake
                 self._arm_deadline(self._port.limits.ic_timeout, "ICReq")
+            self._tls_established()
         if plain:
             self._handle(self.conn.receive_data(plain))
         else:
             self._send_tls()
         if tls.closed and not self._closed:
             self.close()
+
+    def _tls_established(self) -> None:
+        """The handshake is done (the batch engine then takes the records itself)."""
 
     def _tls_failed(self, exc: TlsError, was_done: bool) -> None:
         """The session failed (``was_done``: after its handshake): the alert goes out, the connection closes."""

@@ -266,28 +266,16 @@ class BatchMixin:
         self._parked: set[Any] = set()       # reads parked at a QoS limit (qos.Parked), not let go yet
         self._released: list[Any] = []       # ... let go, to run in _run_released (one call_soon)
         self._release_due = False
-        self._tls_cipher: memoryview | None = None   # TLS: the ciphertext receive buffer (see _tls_in)
+        self._tls_records = False   # TLS past the handshake: the socket's reads are records (_tls_take)
+        self._tls_cipher: memoryview | None = None   # ... read into this buffer (see _tls_in)
 
     # --- BufferedProtocol -----------------------------------------------------------------------
-    # get_buffer/buffer_updated are the socket's receive. A TLS queue past its handshake receives ciphertext
-    # into a buffer of its own instead; what it decrypts goes where the socket's bytes would have gone
-    # (_plain_buffer: the receive buffer behind a carry, or a cut H2CData's destination) and is taken as they
-    # would have been (_plain_updated), so the fast path parses plaintext exactly as clear bytes.
+    # A TLS queue past its handshake (_tls_records) receives records into a buffer of their own; _tls_pump then
+    # decrypts into what get_buffer gives and hands it to buffer_updated, as the socket would have.
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        tls = self._tls
-        if tls is not None and tls.handshake_done:
+        if self._tls_records:
             return self._tls_in
-        return self._plain_buffer(sizehint)
-
-    def buffer_updated(self, nbytes: int) -> None:
-        tls = self._tls
-        if tls is not None and tls.handshake_done:
-            self._tls_update(nbytes)
-            return
-        self._plain_updated(nbytes)
-
-    def _plain_buffer(self, sizehint: int) -> memoryview:
         dest = self._h2c_dest
         if dest is not None:
             self._recv_direct = False
@@ -298,7 +286,10 @@ class BatchMixin:
         # ``buf`` is the receive buffer: the next read goes behind the carried bytes.
         return buf[carry:] if carry else buf
 
-    def _plain_updated(self, nbytes: int) -> None:
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._tls_records:
+            self._tls_update(nbytes)
+            return
         if self._h2c_dest is not None:
             self._h2c_received(nbytes)
             return
@@ -312,8 +303,7 @@ class BatchMixin:
 
     def data_received(self, data: bytes | memoryview) -> None:
         """Bytes handed over without get_buffer (a transport that is not buffered)."""
-        tls = self._tls
-        if tls is not None and tls.handshake_done:
+        if self._tls_records:
             self._tls_take(data)
             return
         dest = self._h2c_dest
@@ -353,6 +343,11 @@ class BatchMixin:
         elif size > RECV_BUFFER_MIN and nbytes < RECV_BUFFER_MIN:
             self._tls_cipher = None
 
+    def _tls_established(self) -> None:
+        # Called by TargetConnection._tls_received in the read that ends the handshake: the rest of that read
+        # goes on through it, and the reads after it come here (get_buffer, buffer_updated).
+        self._tls_records = True
+
     def _tls_take(self, ciphertext: bytes | memoryview) -> None:
         """Records of a TLS queue past its handshake (the handshake and the records that arrived with its
         end went through TargetConnection._tls_received): fed to the session, then decrypted (_tls_pump)."""
@@ -372,20 +367,22 @@ class BatchMixin:
         session holds no more plaintext or a batch is held (then _release_held pumps on)."""
         tls = self._tls
         self._tls_defer = True   # what the records make us send leaves in one write, below
+        self._tls_records = False   # get_buffer/buffer_updated: the clear path's, for the plaintext
         try:
             while not self._closed:
-                dest = self._plain_buffer(-1)
+                dest = self.get_buffer(-1)
                 try:
                     n = tls.read_into(dest)
                 except TlsError as exc:
                     self._tls_failed(exc, True)
                     return
                 if n:
-                    self._plain_updated(n)
+                    self.buffer_updated(n)
                 if n < len(dest) or not n or self._held:
                     break
         finally:
             self._tls_defer = False
+            self._tls_records = True
         if not self._closed:
             if tls.closed:
                 self.close()   # the host's close_notify (close flushes first)
