@@ -13,6 +13,7 @@ the TLS session decrypts into their receive buffers, and encrypt what one wake-u
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import random
 import socket
@@ -28,7 +29,7 @@ from initiator.bench import ConnectSpec, JobSpec, run_bench
 from initiator.bench.batch import BatchDriver
 from initiator.engine import BatchQueue
 from nvmeof.spec.nvme import SGL_ID_INCAPSULE, SGL_ID_TRANSPORT, Command, IoOpcode
-from nvmeof.tls.openssl import TlsSession
+from nvmeof.tls.openssl import TlsError, TlsSession
 from nvmeof.tls.psk import HMAC_SHA256, TlsKey, generate_key
 from target.backends.ram import RamBackend
 from target.model import HostAuth, Listener, Namespace
@@ -80,7 +81,12 @@ class TlsRecordingHost(RecordingHost):
 
     def data_received(self, data: bytes) -> None:
         was_done = self.tls.handshake_done
-        plain = self.tls.receive(data)
+        try:
+            plain = self.tls.receive(data)
+        except TlsError:   # the target's alert
+            assert self.transport is not None
+            self.transport.close()
+            return
         self._write(self.tls.data_to_send())   # our Finished
         if not was_done and self.tls.handshake_done:
             self.conn.send_icreq(hdgst=self.hdgst, ddgst=self.ddgst)
@@ -250,6 +256,37 @@ async def test_tls_host_that_does_not_read_gets_a_bounded_backlog() -> None:
         assert conn.fast_commands - done == count
         admin.close()
         io.close()
+    finally:
+        await server.stop()
+        await tgt.close()
+
+
+async def test_tls_bad_record_and_close_notify_on_the_batch_path(caplog: pytest.LogCaptureFixture) -> None:
+    """Past the handshake the batch engine opens the records itself: a record that fails its MAC closes that
+    connection with the one WARNING line the stream path gave (the others keep being served), and the host's
+    close_notify closes the connection."""
+    tgt, server = await _serve("required")
+    try:
+        admin, io, conn = await _tls_io(tgt, server, 7)
+        assert isinstance(io, TlsRecordingHost)
+        assert (await io.cmd(Command(IoOpcode.READ, nsid=1, cdw10=0, cdw12=7), read_len=4096)).status == 0
+        assert conn._tls_records and conn._tls_plain   # the batch engine decrypts this queue's records
+        cntlid = conn.queue.ctrl.cntlid
+        other = await _open(server.port, True, random.Random(8))
+        with caplog.at_level(logging.WARNING):
+            assert io.transport is not None
+            io.transport.write(b"\x17\x03\x03\x00\x20" + bytes(32))   # application data that fails its MAC
+            await asyncio.wait_for(io.lost, 5)
+        assert any(r.getMessage().startswith("NVMe/TCP TLS from ") and "failed" in r.getMessage()
+                   for r in caplog.records)
+        # the other connection is still served; its close_notify ends it
+        assert (await other.connect(SUBNQN, qid=2, cntlid=cntlid, sqsize=31)).status == 0
+        assert (await other.cmd(Command(IoOpcode.READ, nsid=1, cdw10=0, cdw12=7), read_len=4096)).status == 0
+        assert isinstance(other, TlsRecordingHost)
+        other.tls.close_notify()
+        other._write(other.tls.data_to_send())
+        await asyncio.wait_for(other.lost, 5)
+        admin.close()
     finally:
         await server.stop()
         await tgt.close()
