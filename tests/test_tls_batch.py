@@ -13,6 +13,7 @@ the TLS session decrypts into their receive buffers, and encrypt what one wake-u
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import random
@@ -388,6 +389,10 @@ async def test_bench_verify_over_tls(driver_runs: list[Any]) -> None:
         # the plain phase on the bench's batch path (slots on BatchQueue), over TLS
         (r,) = (await run_bench(cspec, JobSpec(rw="randread", bs=4096, iodepth=32, size=1 << 20, nsid=2))).results
         assert r.read.ios == 256 and driver_runs and driver_runs[0] is not None
+        # ... and with hybrid polling (the session's plaintext is parsed inside the polling window too)
+        polled = dataclasses.replace(cspec, poll_us=50)
+        (r,) = (await run_bench(polled, JobSpec(rw="randread", bs=4096, iodepth=32, size=1 << 20, nsid=2))).results
+        assert r.read.ios == 256 and driver_runs[-1] is not None
         for bs, depth in ((4096, 32), (128 * 1024, 8)):
             spec = JobSpec(rw="randwrite" if bs == 4096 else "write", bs=bs, iodepth=depth, size=2 << 20,
                            verify="crc32c", nsid=2)
