@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """What NVMe/TCP over TLS 1.3 costs per I/O: the same `nvmeof bench` rows over TLS and in the clear, one run.
 
-`nvmeof serve --tls optional` (a RAM disk; the host NQN below allowed with a TLS PSK): TLS queues (host:
-HostQueue through the TLS session; target: the engine's slow path, every PDU through the sans-IO
-TcpConnection) against clear queues on the one NVMe/TCP engine (batch, fast path included; there is no
-`--tcp-engine stream` any more, issue 26, so the difference is TLS plus the fast path's shortcut). Variants
+`nvmeof serve --tls optional` (a RAM disk; the host NQN below allowed with a TLS PSK): TLS queues against
+clear queues on the one NVMe/TCP engine of each end (batch, fast paths included; since issue 26 part 1 TLS
+queues take them too, on the plaintext their TLS session decrypts, so the difference is the TLS session:
+AES-GCM and the memory-BIO copies). Variants
 alternate per round so each sees the same background. Figures: IOPS, MiB/s, mean latency, CPU µs per I/O on
 both sides, the TLS/clear ratios (IOPS, and the extra CPU µs per I/O TLS costs on each side).
 

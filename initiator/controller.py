@@ -195,8 +195,6 @@ class HostController(ReservationIo):
                                  "`nvme gen-tls-key` prints it); this host reads no kernel keyring")
             if tls_identity_version not in (0, 1):
                 raise ValueError(f"tls_identity_version must be 0 (NVMe0R) or 1 (NVMe1R), got {tls_identity_version}")
-            if poll_us:
-                raise ValueError("poll_us needs the batch engine; TLS queues run on HostQueue (the TLS session)")
         self.tls_identity_version = tls_identity_version
         self.tls_compat = tls_compat   # derive as libnvme before 1.11 did (keys inserted by an older nvme-cli)
         if tls_sha256_binder and not self.tls:
@@ -204,12 +202,13 @@ class HostController(ReservationIo):
         # interop, default off (TP 8011): a SHA-384 PSK offered under a SHA-256 binder and suite, as a server on
         # GnuTLS before 3.8.11 (tlshd 1.0.0: Linux nvmet's TLS) takes it; see nvmeof/tls/openssl.py
         self.tls_sha256_binder = tls_sha256_binder
-        # One NVMe/TCP engine: the batch engine (initiator/engine.py) owns a TCP socket. The loop transport has
-        # no socket and TLS queues' bytes go through the TLS session, so both run HostQueue (initiator/queue.py),
-        # the batch engine's own slow path (every PDU through the sans-IO TcpConnection); RDMA has its own
-        # queue. ``engine`` only says which one serves the queues ("batch" or "stream"), it is not a choice;
-        # `_reference_queues` (tests only) runs plain TCP on HostQueue as the reference model.
-        self.engine = "batch" if transport == "tcp" and not self.tls and not self._reference_queues else "stream"
+        # One NVMe/TCP engine: the batch engine (initiator/engine.py) owns a TCP socket, TLS queues' included (it
+        # decrypts into its receive buffer and encrypts each batch). The loop transport has no socket, so it runs
+        # HostQueue (initiator/queue.py), the batch engine's own slow path (every PDU through the sans-IO
+        # TcpConnection); RDMA has its own queue. ``engine`` only says which one serves the queues ("batch" or
+        # "stream"), it is not a choice; `_reference_queues` (tests only) runs TCP on HostQueue as the reference
+        # model.
+        self.engine = "batch" if transport == "tcp" and not self._reference_queues else "stream"
         self.poll_us = poll_us
         self.traddr = traddr
         self.trsvcid = int(trsvcid)
@@ -288,7 +287,7 @@ class HostController(ReservationIo):
         if self.engine == "batch":
             bq = BatchQueue(qid, queue_size=size, name=self._queue_name(qid), hdr_digest=self.hdr_digest,
                             data_digest=self.data_digest, incapsule_size=incapsule, timeout=self.timeout,
-                            poll_us=self.poll_us)
+                            poll_us=self.poll_us, tls=self._tls_session())
             bq.on_broken = self._queue_broken
             return await open_batch_queue(bq, self.traddr, self.trsvcid, self.timeout)
         queue = HostQueue(qid, queue_size=size, name=self._queue_name(qid), hdr_digest=self.hdr_digest,

@@ -1,4 +1,4 @@
-"""The host's NVMe/TCP engine: every plain TCP queue of ``connect()`` (no TLS, not the loop transport).
+"""The host's NVMe/TCP engine: every TCP queue of ``connect()``, TLS ones included (not the loop transport).
 
 :class:`BatchQueue` is a :class:`initiator.queue.HostQueue` that owns its socket instead of an asyncio
 transport, the way SPDK's initiator (lib/nvme/nvme_tcp.c) drives a qpair from its poller:
@@ -67,6 +67,7 @@ from nvmeof.spec.tcp import (
     PduType,
 )
 from nvmeof.status import NvmeError, Status
+from nvmeof.tls.openssl import TlsError
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +162,10 @@ class BatchQueue(HostQueue):
         # completed any (then one flush is queued behind their tasks: see _flush_after_wakeups)
         self._settle_cb: Callback = self._settle
         self._awoken = False
+        # TLS (HostQueue(tls=)): records are received here and decrypted into _rbuf (or a slot's buffer), where
+        # the clear path's recv_into puts bytes; _tls_more: the last decrypt filled its room, more may be held.
+        self._tls_cipher: memoryview | None = None
+        self._tls_more = False
 
     # ---- opening -------------------------------------------------------------------------------
 
@@ -308,6 +313,8 @@ class BatchQueue(HostQueue):
         try:
             if self._receive():
                 self._process()
+                if self._tls_more:
+                    self._tls_drain()
                 if self.poll_us and self._error is None:
                     self._poll()
                 if self._awoken:
@@ -319,6 +326,8 @@ class BatchQueue(HostQueue):
 
     def _receive(self) -> bool:
         """One non-blocking receive; False when nothing came (or the connection is gone)."""
+        if self._tls is not None:
+            return self._tls_receive()
         sock = self._sock
         if sock is None:
             return False
@@ -357,6 +366,93 @@ class BatchQueue(HostQueue):
             return False
         self.connection_lost(None)
         return False
+
+    # ---- TLS: records in, plaintext where the socket's bytes would go -------------------------------
+
+    def _tls_receive(self) -> bool:
+        """_receive of a TLS queue: one non-blocking receive of records (none while the session still holds
+        plaintext), fed to the session (the handshake, before ICReq), then decrypted (_tls_decrypt)."""
+        tls = self._tls
+        sock = self._sock
+        if sock is None or tls is None:
+            return False
+        if not self._tls_more:
+            buf = self._tls_cipher
+            if buf is None:
+                buf = self._tls_cipher = memoryview(bytearray(RECV_BUFFER_SIZE))
+            try:
+                n = sock.recv_into(buf)
+            except (BlockingIOError, InterruptedError):
+                return False
+            except OSError as exc:
+                self.connection_lost(exc)
+                return False
+            if not n:
+                self.connection_lost(None)
+                return False
+            was_done = tls.handshake_done
+            try:
+                tls.feed(buf[:n])
+            except TlsError as exc:
+                self._tls_failed(exc)
+                return False
+            if not was_done:
+                self._send_tls()   # the handshake's next flight (our Finished)
+                if not tls.handshake_done:
+                    return False
+                self._tls_wake()   # initialize() sends ICReq next
+        try:
+            got = self._tls_decrypt()
+        except TlsError as exc:
+            self._tls_failed(exc)
+            return False
+        if tls.closed and self._error is None:
+            if got:
+                self._process()
+            self._break(TransportError(self.name, "controller closed the TLS session"))
+            return False
+        return got
+
+    def _tls_decrypt(self) -> bool:
+        """Decrypt into a slot's C2HData payload being received in place, else behind the unparsed bytes of
+        _rbuf (compacted as _receive does): the bytes _process then parses as clear ones."""
+        tls = self._tls
+        assert tls is not None
+        direct = self._direct
+        if direct is not None:
+            n = tls.read_into(direct)
+            self._tls_more = 0 < n == len(direct)
+            if n:
+                self._direct_in(n)
+            return n > 0
+        end = self._rend
+        if end == self._rstart:
+            self._rstart = self._rend = end = 0
+        elif len(self._rbuf) - end < COMPACT_BELOW:
+            rest = bytes(self._rmv[self._rstart:end])
+            end = len(rest)
+            self._rbuf[:end] = rest
+            self._rstart, self._rend = 0, end
+        room = self._rmv[end:]
+        n = tls.read_into(room)
+        self._tls_more = 0 < n == len(room)
+        if n:
+            self._rend = end + n
+        return n > 0
+
+    def _tls_drain(self) -> None:
+        """Parse what the session still held after a batch: no socket read announces it."""
+        while self._tls_more and self._error is None and self._receive():
+            self._process()
+
+    def _send_tls(self) -> None:
+        out = self._tls.data_to_send() if self._tls is not None else b""
+        if not out or self._sock is None or self._closing:
+            return
+        if self._wpend:
+            self._wpend.append(out)
+            return
+        self._send([out])
 
     def _direct_in(self, n: int) -> None:
         """``n`` bytes of a slot's C2HData payload arrived in place."""
@@ -621,6 +717,8 @@ class BatchQueue(HostQueue):
             if self._receive():
                 sends = self._sends
                 self._process()
+                if self._tls_more:
+                    self._tls_drain()
                 batches += 1
                 if self._sends == sends or batches >= POLL_MAX_BATCHES:
                     return
@@ -644,6 +742,14 @@ class BatchQueue(HostQueue):
         self._wq = []
         if self._sock is None or self._closing:
             return
+        tls = self._tls
+        if tls is not None:
+            # the batch in one encryption (records of up to 16 KiB, not one per PDU) and one sendmsg
+            tls.send(b"".join(out))
+            cipher = tls.data_to_send()
+            if not cipher:
+                return
+            out = [cipher]
         if self._wpend:
             self._wpend += out
             return

@@ -8,8 +8,8 @@ command with Data Transfer Error; a protocol violation, a TermReq, a dropped con
 command timeout breaks the whole queue and every command in flight fails with ``TransportError``.
 
 HostQueue is the slow path of the one host NVMe/TCP engine (initiator/engine.py ``BatchQueue`` is a
-subclass that owns its socket) and, alone, serves the queues without a socket of their own or whose
-bytes go through a TLS session (``transport="loop"``, TLS). Tests run plain TCP on it as the reference
+subclass that owns its socket; it decrypts TLS queues' records into its own receive buffer) and, alone,
+serves the queues without a socket of their own (``transport="loop"``). Tests run TCP on it as the reference
 model the batch engine's fast path is compared against (``HostController._reference_queues``).
 """
 
@@ -211,10 +211,7 @@ class HostQueue(asyncio.BufferedProtocol):
         try:
             plain = tls.receive(data)
         except TlsError as exc:
-            self._send_tls()
-            what = "TLS" if tls.handshake_done else "TLS handshake failed"
-            self._break(TransportError(self.name, f"{what}: {exc}"))
-            self._tls_wake()
+            self._tls_failed(exc)
             return
         if tls.handshake_done:
             self._tls_wake()
@@ -224,6 +221,14 @@ class HostQueue(asyncio.BufferedProtocol):
             self._send_tls()
         if tls.closed and self._error is None:
             self._break(TransportError(self.name, "controller closed the TLS session"))
+
+    def _tls_failed(self, exc: TlsError) -> None:
+        """The session failed: its alert goes out, the queue breaks (and a handshake waiting is told)."""
+        assert self._tls is not None
+        self._send_tls()
+        what = "TLS" if self._tls.handshake_done else "TLS handshake failed"
+        self._break(TransportError(self.name, f"{what}: {exc}"))
+        self._tls_wake()
 
     def _tls_wake(self) -> None:
         fut = self._tls_ready

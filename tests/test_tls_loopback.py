@@ -1,8 +1,9 @@
 """NVMe/TCP over TLS 1.3 with PSKs, target and initiator of this project over 127.0.0.1 (TP 8011 / 8018).
 
 Both engines of the target (batch: the default listener; stream) serve TLS; the initiator runs TLS queues
-on its stream engine. Refusals: a wrong key, clear NVMe/TCP to a TLS-only listener, TLS to a clear listener,
-and a Connect naming another host than the PSK identity.
+on its batch engine (tests/test_tls_batch.py checks both ends' fast paths). Refusals: a wrong key, clear
+NVMe/TCP to a TLS-only listener, TLS to a clear listener, and a Connect naming another host than the PSK
+identity.
 """
 
 from __future__ import annotations
@@ -215,7 +216,7 @@ def test_tls_needs_key_and_tcp() -> None:
     with pytest.raises(ValueError, match="tls_key"):
         HostController("127.0.0.1", 4420, SUBNQN, tls_key="NVMeTLSkey-1:01:bad:")
     ctrl = HostController("127.0.0.1", 4420, SUBNQN, tls_key=KEY)
-    assert ctrl.tls and ctrl.engine == "stream"
+    assert ctrl.tls and ctrl.engine == "batch"   # TLS queues run the batch engine (issue 26)
     assert defaults.TLS_MODES == ("none", "optional", "required")
 
 

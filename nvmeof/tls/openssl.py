@@ -356,7 +356,7 @@ class TlsSession:
     """One TLS connection, sans-IO.
 
     ``receive(ciphertext) -> plaintext`` (drives the handshake; raises TlsError on failure),
-    ``send(plaintext)`` (encrypts; before the handshake completes it is buffered), ``data_to_send() -> bytes``
+    ``send(plaintext)`` (encrypts; before the handshake completes it is buffered), ``data_to_send()``
     (the ciphertext to put on the wire, handshake messages included), ``handshake_done``.
     """
 
@@ -406,10 +406,8 @@ class TlsSession:
             lib.SSL_set_connect_state(ssl)
         # reused buffers, not zeroed on allocation (every byte read out was written by OpenSSL first)
         self._alloc = ffi.new_allocator(should_clear_after_alloc=False)
-        self._rbuf = self._alloc("unsigned char[]", READ_CHUNK)
-        self._rsize = READ_CHUNK
-        self._wbuf = self._alloc("unsigned char[]", READ_CHUNK)
-        self._wsize = READ_CHUNK
+        self._rbuf = None   # receive's plaintext buffer, made by its first call (read_into needs none)
+        self._rsize = 0
         self._nbytes = ffi.new("size_t *")
 
     # -- handshake -----------------------------------------------------------------------------------------
@@ -446,6 +444,29 @@ class TlsSession:
 
         The plaintext is a view of this session's receive buffer, valid until the next ``receive`` (the
         contract of a socket receive buffer, which nvmeof.tcp's receive_data already follows)."""
+        self.feed(data)
+        if not self.handshake_done:
+            return b""
+        # every record that completed is decrypted back to back into one buffer (plaintext <= ciphertext)
+        # (OpenSSL may also hold the start of a record it read before: up to one record more than the BIO has)
+        need = self._b.lib.BIO_ctrl_pending(self._rbio) + MAX_RECORD
+        if need > self._rsize:
+            self._rsize = max(need, self._rsize * 2, READ_CHUNK)
+            self._rbuf = self._alloc("unsigned char[]", self._rsize)
+        got = 0
+        while True:
+            got += self._read(self._rbuf + got, self._rsize - got)
+            if got < self._rsize:
+                break
+            # not expected (see above); grow rather than lose plaintext
+            self._rsize *= 2
+            buf = self._alloc("unsigned char[]", self._rsize)
+            self._b.ffi.memmove(buf, self._rbuf, got)
+            self._rbuf = buf
+        return memoryview(self._b.ffi.buffer(self._rbuf, got)) if got else b""
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        """Take ciphertext without reading plaintext out (``read_into`` does); drives the handshake."""
         b = self._b
         lib, ffi = b.lib, b.ffi
         if data:
@@ -458,34 +479,34 @@ class TlsSession:
                 off += w
         if not self.handshake_done:
             self._handshake()
-            if not self.handshake_done:
-                return b""
-        # every record that completed is decrypted back to back into one buffer (plaintext <= ciphertext)
-        # (OpenSSL may also hold the start of a record it read before: up to one record more than the BIO has)
-        need = lib.BIO_ctrl_pending(self._rbio) + MAX_RECORD
-        if need > self._rsize:
-            self._rsize = max(need, self._rsize * 2)
-            self._rbuf = self._alloc("unsigned char[]", self._rsize)
-        buf, nbytes, size = self._rbuf, self._nbytes, self._rsize
+
+    def read_into(self, dest: bytearray | memoryview) -> int:
+        """Decrypt what the records fed so far hold into ``dest`` (a writable byte buffer, e.g. a receive
+        buffer the caller parses in place); returns the bytes written. Less than ``len(dest)``: nothing is
+        left; exactly ``len(dest)``: more may be (OpenSSL keeps the rest of a record for the next call)."""
+        if not self.handshake_done or not len(dest):
+            return 0
+        return self._read(self._b.ffi.from_buffer(dest, require_writable=True), len(dest))
+
+    def _read(self, buf, size: int) -> int:   # type: ignore[no-untyped-def]
+        """SSL_read_ex record after record into ``buf`` (cffi pointer) until ``size`` bytes or none left."""
+        b = self._b
+        lib = b.lib
+        ssl, nbytes = self._ssl, self._nbytes
         got = 0
-        while True:
-            if got == size:   # not expected (see above); grow rather than lose plaintext
-                self._rsize = size * 2
-                self._rbuf = self._alloc("unsigned char[]", self._rsize)
-                ffi.memmove(self._rbuf, buf, got)
-                buf, size = self._rbuf, self._rsize
+        while got < size:
             lib.ERR_clear_error()
-            if lib.SSL_read_ex(self._ssl, buf + got, size - got, nbytes) == 1:
+            if lib.SSL_read_ex(ssl, buf + got, size - got, nbytes) == 1:
                 got += nbytes[0]
                 continue
-            err = lib.SSL_get_error(self._ssl, 0)
+            err = lib.SSL_get_error(ssl, 0)
             if err == SSL_ERROR_WANT_READ or err == SSL_ERROR_WANT_WRITE:
                 break
             if err == SSL_ERROR_ZERO_RETURN:
                 self.closed = True
                 break
             raise self._fail(f"TLS read failed (SSL error {err})")
-        return memoryview(ffi.buffer(buf, got)) if got else b""
+        return got
 
     def send(self, data: bytes | bytearray | memoryview) -> None:
         """Encrypt plaintext (kept until the handshake is done)."""
@@ -501,18 +522,18 @@ class TlsSession:
             err = lib.SSL_get_error(self._ssl, 0)
             raise self._fail(f"TLS write failed (SSL error {err})")
 
-    def data_to_send(self) -> bytes:
-        """The ciphertext produced so far (handshake, records, alerts)."""
+    def data_to_send(self) -> bytes | memoryview:
+        """The ciphertext produced so far (handshake, records, alerts): b"" or a view of a buffer of its own, which
+        the caller may keep (a transport's backlog does). Read out of the BIO straight into that buffer, not
+        allocated cleared: one copy of every record, not two."""
         b = self._b
-        lib, ffi = b.lib, b.ffi
+        lib = b.lib
         n = lib.BIO_ctrl_pending(self._wbio)
         if not n:
             return b""
-        if n > self._wsize:
-            self._wsize = max(n, self._wsize * 2)
-            self._wbuf = self._alloc("unsigned char[]", self._wsize)
-        got = lib.BIO_read(self._wbio, self._wbuf, n)
-        return ffi.buffer(self._wbuf, max(got, 0))[:]
+        buf = self._alloc("unsigned char[]", n)
+        got = lib.BIO_read(self._wbio, buf, n)
+        return memoryview(b.ffi.buffer(buf, max(got, 0)))
 
     def close_notify(self) -> None:
         """Queue a close_notify alert (best effort)."""

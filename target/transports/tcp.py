@@ -411,6 +411,12 @@ class TargetConnection(asyncio.BufferedProtocol):
         self.tls_mode = listener.tls if listener is not None else "none"
         self._first = True
         self._tls: TlsSession | None = None
+        # Set by the batch engine once it decrypts this connection's records itself (past the handshake):
+        # data_received then gets plaintext (target/transports/tcp_batch.py BatchMixin._tls_take).
+        self._tls_plain = False
+        # ... and while it takes one socket read's records: what they make the queue send is encrypted as it comes
+        # and written once, at the end (_tls_write leaves the ciphertext in the session until then).
+        self._tls_defer = False
 
     # --- asyncio protocol -----------------------------------------------------------------------
 
@@ -466,7 +472,7 @@ class TargetConnection(asyncio.BufferedProtocol):
         if self._first:
             if not data or not self._tls_gate(data):
                 return
-        if self._tls is not None:
+        if self._tls is not None and not self._tls_plain:
             self._tls_received(data)
             return
         self._handle(self.conn.receive_data(data))
@@ -515,13 +521,7 @@ class TargetConnection(asyncio.BufferedProtocol):
         try:
             plain = tls.receive(data)
         except TlsError as exc:
-            out = tls.data_to_send()   # the alert, if any, tells the host why
-            if out and self.transport is not None:
-                self.transport.write(out)
-            # a version-0 identity that found a PSK and still failed: name the likely cause (target/tls.py)
-            hint = "" if was_done else handshake_hint(self.target.subsystems, self.queue.tls, str(exc))
-            self._refuse(f"NVMe/TCP TLS handshake with {self.queue.peer or '?'} failed: {exc}; closing it{hint}"
-                         if not was_done else f"NVMe/TCP TLS from {self.queue.peer or '?'} failed: {exc}; closing it")
+            self._tls_failed(exc, was_done)
             return
         if not was_done and tls.handshake_done:
             log.info("NVMe/TCP TLS from %s: %s %s, PSK identity %s%s", self.queue.peer, tls.version, tls.cipher_name,
@@ -529,6 +529,7 @@ class TargetConnection(asyncio.BufferedProtocol):
                      "does: SHA-256 suite)" if tls.sha256_binder else "", extra=self._fields("tls", "handshake done"))
             if self._deadline is not None:   # the ICReq gets its own window after the handshake
                 self._arm_deadline(self._port.limits.ic_timeout, "ICReq")
+            self._tls_established()
         if plain:
             self._handle(self.conn.receive_data(plain))
         else:
@@ -536,10 +537,33 @@ class TargetConnection(asyncio.BufferedProtocol):
         if tls.closed and not self._closed:
             self.close()
 
+    def _tls_established(self) -> None:
+        """The handshake is done (the batch engine then takes the records itself)."""
+
+    def _tls_failed(self, exc: TlsError, was_done: bool) -> None:
+        """The session failed (``was_done``: after its handshake): the alert goes out, the connection closes."""
+        assert self._tls is not None
+        out = self._tls.data_to_send()   # the alert, if any, tells the host why
+        if out and self.transport is not None:
+            self.transport.write(out)
+        # a version-0 identity that found a PSK and still failed: name the likely cause (target/tls.py)
+        hint = "" if was_done else handshake_hint(self.target.subsystems, self.queue.tls, str(exc))
+        self._refuse(f"NVMe/TCP TLS handshake with {self.queue.peer or '?'} failed: {exc}; closing it{hint}"
+                     if not was_done else f"NVMe/TCP TLS from {self.queue.peer or '?'} failed: {exc}; closing it")
+
     def _send_tls(self) -> None:
         out = self._tls.data_to_send() if self._tls is not None else b""
         if out and self.transport is not None:
             self.transport.write(out)
+
+    def _tls_write(self, bufs: list[Any]) -> None:
+        """Plaintext PDUs out through the session: encrypted together (records of up to 16 KiB each, not one
+        per PDU) and written in one go (at the end of the batch engine's wake-up while _tls_defer is set)."""
+        assert self._tls is not None
+        if bufs:
+            self._tls.send(b"".join(bufs) if len(bufs) > 1 else bufs[0])
+        if not self._tls_defer:
+            self._send_tls()
 
     def _refuse(self, text: str) -> None:
         log.warning(text, extra=self._fields("failure", text))
@@ -700,6 +724,7 @@ class TargetConnection(asyncio.BufferedProtocol):
         if self._closed:
             return
         self._batching = False
+        self._tls_defer = False
         self._flush()   # what earlier commands of this batch queued goes out before the FIN
         self._closed = True
         transport = self.transport
@@ -748,9 +773,7 @@ class TargetConnection(asyncio.BufferedProtocol):
             return   # data_received writes everything the batch queued at its end
         out = self.conn.data_to_send()
         if self._tls is not None:
-            if out:
-                self._tls.send(b"".join(out) if len(out) > 1 else out[0])
-            self._send_tls()
+            self._tls_write(out)
             return
         if out and self.transport is not None:
             self.transport.writelines(out)

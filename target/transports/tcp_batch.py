@@ -45,12 +45,18 @@ copy of the whole write.
 
 Anything else (ICReq, Fabrics and admin commands, a queue that is not connected, enabled or
 authenticated yet, any command that fails a check, TermReq, a backend that would wait, and every
-connection with header or data digests or TLS) goes, from the first
+connection with header or data digests) goes, from the first
 PDU the fast path does not take, through the stream engine's sans-IO ``TcpConnection`` and the
 lifecycle, so the bytes on the wire are the stream engine's: the fast path makes exactly the
 C2HData/CapsuleResp bytes ``queue_response`` makes (tests compare both engines byte for byte).
 A partial CapsuleCmd at the end of a read stays at the start of the receive buffer and completes
 with the next one (nothing is handed to the sans-IO layer that the fast path might still take).
+
+A TLS queue (TP 8011) runs all of this on plaintext once its handshake is done: its records are read into a
+buffer of their own and ``TlsSession.read_into`` decrypts them where the socket's bytes would have gone, to be
+taken as they would have been (``_tls_take``/``_tls_pump``); what one socket read's records make the queue
+send is encrypted together and written once (``_tls_write`` while ``_tls_defer`` holds the writes). The
+handshake itself stays with ``TargetConnection._tls_received``.
 
 `SocketTransport` is the engine's own asyncio transport on a non-blocking socket, driven by
 ``loop.add_reader``/``add_writer`` (any loop, uvloop included): receives into the protocol's
@@ -91,9 +97,10 @@ from nvmeof.spec.nvme import (
     IoOpcode,
     pack_cqe,
 )
+from nvmeof.tls.openssl import TlsError
 from target.lifecycle import start_command
 from target.model import LATENCY_SHIFT
-from target.transports.tcp import RECV_BUFFER_MIN, TargetConnection, TcpListener, TcpRequest
+from target.transports.tcp import RECV_BUFFER_MAX, RECV_BUFFER_MIN, TargetConnection, TcpListener, TcpRequest
 
 if TYPE_CHECKING:
     from target.model import Listener
@@ -231,6 +238,12 @@ class BatchMixin:
     _deadline: Any
     _write_paused: bool
     _tls: Any
+    _tls_plain: bool
+    _tls_defer: bool
+    _tls_failed: Any
+    _tls_write: Any
+    _send_tls: Any
+    close: Any
     # ... and for the R2T writes: the transfer tags, the H2C budgets, the tasks (stream engine's methods too)
     target: Any
     _h2c: dict[int, Any]
@@ -277,10 +290,16 @@ class BatchMixin:
         self._parked: set[Any] = set()       # reads parked at a QoS limit (qos.Parked), not let go yet
         self._released: list[Any] = []       # ... let go, to run in _run_released (one call_soon)
         self._release_due = False
+        self._tls_records = False   # TLS past the handshake: the socket's reads are records (_tls_take)
+        self._tls_cipher: memoryview | None = None   # ... read into this buffer (see _tls_in)
 
     # --- BufferedProtocol -----------------------------------------------------------------------
+    # A TLS queue past its handshake (_tls_records) receives records into a buffer of their own; _tls_pump then
+    # decrypts into what get_buffer gives and hands it to buffer_updated, as the socket would have.
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        if self._tls_records:
+            return self._tls_in
         dest = self._h2c_dest
         if dest is not None:
             self._recv_direct = False
@@ -295,6 +314,9 @@ class BatchMixin:
         return buf[:_H2C_FIRST_READ] if self._h2c and not self._recv_direct and self._tls is None else buf
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self._tls_records:
+            self._tls_update(nbytes)
+            return
         if self._h2c_dest is not None:
             self._h2c_received(nbytes)
             return
@@ -308,6 +330,9 @@ class BatchMixin:
 
     def data_received(self, data: bytes | memoryview) -> None:
         """Bytes handed over without get_buffer (a transport that is not buffered)."""
+        if self._tls_records:
+            self._tls_take(data)
+            return
         dest = self._h2c_dest
         if dest is not None:
             mv = memoryview(data).cast("B")
@@ -324,6 +349,72 @@ class BatchMixin:
             data = joined
         mv = data if isinstance(data, memoryview) else memoryview(data)
         self._receive(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv)
+
+    # --- TLS: records in, plaintext to the fast path ------------------------------------------------
+
+    @property
+    def _tls_in(self) -> memoryview:
+        """The ciphertext receive buffer (a TLS queue past its handshake; made on first use)."""
+        buf = self._tls_cipher
+        if buf is None:
+            buf = self._tls_cipher = memoryview(bytearray(RECV_BUFFER_MIN))
+        return buf
+
+    def _tls_update(self, nbytes: int) -> None:
+        buf = self._tls_in
+        self._tls_take(buf[:nbytes])
+        # sized as the receive buffer is (TargetConnection._received): bigger while reads fill it, small when idle
+        size = len(buf)
+        if nbytes == size and size < RECV_BUFFER_MAX:
+            self._tls_cipher = memoryview(bytearray(min(size * 4, RECV_BUFFER_MAX)))
+        elif size > RECV_BUFFER_MIN and nbytes < RECV_BUFFER_MIN:
+            self._tls_cipher = None
+
+    def _tls_established(self) -> None:
+        # Called by TargetConnection._tls_received in the read that ends the handshake: the rest of that read
+        # goes on through it, and the reads after it come here (get_buffer, buffer_updated).
+        self._tls_records = True
+
+    def _tls_take(self, ciphertext: bytes | memoryview) -> None:
+        """Records of a TLS queue past its handshake (the handshake and the records that arrived with its
+        end went through TargetConnection._tls_received): fed to the session, then decrypted (_tls_pump)."""
+        tls = self._tls
+        self._tls_plain = True   # from now on the sans-IO side (data_received) gets plaintext
+        if self._closed:
+            return
+        try:
+            tls.feed(ciphertext)
+        except TlsError as exc:
+            self._tls_failed(exc, True)
+            return
+        self._tls_pump()
+
+    def _tls_pump(self) -> None:
+        """Decrypt into the buffer the socket would have filled and take it as received bytes, until the
+        session holds no more plaintext or a batch is held (then _release_held pumps on)."""
+        tls = self._tls
+        self._tls_defer = True   # what the records make us send leaves in one write, below
+        self._tls_records = False   # get_buffer/buffer_updated: the clear path's, for the plaintext
+        try:
+            while not self._closed:
+                dest = self.get_buffer(-1)
+                try:
+                    n = tls.read_into(dest)
+                except TlsError as exc:
+                    self._tls_failed(exc, True)
+                    return
+                if n:
+                    self.buffer_updated(n)
+                if n < len(dest) or not n or self._held:
+                    break
+        finally:
+            self._tls_defer = False
+            self._tls_records = True
+        if not self._closed:
+            if tls.closed:
+                self.close()   # the host's close_notify (close flushes first)
+            else:
+                self._send_tls()   # the wake-up's replies (and what reading made the session say, a KeyUpdate's)
 
     # --- the fast path --------------------------------------------------------------------------
 
@@ -405,7 +496,10 @@ class BatchMixin:
     def _send_queued(self) -> None:
         out = self.conn.data_to_send()
         if out and self.transport is not None:
-            self.transport.writelines(out)
+            if self._tls is not None:
+                self._tls_write(out)
+            else:
+                self.transport.writelines(out)
 
     def _hold(self, mv: memoryview, pos: int, rest: int) -> None:
         """Keep the unread rest of a batch at the start of the receive buffer, with room behind it."""
@@ -430,6 +524,8 @@ class BatchMixin:
         carry = self._carry
         self._carry = 0
         self._receive(self._recv[:carry])
+        if self._tls_plain and not self._held:
+            self._tls_pump()   # what the session decrypted meanwhile, or still holds, no socket read announces
 
     def _stream(self, data: memoryview) -> None:
         """Bytes for the stream engine: the data_received of the connection class this is mixed into."""
@@ -440,8 +536,10 @@ class BatchMixin:
         past its Connect, no digests, and the sans-IO connection at a PDU boundary with nothing held."""
         queue = self.queue
         ctrl = queue.ctrl
-        if ctrl is None or not queue.qid or self._deadline is not None or self._tls is not None:
-            return False   # (TLS: the socket carries records; every byte goes through the session)
+        if ctrl is None or not queue.qid or self._deadline is not None:
+            return False
+        if self._tls is not None and not self._tls_plain:
+            return False   # TLS: until _tls_take decrypts, the bytes here are records
         conn = self.conn
         if conn.hdgst or conn.ddgst or not conn.idle_ready():
             return False
@@ -687,6 +785,11 @@ class BatchMixin:
         """The batch's reply buffers (``wire`` bytes) in one write: one sendmsg on the engine's own transport."""
         transport = self.transport
         if transport is None:
+            return
+        if self._tls is not None:
+            self._tls_write(out)   # one encryption of the whole batch; written at the end of the wake-up
+            if self._fast_full:
+                self._send_tls()   # ... unless it reached the high-water mark: the socket says whether to hold
             return
         send_batch = getattr(transport, "send_batch", None)
         if send_batch is not None:

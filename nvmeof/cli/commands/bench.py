@@ -305,8 +305,6 @@ def bench(**opts: Any) -> None:
         raise click.UsageError(f"--poll-us {opts['poll_us']}: poll_us=N needs the TCP batch engine "
                                f"(--transport tcp), not --transport {opts['transport']}")
     tls = tls_kwargs(opts["tls"], opts["tls_key"], opts["tls_identity_version"], opts["tls_sha256_binder"])
-    if tls and opts["poll_us"]:
-        raise click.UsageError("--poll-us needs the batch engine's socket; TLS queues read through the TLS session")
     cspec = ConnectSpec(
         transport=opts["transport"], traddr=opts["traddr"], trsvcid=opts["trsvcid"], subnqn=opts["nqn"],
         hostnqn=opts["hostnqn"], hdr_digest=opts["hdr_digest"], data_digest=opts["data_digest"],
