@@ -331,6 +331,16 @@ async def test_tls_slot_commands_take_both_fast_paths() -> None:
                 return real_receive(data)
 
             q._conn.receive_data = receive   # type: ignore[method-assign]
+            # A RAM disk's cut write is received into the disk straight from the socket (FIONREAD, recv_into) on
+            # clear queues only: under TLS the socket holds ciphertext, so the plaintext takes the buffered road.
+            placed: list[bool] = []
+            real_direct = conn._h2c_direct_start
+
+            def direct(fw: Any, data: Any) -> bool:
+                placed.append(real_direct(fw, data))
+                return placed[-1]
+
+            conn._h2c_direct_start = direct   # type: ignore[method-assign]
             rng = random.Random(4)
             mixed = [4096 if i % 2 else 128 * 1024 for i in range(32)]
             datas = [rng.randbytes(n) for n in mixed]
@@ -357,6 +367,7 @@ async def test_tls_slot_commands_take_both_fast_paths() -> None:
                 if round_ != "write":
                     assert [bytes(b) for b in bufs] == [d[:len(b)] for d, b in zip(datas, bufs, strict=True)]
             assert not to_sansio   # every CapsuleResp, C2HData and R2T was the host's fast parser's
+            assert placed and not any(placed), "a TLS write was placed in the disk from the socket's ciphertext"
             # 32 reads of 4 KiB (replies below the high-water mark, past which a batch writes what it has so far):
             # the replies of one socket read leave in one write
             assert 0 < writes <= reads

@@ -879,9 +879,11 @@ class BatchMixin:
 
     def _h2c_direct_start(self, fw: _FastWrite, data: memoryview) -> bool:
         """Place the cut single-PDU write ``fw`` in the disk, ``data`` (its payload so far) first; False where
-        it cannot be (no RAM disk, or a transport that is not this engine's own socket: no FIONREAD)."""
+        it cannot be (no RAM disk, a transport that is not this engine's own socket: no FIONREAD, or TLS: the
+        socket holds records, whose byte count says nothing of the plaintext's, and _h2c_pull would receive
+        ciphertext into the disk)."""
         transport = self.transport
-        if type(transport) is not SocketTransport:
+        if type(transport) is not SocketTransport or self._tls is not None:
             return False
         disk = fw.backend.memory_view()
         # (registrants that came since the R2T: the buffered road, whose end hands it to io.parse's check)
