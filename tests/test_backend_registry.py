@@ -33,6 +33,7 @@ from target.backends.null import NullBackend
 from target.backends.ram import RamBackend
 from target.config import load_config
 from target.core import Target
+from target.fields import Field
 from target.service import ServiceError, TargetService
 from target.workers import PooledTarget
 from tests.ports import free_ports
@@ -200,7 +201,8 @@ class TapeBackend(RamBackend):
 
 @pytest.fixture
 def tape():
-    register_backend("tape", TapeBackend, options=("library", "slot"))   # the one line
+    register_backend("tape", TapeBackend, options={"library": Field(str, min_length=1),   # the one line
+                                                   "slot": Field(str, min_length=1)})
     try:
         yield
     finally:
