@@ -7,8 +7,8 @@ also owns its kind's rules: which settings are valid (``validate_spec``), which 
 storage (``storage_key``) and its part of the operator's policy (``policy_class``, composed here into
 StoragePolicy), so ``open_backend``, the management service and the worker hand-off (target/workers.py,
 target/worker.py) name no kind. A new backend is one module plus one line here (``register_backend``,
-with the settings it takes); one that needs an optional package is registered as ``"module:Class"``
-and imported the first time it is used.
+with the settings it takes as target.fields.Field declarations); one that needs an optional package is
+registered as ``"module:Class"`` and imported the first time it is used.
 """
 
 from __future__ import annotations
