@@ -240,3 +240,17 @@ async def test_a_registered_kind_is_validated_fenced_and_kept_by_the_service(tap
     assert [n.spec["slot"] for n in again.list_namespaces(sub)] == ["3", "4"]
     with pytest.raises(TypeError, match="no backend takes the policy setting"):
         TargetService(Target(), tape_drives=["x"])
+
+
+def test_a_setting_two_kinds_name_is_declared_alike() -> None:
+    # the file and the REST body have one field per name: a second kind may share rbd's "pool" only as declared
+    pool = BACKEND_OPTIONS["rbd"]["pool"]
+    with pytest.raises(ValueError, match="declares setting 'pool' unlike another kind"):
+        register_backend("tape", TapeBackend, options={"pool": Field(str, max_length=pool.max_length + 1)})
+    assert "tape" not in BACKENDS and "tape" not in BACKEND_OPTIONS
+    register_backend("tape", TapeBackend, options={"pool": pool})
+    try:
+        assert BACKEND_OPTIONS["tape"]["pool"] is pool
+    finally:
+        BACKENDS.pop("tape", None)
+        BACKEND_OPTIONS.pop("tape", None)
