@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from nvmeof import defaults
 from target import schema
+from target.backends import option_fields
 
 TrType = schema.TrType  # target/model.py, checked by target/schema.py
 AdrFam = schema.AdrFam
@@ -161,18 +162,10 @@ class SubsystemOut(BaseModel):
 # -- namespaces -------------------------------------------------------------------------------------
 
 
-class NamespaceCreate(_body("_NamespaceFields", schema.NAMESPACE)):  # type: ignore[misc]
+# a namespace's fields and, after them, the settings of the backend kinds as each kind declares them
+# (target.backends.BACKEND_OPTIONS; tests/test_schema.py keeps them there)
+class NamespaceCreate(_body("_NamespaceFields", {**schema.NAMESPACE, **option_fields()})):  # type: ignore[misc]
     model_config = _example({"backend": "ram", "size": 1 << 30, "block_size": 512})
-
-    # the settings of backend kinds (target.backends.BACKEND_OPTIONS; tests/test_schema.py keeps them there)
-    pool: str | None = Field(None, min_length=1, max_length=255, description="RBD pool (backend 'rbd', required)")
-    image: str | None = Field(None, min_length=1, max_length=255, description="RBD image (backend 'rbd', required)")
-    rbd_namespace: str | None = Field(None, min_length=1, max_length=255, description="RADOS namespace of the image")
-    ceph_conf: str | None = Field(None, min_length=1, max_length=4096,
-                                  description="Ceph configuration file; one the daemon allows (--ceph-conf)")
-    ceph_id: str | None = Field(None, min_length=1, max_length=255, description="Ceph client id (default admin)")
-    ceph_keyring: str | None = Field(None, min_length=1, max_length=4096,
-                                     description="Ceph keyring; one the daemon allows (--ceph-keyring)")
 
 
 class NamespaceAnaGroup(_body("_AnaGroupFields", schema.NAMESPACE, only=("anagrpid",),  # type: ignore[misc]

@@ -41,7 +41,7 @@ from typing import Any
 from nvmeof import defaults
 from nvmeof.spec.logs import ANA_STATE_NAMES, AnaState, parse_ana_state
 from target import schema
-from target.backends import BACKEND_OPTIONS
+from target.backends import option_fields
 from target.qos import QosError
 from target.qos import parse_config as parse_qos
 
@@ -76,10 +76,11 @@ class ConfigError(Exception):
 
 def _fields(kind: str) -> dict[str, schema.Field]:
     """The fields a ``kind`` item keeps in the file; a namespace's include every registered backend's
-    settings (strings; the service checks which kind takes which), as registered when the item is read."""
+    settings as the kind declares them (the service checks which kind takes which), as registered when the
+    item is read."""
     fields = {key: field for key, field in schema.ITEMS[kind].items() if field.in_file}
     if kind == "namespace":
-        fields.update({key: schema.Field(str) for keys in BACKEND_OPTIONS.values() for key in keys})
+        fields.update(option_fields())
     return fields
 
 

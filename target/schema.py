@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ipaddress
 import uuid as uuidlib
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from nvmeof import defaults
@@ -21,6 +20,17 @@ from nvmeof.spec.fabrics import PORTID_MAX
 from nvmeof.spec.identify import NSID_MAX
 from nvmeof.spec.logs import ANA_STATE_NAMES, AnaState, parse_ana_state
 from target.backends import KINDS
+from target.fields import (
+    JSON_TYPES,
+    REQUIRED_IN_BODY,
+    Field,
+    IntField,
+    SchemaError,
+    ServiceError,
+    is_json,
+)
+
+__all__ = ["JSON_TYPES", "REQUIRED_IN_BODY", "Field", "IntField", "SchemaError", "ServiceError", "is_json"]
 
 SERIAL_MAX = 20  # Identify Controller SN, bytes
 MODEL_MAX = 40  # Identify Controller MN, bytes
@@ -28,67 +38,6 @@ MODEL_MAX = 40  # Identify Controller MN, bytes
 TRTYPES = ("tcp", "rdma")
 ADRFAMS = ("ipv4", "ipv6")
 BLOCK_SIZES = (512, 4096)
-
-
-class ServiceError(Exception):
-    """A refused or failed management request. ``status`` follows HTTP: 400 bad input, 404 no such
-    object, 409 conflicts with the current state, 500 the change could not be applied or saved."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
-class SchemaError(ServiceError, ValueError):
-    """A value a field refuses; the message names the field and the reason. It is the service's 400 as it
-    stands (the service calls these checks directly; a config replay records the message per item)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(400, message)
-
-
-# JSON's types as json.loads gives them, named as the configuration file's messages name them
-JSON_TYPES: dict[type, str] = {int: "integer", str: "string", bool: "boolean", list: "list", dict: "object"}
-
-
-def is_json(kind: type, value: Any) -> bool:
-    """Whether ``value`` is of the JSON type ``kind`` (JSON_TYPES): a boolean is no integer."""
-    return isinstance(value, kind) and not (kind is int and isinstance(value, bool))
-
-
-@dataclass(frozen=True)
-class IntField:
-    """An integer field and its inclusive range."""
-
-    name: str
-    low: int
-    high: int
-
-    def bounds(self) -> dict[str, int]:
-        """The range as pydantic/FastAPI constraints (``Field(**f.bounds())``, ``Path(**f.bounds())``)."""
-        return {"ge": self.low, "le": self.high}
-
-    def check(self, value: Any, high: int | None = None) -> int:
-        """The value as an int (decimal text accepted, as the CLI and the config may give it); ``high``
-        narrows the range (an NSID within the subsystem's max_namespaces)."""
-        high = self.high if high is None else high
-        if isinstance(value, str) and value.strip().isdigit():
-            value = int(value)
-        if not is_json(int, value):
-            raise SchemaError(f"{self.name} must be an integer, got {value!r}")
-        if not self.low <= value <= high:
-            raise SchemaError(f"{self.name} {value} is out of range; use {self.low}..{high}")
-        return value
-
-    def accepts(self, value: Any) -> bool:
-        """Whether ``check`` takes ``value`` (a JSON object's key, a dump's text)."""
-        try:
-            self.check(value)
-        except SchemaError:
-            return False
-        return True
-
 
 NSID = IntField("nsid", 1, NSID_MAX)
 MAX_NAMESPACES = IntField("max_namespaces", 1, NSID_MAX)
@@ -197,37 +146,8 @@ def check_block_size(value: Any) -> int:
 
 # The fields of each configuration item: the config file's items (target/config.py checks their structure
 # against the JSON types, *_FIELDS), the REST bodies (api/schemas.py builds them from these) and the service's
-# parameters (the same names) are the one set.
-@dataclass(frozen=True)
-class Field:
-    """One field of a configuration item, which is also the REST body's field of that name: its JSON type in
-    the file (``kind``), and for the body (api/schemas.py builds it from these) its Python type when narrower
-    than ``kind`` (a Literal, list[str]), default (``REQUIRED_IN_BODY``: none; a list's is a new empty list),
-    range, length bounds and description."""
-
-    kind: type
-    default: Any = None
-    annotation: Any = None
-    range: IntField | None = None
-    min_length: int | None = None
-    max_length: int | None = None
-    description: str | None = None
-    pattern: str | None = None
-    strict: bool | None = None  # False: the body parses it from its JSON string (a UUID)
-    in_body: bool = True  # False: kept in the file, set through a route of its own (a listener's ana_states)
-    in_file: bool = True  # False: an action of the body, not kept (a namespace's "create")
-    body_name: str | None = None  # the body's name where it differs (a host's "nqn" is the body's "hostnqn")
-    required_in_file: bool = False  # the file's item must give it (the body may have a default or make one)
-    each: str | None = None  # a list of strings in the file: what its elements are, as a message names them
-    secret: bool = False  # never echoed in a message, never shown by the API (only whether it is set)
-
-    def body_type(self) -> Any:
-        """The body's type: ``annotation``, else ``kind`` (optional where the default is None)."""
-        kind = self.kind if self.annotation is None else self.annotation
-        return kind | None if self.default is None else kind
-
-
-REQUIRED_IN_BODY: Any = ...  # pydantic's marker of a field without a default
+# parameters (the same names) are the one set. Field and IntField live in target/fields.py, which the backend
+# registry imports too: a backend kind declares its own settings with them (BACKEND_OPTIONS).
 TrType = Literal[TRTYPES]  # type: ignore[valid-type]
 AdrFam = Literal[ADRFAMS]  # type: ignore[valid-type]
 TlsMode = Literal[defaults.TLS_MODES]  # type: ignore[valid-type]  # a TCP listener's TLS
@@ -306,7 +226,7 @@ HOST_SECRET_FIELDS = tuple(name for name, field in HOST.items() if field.secret)
 HEX_NGUID = rf"^[0-9A-Fa-f]{{{2 * NGUID_LEN}}}$"
 HEX_EUI64 = rf"^[0-9A-Fa-f]{{{2 * EUI64_LEN}}}$"
 # A namespace in a subsystem's "namespaces" list; besides these, the settings of its backend kind
-# (target.backends.BACKEND_OPTIONS, strings)
+# (target.backends.BACKEND_OPTIONS, declared with the kind as these are)
 NAMESPACE: dict[str, Field] = {
     "backend": Field(str, REQUIRED_IN_BODY, Literal[KINDS], required_in_file=True),  # type: ignore[valid-type]
     "path": Field(str, description="Absolute path of a file under a backing directory, or of an allowed block "

@@ -33,6 +33,7 @@ from target.backends.null import NullBackend
 from target.backends.ram import RamBackend
 from target.config import load_config
 from target.core import Target
+from target.fields import Field
 from target.service import ServiceError, TargetService
 from target.workers import PooledTarget
 from tests.ports import free_ports
@@ -200,7 +201,8 @@ class TapeBackend(RamBackend):
 
 @pytest.fixture
 def tape():
-    register_backend("tape", TapeBackend, options=("library", "slot"))   # the one line
+    register_backend("tape", TapeBackend, options={"library": Field(str, min_length=1),   # the one line
+                                                   "slot": Field(str, min_length=1)})
     try:
         yield
     finally:
@@ -238,3 +240,17 @@ async def test_a_registered_kind_is_validated_fenced_and_kept_by_the_service(tap
     assert [n.spec["slot"] for n in again.list_namespaces(sub)] == ["3", "4"]
     with pytest.raises(TypeError, match="no backend takes the policy setting"):
         TargetService(Target(), tape_drives=["x"])
+
+
+def test_a_setting_two_kinds_name_is_declared_alike() -> None:
+    # the file and the REST body have one field per name: a second kind may share rbd's "pool" only as declared
+    pool = BACKEND_OPTIONS["rbd"]["pool"]
+    with pytest.raises(ValueError, match="declares setting 'pool' unlike another kind"):
+        register_backend("tape", TapeBackend, options={"pool": Field(str, max_length=pool.max_length + 1)})
+    assert "tape" not in BACKENDS and "tape" not in BACKEND_OPTIONS
+    register_backend("tape", TapeBackend, options={"pool": pool})
+    try:
+        assert BACKEND_OPTIONS["tape"]["pool"] is pool
+    finally:
+        BACKENDS.pop("tape", None)
+        BACKEND_OPTIONS.pop("tape", None)

@@ -7,8 +7,8 @@ also owns its kind's rules: which settings are valid (``validate_spec``), which 
 storage (``storage_key``) and its part of the operator's policy (``policy_class``, composed here into
 StoragePolicy), so ``open_backend``, the management service and the worker hand-off (target/workers.py,
 target/worker.py) name no kind. A new backend is one module plus one line here (``register_backend``,
-with the settings it takes); one that needs an optional package is registered as ``"module:Class"``
-and imported the first time it is used.
+with the settings it takes as target.fields.Field declarations); one that needs an optional package is
+registered as ``"module:Class"`` and imported the first time it is used.
 """
 
 from __future__ import annotations
@@ -23,35 +23,49 @@ from target.backends.base import Backend, BackendError, BackendSpec, close_fds
 from target.backends.file import BackingError, BackingPolicy, FileBackend
 from target.backends.null import NullBackend
 from target.backends.ram import RamBackend
+from target.backends.rbd_options import OPTIONS as RBD_OPTIONS
+from target.fields import Field, SchemaError
 
 BACKENDS: dict[str, type[Backend] | str] = {}
 # Settings only one kind takes (BackendSpec.options), named as the configuration file, REST and the CLI
-# name them; declared with the kind, so they are known before a lazily registered class is imported.
-BACKEND_OPTIONS: dict[str, tuple[str, ...]] = {}
+# name them, each declared as a target.fields.Field (JSON type, length bounds, description, secret): the
+# configuration file's check, the REST body and ``validate_spec`` all use these declarations. Declared with
+# the kind, so they are known before a lazily registered class is imported.
+BACKEND_OPTIONS: dict[str, dict[str, Field]] = {}
 
 
-def register_backend(kind: str, cls: type[Backend] | str, options: Iterable[str] = ()) -> None:
+def register_backend(kind: str, cls: type[Backend] | str, options: Mapping[str, Field] | None = None) -> None:
     """Add a backend kind: its class, or ``"module:Class"`` to import when first used, and the
-    settings (BackendSpec.options) only it takes."""
+    settings (BackendSpec.options) only it takes, by name. A name another kind declares too is one field of
+    the file and the REST body, so it must be declared alike."""
     if kind in BACKENDS:
         raise ValueError(f"backend kind {kind!r} is already registered")
+    fields = option_fields()
+    for name, field in (options or {}).items():
+        if name in fields and fields[name] != field:
+            raise ValueError(f"backend kind {kind!r} declares setting {name!r} unlike another kind does")
     BACKENDS[kind] = cls
     if options:
-        BACKEND_OPTIONS[kind] = tuple(options)
+        BACKEND_OPTIONS[kind] = dict(options)
+
+
+def option_fields() -> dict[str, Field]:
+    """Every registered kind's settings by name (a namespace entry's fields besides target/schema.py's)."""
+    return {name: field for fields in BACKEND_OPTIONS.values() for name, field in fields.items()}
 
 
 register_backend("file", FileBackend)
 register_backend("ram", RamBackend)
 register_backend("null", NullBackend)
 register_backend("rbd", "target.backends.rbd:RbdBackend",   # librbd from Debian's python3-rbd, loaded when used
-                 options=("pool", "image", "rbd_namespace", "ceph_conf", "ceph_id", "ceph_keyring"))
+                 options=RBD_OPTIONS)
 KINDS = tuple(BACKENDS)   # the kinds shipped here, for option lists; ``kinds()`` includes later registrations
-OPTION_KEYS = tuple(dict.fromkeys(key for keys in BACKEND_OPTIONS.values() for key in keys))
+OPTION_KEYS = tuple(option_fields())
 
 __all__ = [
     "BACKENDS", "BACKEND_OPTIONS", "KINDS", "OPTION_KEYS", "Backend", "BackendError", "BackendSpec", "BackingError",
     "BackingPolicy", "FileBackend", "NullBackend", "RamBackend", "StoragePolicy", "attach_backend", "backend_class",
-    "kinds", "open_backend", "register_backend", "spec_of", "storage_key", "validate_spec",
+    "kinds", "open_backend", "option_fields", "register_backend", "spec_of", "storage_key", "validate_spec",
 ]
 
 
@@ -120,23 +134,25 @@ def _mine(policy: Any, settings: Mapping[str, Any]) -> dict[str, Any]:
 def spec_of(entry: Mapping[str, Any]) -> BackendSpec:
     """The BackendSpec of a namespace's configuration entry (``path``, ``size``, the settings of any registered
     kind: ``validate_spec`` refuses those its own kind does not take)."""
-    keys = dict.fromkeys(key for keys in BACKEND_OPTIONS.values() for key in keys)
     return BackendSpec(entry.get("path"), entry.get("size"), bool(entry.get("read_only", False)),
-                       bool(entry.get("create", False)), {key: entry[key] for key in keys if key in entry})
+                       bool(entry.get("create", False)), {key: entry[key] for key in option_fields() if key in entry})
 
 
 def validate_spec(kind: str, spec: BackendSpec, policy: StoragePolicy | None = None) -> BackendSpec:
-    """``spec`` checked for ``kind`` before anything is opened: only the settings the kind takes, each a
-    non-empty string, then the kind's own rules (``Backend.validate_spec``). BackendError names what is wrong."""
+    """``spec`` checked for ``kind`` before anything is opened: only the settings the kind takes, each as
+    its declaration takes it (``Field.check``: type, length bounds), then the kind's own rules
+    (``Backend.validate_spec``). BackendError names what is wrong."""
     cls = backend_class(kind)
-    allowed = BACKEND_OPTIONS.get(kind, ())
+    allowed = BACKEND_OPTIONS.get(kind, {})
     unknown = sorted(key for key in spec.options if key not in allowed)
     if unknown:
         takes = f"it takes {', '.join(allowed)}" if allowed else "it takes none"
         raise BackendError(f"a {kind} namespace has no setting {', '.join(unknown)}; {takes}")
     for key, value in spec.options.items():
-        if not isinstance(value, str) or not value or "\0" in value:
-            raise BackendError(f"{key} must be a non-empty string, got {value!r}")
+        try:
+            allowed[key].check(key, value)
+        except SchemaError as exc:
+            raise BackendError(exc.message) from None
     return cls.validate_spec(dataclasses.replace(spec, options=dict(spec.options)),
                              policy.part(kind) if policy is not None else None)
 

@@ -29,6 +29,7 @@ from typing import Any, NoReturn
 from nvmeof import defaults
 from target.backends.base import Backend, BackendError, BackendSpec, BackendUnavailable, close_fds
 from target.backends.file import BackingError, setting_path
+from target.backends.rbd_options import NAME_MAX
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,6 @@ INSTALL_HINT = ("RBD namespaces need librbd's Python bindings: install Debian's 
 # ETIMEDOUT from rados_osd_op_timeout, ESHUTDOWN (also Ceph's EBLOCKLISTED) and ENOTCONN from a
 # connection going away, EAGAIN from a throttled or restarting cluster.
 UNAVAILABLE_ERRNOS = frozenset({errno.ETIMEDOUT, errno.ESHUTDOWN, errno.ENOTCONN, errno.EAGAIN})
-NAME_MAX = 255           # bytes; Ceph refuses longer pool names, and no RBD image or namespace needs more
 SWEEP_INTERVAL = 0.5     # seconds between checks for commands librbd has not answered in time
 FOLLOW_TRIES = 25        # size() calls (20 ms apart) a worker makes to see the main process's resize
 CLOSE_WAIT = 1.0         # seconds close() waits for librbd to close the image before leaving it to a thread
@@ -398,6 +398,12 @@ class RbdBackend(Backend):
         missing = [name for name in ("pool", "image") if spec.options.get(name) is None]
         if missing:
             raise BackendError(f"an rbd namespace needs {' and '.join(missing)} (the RBD pool and image to serve)")
+        # the names as Ceph takes them (bytes, not the declaration's characters), before librados is loaded
+        _check_name(spec.options["pool"], "pool")
+        _check_name(spec.options["image"], "image")
+        _check_name(spec.options.get("rbd_namespace"), "rbd_namespace", optional=True)
+        if spec.options.get("ceph_id") is not None:
+            _check_id(spec.options["ceph_id"])
         # Stored resolved, like file paths; an unlisted one is refused before librados reads it.
         policy = policy if policy is not None else CephPolicy()
         options = dict(spec.options)
