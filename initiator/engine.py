@@ -84,6 +84,8 @@ queue broke."""
 # Block descriptor of Command.make_sgl unfolded). tests/test_engine.py checks it against Command.to_bytes.
 _CMD_PDU = struct.Struct("<BBBBI" "BBHIIIQ" "QI3xB" "IIIIII")
 assert _CMD_PDU.size == CAPSULE_CMD_HEADER_SIZE
+_SLBA_AT = _CMD_PDU.size - 24   # CDW10-11 (the SLBA) in the PDU: CDW10..CDW15 are its last 24 bytes
+_pack_slba = struct.Struct("<Q").pack_into
 _CMD = PduType.CAPSULE_CMD.value
 _C2H = PduType.C2H_DATA.value
 _CMD_HLEN = CAPSULE_CMD_HEADER_SIZE
@@ -96,7 +98,13 @@ _C2H_MASK = 0xFFFFFFFF & ~((DATA_LAST | DATA_SUCCESS) << 8)
 _C2H_KEY = _C2H | (_DATA_HLEN << 16) | (_DATA_HLEN << 24)
 _unpack_le64 = struct.Struct("<Q").unpack_from
 _unpack_le32 = struct.Struct("<I").unpack_from
-_unpack_cid_status = struct.Struct("<HH").unpack_from
+# The first 24 bytes of a CapsuleResp or C2HData (both headers are that long, as is an R2T): the common header
+# as one integer (flags: bits 8-15, plen: 32-63), then a C2HData's cccid, ttag, datao, datal, which are a
+# CapsuleResp's CQE dw0-dw1, and the CQE's cid and status (bytes 20-23).
+_HDR = struct.Struct("<QHHIIHH")
+_unpack_hdr = _HDR.unpack_from
+_HDR_LEN = _HDR.size
+assert _HDR_LEN == _RSP_LEN == _DATA_HLEN == R2T_SIZE
 _unpack_data_hdr = struct.Struct("<BBBBIHHII4x").unpack_from
 # An R2T without header digest: type, flags 0, hlen, plen as one integer over bytes 0-2 and 4-7 (pdo is 0 or
 # past the header: checked apart, as TcpConnection._check_header does).
@@ -158,6 +166,7 @@ class BatchQueue(HostQueue):
         self._tick = 0
         self._tick_due: float | None = None   # loop time of the next slot-timeout tick (None: idle)
         self._pdu = [bytearray(_CMD_HLEN) for _ in range(depth)]
+        self._shape: list[tuple[int, int, int, int, bool] | None] = [None] * depth   # what _pdu[cid] holds
         # start_awaitable: one bound method as every Future's completion callback, and whether this wake-up
         # completed any (then one flush is queued behind their tasks: see _flush_after_wakeups)
         self._settle_cb: Callback = self._settle
@@ -242,25 +251,33 @@ class BatchQueue(HostQueue):
                 self._wsrc[cid] = buf
                 self._dnext[cid] = 0
                 self._wend[cid] = n
-                _CMD_PDU.pack_into(pdu, 0, _CMD, 0, _CMD_HLEN, 0, _CMD_HLEN, opcode, SQE_FLAGS_PSDT_SGL, cid, nsid,
-                                   0, 0, 0, 0, n, SGL_ID_TRANSPORT, slba & _M32, slba >> 32, nlb - 1, 0, 0, 0)
                 self._wq.append(pdu)
+                incapsule = False
             elif write:
                 self._dbuf[cid] = None
                 self._dend[cid] = 0
                 self._wend[cid] = 0
-                _CMD_PDU.pack_into(pdu, 0, _CMD, 0, _CMD_HLEN, _CMD_HLEN, _CMD_HLEN + n, opcode, SQE_FLAGS_PSDT_SGL,
-                                   cid, nsid, 0, 0, 0, 0, n, SGL_ID_INCAPSULE, slba & _M32, slba >> 32, nlb - 1,
-                                   0, 0, 0)
                 self._wq += (pdu, buf)
+                incapsule = True
             else:
                 self._dbuf[cid] = buf
                 self._dnext[cid] = 0
                 self._dend[cid] = n
                 self._wend[cid] = 0
-                _CMD_PDU.pack_into(pdu, 0, _CMD, 0, _CMD_HLEN, 0, _CMD_HLEN, opcode, SQE_FLAGS_PSDT_SGL, cid, nsid,
-                                   0, 0, 0, 0, n, SGL_ID_TRANSPORT, slba & _M32, slba >> 32, nlb - 1, 0, 0, 0)
                 self._wq.append(pdu)
+                incapsule = False
+            # The cid's capsule keeps what was packed into it last: a command of the same shape (all but the
+            # SLBA; the in-capsule choice follows from write and n) writes only CDW10-11, as the target's
+            # reply slots write only SQHD.
+            shape = (opcode, nsid, nlb, n, write)
+            if self._shape[cid] == shape:
+                _pack_slba(pdu, _SLBA_AT, slba)
+            else:
+                self._shape[cid] = shape
+                _CMD_PDU.pack_into(pdu, 0, _CMD, 0, _CMD_HLEN, _CMD_HLEN if incapsule else 0,
+                                   _CMD_HLEN + n if incapsule else _CMD_HLEN, opcode, SQE_FLAGS_PSDT_SGL, cid, nsid,
+                                   0, 0, 0, 0, n, SGL_ID_INCAPSULE if incapsule else SGL_ID_TRANSPORT, slba & _M32,
+                                   slba >> 32, nlb - 1, 0, 0, 0)
             self.commands_submitted += 1
             return
         # Digests: TcpConnection builds, registers and checks it; the events come back through _on_response /
@@ -479,7 +496,7 @@ class BatchQueue(HostQueue):
         wsrc = self._wsrc
         max_data = self._max_data
         waiters = self._cid_waiters
-        unpack_key, unpack_cs, unpack_data = _unpack_le64, _unpack_cid_status, _unpack_data_hdr
+        unpack_key, unpack_hdr, unpack_data = _unpack_le64, _unpack_hdr, _unpack_data_hdr
         rsp_key, c2h_mask, c2h_key = _RSP_KEY, _C2H_MASK, _C2H_KEY
         while pos < end:
             debt = self._debt
@@ -497,11 +514,14 @@ class BatchQueue(HostQueue):
             if avail < 8:
                 break
             if fast:
-                key = unpack_key(mv, pos)[0]
+                if avail >= _HDR_LEN:
+                    # One unpack serves a CapsuleResp (cid, status) and a C2HData (cccid, datao, datal)
+                    key, cccid, _tt, datao, datal, cid, status = unpack_hdr(mv, pos)
+                else:
+                    key = unpack_key(mv, pos)[0]
+                    if key == rsp_key or key & c2h_mask == c2h_key or key & _R2T_MASK == _R2T_KEY:
+                        break   # a slot PDU's header, cut: the rest comes with the next receive
                 if key == rsp_key:
-                    if avail < _RSP_LEN:
-                        break
-                    cid, status = unpack_cs(mv, pos + 20)
                     if cid < depth and not via[cid]:
                         cb = cbs[cid]
                         if cb is not None:
@@ -520,9 +540,9 @@ class BatchQueue(HostQueue):
                                 break
                             continue
                 elif key & c2h_mask == c2h_key:
-                    if avail < _DATA_HLEN:
-                        break
-                    _t, flags, _h, _p, plen, cid, _tt, datao, datal = unpack_data(mv, pos)
+                    flags = key >> 8 & 0xFF
+                    plen = key >> 32
+                    cid = cccid
                     if cid < depth and cbs[cid] is not None and not via[cid]:
                         dest = dbuf[cid]
                         stop = datao + datal
@@ -551,8 +571,6 @@ class BatchQueue(HostQueue):
                             pos = end
                         break   # the rest of the PDU is still to come
                 elif key & _R2T_MASK == _R2T_KEY:
-                    if avail < R2T_SIZE:
-                        break
                     _t, _f, _h, pdo, _l, cid, ttag, r2to, r2tl = unpack_data(mv, pos)
                     if (pdo == 0 or pdo >= R2T_SIZE) and cid < depth and cbs[cid] is not None and not via[cid]:
                         # nvme_tcp_handle_r2t: the R2T must ask for data the command has and has not asked

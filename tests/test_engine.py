@@ -108,6 +108,30 @@ async def test_slot_writes_and_reads(server: FakeServer, digests: bool) -> None:
     q.close()
 
 
+async def test_reused_cid_capsule_equals_command_to_bytes(server: FakeServer) -> None:  # noqa: F811
+    """One cid (queue_size 2) through commands of changing shape: every capsule carries the SQE
+    Command.to_bytes builds for it, whether the cid's PDU was packed whole or only its SLBA rewritten."""
+    q = await open_batch(server, queue_size=2)
+    big = 0x1_0000_0010   # an SLBA above 32 bits: CDW11 (the fake controller reads at CDW10 * 512)
+    steps = [(READ, 1, 8, 4096, False), (READ, 1, 24, 4096, False), (READ, 2, 24, 4096, False),
+             (READ, 2, big, 4096, False), (READ, 2, 40, 2048, False), (WRITE, 2, 40, 2048, True),
+             (WRITE, 2, 48, 2048, True), (WRITE, 2, 56, 8192, True), (WRITE, 2, 8, 8192, True),
+             (READ, 2, 8, 8192, False), (READ, 1, 0, 512, False), (READ, 1, 3, 512, False)]
+    for opcode, nsid, slba, n, write in steps:
+        buf = memoryview(bytearray(os.urandom(n) if write else n))
+        fut: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+        q.start(opcode, nsid, slba, n // 512, buf, write, lambda _t, err, f=fut: f.set_result(err), None)
+        q.kick()
+        assert await asyncio.wait_for(fut, 5) is None
+    assert len(server.commands) == len(steps)
+    for got, (opcode, nsid, slba, n, write) in zip(server.commands, steps, strict=True):
+        want = Command(opcode, cid=got.cid, nsid=nsid, cdw10=slba & 0xFFFFFFFF, cdw11=slba >> 32, cdw12=n // 512 - 1)
+        want.dptr = Command.make_sgl(SGL_ID_INCAPSULE if write and n <= 4096 else SGL_ID_TRANSPORT, 0, n)
+        assert got.to_bytes() == want.to_bytes(), (opcode, nsid, slba, n)
+    assert {c.cid for c in server.commands} == {0}
+    q.close()
+
+
 async def test_slot_large_read_is_placed_directly(server: FakeServer) -> None:  # noqa: F811
     server.c2h_pdu = 256 * 1024
     data = os.urandom(256 * 1024)

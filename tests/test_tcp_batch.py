@@ -64,7 +64,8 @@ def test_command_layout_equals_construct() -> None:
         sqe = nvme_spec.SQE.build(sqe_fields)
         pdu = spec.CapsuleCmdHeader.build({"ch": {"type": spec.PduType.CAPSULE_CMD, "flags": 0, "hlen": 72,
                                                   "pdo": 0, "plen": 72}, "sqe": sqe})
-        head, opcode, flags, cid, nsid, sgl_len, sgl_id, slba, cdw12 = CMD_FAST.unpack_from(pdu)
+        head, opflags, cid, nsid, sgl_len, sgl_id, slba, cdw12 = CMD_FAST.unpack_from(pdu)
+        opcode, flags = opflags & 0xFF, opflags >> 8
         assert head == int.from_bytes(spec.CommonHeader.build({"type": spec.PduType.CAPSULE_CMD, "flags": 0,
                                                                 "hlen": 72, "pdo": 0, "plen": 72}), "little")
         parsed = nvme_spec.SQE.parse(spec.CapsuleCmdHeader.parse(pdu).sqe)
@@ -91,6 +92,20 @@ def test_reply_layout_equals_construct() -> None:
     alone = bytearray(RESP_FAST.size)
     RESP_FAST.pack_into(alone, 0, spec.PduType.CAPSULE_RESP, 0, 24, 0, 24, 0, 0, 9, 3, 77, 0)
     assert alone == buf[24:]
+
+
+def test_slot_sqhd_store_equals_the_packed_cqe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slot's SQHD written through its 16-bit view (little-endian hosts) or packed (the fallback) gives the
+    CapsuleResp RESP_FAST packs with that SQHD."""
+    slots = [tcp_batch._Slot(77, 3, False)]
+    monkeypatch.setattr(tcp_batch, "_NATIVE_LE", False)
+    slots.append(tcp_batch._Slot(77, 3, False))
+    for sqhd in (0, 1, 0x1234, 0xFFFE):
+        want = bytearray(RESP_FAST.size)
+        RESP_FAST.pack_into(want, 0, spec.PduType.CAPSULE_RESP, 0, 24, 0, 24, 0, 0, sqhd, 3, 77, 0)
+        for slot in slots:
+            slot.sqhd[0] = sqhd
+            assert bytes(slot.resp) == want
 
 
 # --- byte for byte against the stream engine --------------------------------------------------------

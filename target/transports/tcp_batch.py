@@ -80,6 +80,7 @@ import os
 import select
 import socket
 import struct
+import sys
 import termios
 import time
 from collections.abc import Iterable
@@ -112,9 +113,9 @@ log = logging.getLogger(__name__)
 # CapsuleResp; nvmeof/spec/nvme.py SQE, CQE) ------------------------------------------------------
 
 # A whole CapsuleCmd header from its first byte: the common header as one integer (compared with the
-# connection's ``fast_command_key``), then opcode, flags, cid, nsid, the SGL's length and identifier,
+# connection's ``fast_command_key``), then opcode | flags << 8, cid, nsid, the SGL's length and identifier,
 # SLBA (CDW10 | CDW11 << 32) and CDW12.
-CMD_FAST = struct.Struct("<QBBHI24xI3xBQI")
+CMD_FAST = struct.Struct("<QHHI24xI3xBQI")
 # The common header of a CapsuleCmd with in-capsule data: type, flags, hlen, pdo, plen.
 COMMON_FAST = struct.Struct("<BBBBI")
 # One slot: a C2HData header (type, flags, hlen, pdo, plen, cccid, ttag, datao, datal) followed by a
@@ -135,6 +136,7 @@ _pack_resp = RESP_FAST.pack_into
 _pack_c2h = spec.DATA_PDU_HDR.pack_into
 _pack_sqhd = struct.Struct("<H").pack_into
 _SLOT_SQHD = spec.DATA_PDU_HEADER_SIZE + 16   # the CapsuleResp's CQE SQHD (CQE bytes 8-9) in a slot
+_NATIVE_LE = sys.byteorder == "little"
 
 _CMD = spec.PduType.CAPSULE_CMD.value
 _C2H = spec.PduType.C2H_DATA.value
@@ -147,6 +149,7 @@ _LAST_SUCCESS = spec.DATA_LAST | spec.DATA_SUCCESS
 _READ = IoOpcode.READ.value
 _WRITE = IoOpcode.WRITE.value
 _SGL_FLAGS = SQE_FLAGS_PSDT_SGL
+_HOT_READ = _READ | _SGL_FLAGS << 8   # opcode and flags of the hot lane's reads (other flag bits: the general path)
 _MAX_TRANSFER = defaults.MAX_TRANSFER
 # A host may cycle through all 65,536 CIDs (Linux: a generation counter in the top bits, nvme_cid): with
 # a slot each, ~737 bytes apiece, one queue would hold ~48 MB. Only so many CIDs keep theirs.
@@ -174,13 +177,15 @@ class _Slot:
     and a CapsuleResp, and a view of each (what the write list carries). Everything but SQHD stays
     as packed while the CID keeps moving the same length, so most commands write two bytes here."""
 
-    __slots__ = ("buf", "hdr", "length", "resp")
+    __slots__ = ("buf", "hdr", "length", "resp", "sqhd")
 
     def __init__(self, cid: int, qid: int, flow_off: bool) -> None:
         self.buf = bytearray(SLOT_SIZE)
         view = memoryview(self.buf)
         self.hdr = view[:_DATA_HLEN]
         self.resp = view[_DATA_HLEN:]
+        # the CQE's SQHD as one 16-bit item: ``slot.sqhd[0] = n`` is one store, not a pack call
+        self.sqhd: Any = view[_SLOT_SQHD:_SLOT_SQHD + 2].cast("H") if _NATIVE_LE else _SqhdField(self.buf)
         self.length = -1   # what the C2HData header describes; -1: not packed yet
         _pack_resp(self.buf, _DATA_HLEN, _RSP, 0, _RSP_LEN, 0, _RSP_LEN, 0, 0, _SQHD_DISABLED if flow_off else 0,
                    qid, cid, 0)
@@ -190,6 +195,18 @@ class _Slot:
         _pack_c2h(self.buf, 0, _C2H, _LAST_SUCCESS if flow_off else _LAST, _DATA_HLEN, _DATA_HLEN,
                   _DATA_HLEN + length, cid, 0, 0, length)
         self.length = length
+
+
+class _SqhdField:
+    """A slot's SQHD where native byte order is not the wire's (little-endian): packed on assignment."""
+
+    __slots__ = ("buf",)
+
+    def __init__(self, buf: bytearray) -> None:
+        self.buf = buf
+
+    def __setitem__(self, index: int, value: int) -> None:
+        _pack_sqhd(self.buf, _SLOT_SQHD, value)
 
 
 class _FastWrite:
@@ -589,7 +606,7 @@ class BatchMixin:
         last_nsid = -1
         ns: Any = None
         disk: memoryview | None = None
-        hot: memoryview | None = None   # disk, unless a QoS limit must see each command (then the hot lane is off)
+        hot_nsid = -1   # last_nsid while its reads may take the hot lane: a RAM disk (a view) without QoS limits
         qos: Any = None
         hostnqn = ctrl.hostnqn
         read_nowait: Any = None
@@ -608,11 +625,10 @@ class BatchMixin:
         yield_at = self._yield_at
         over = False
         while end - pos >= _CMD_HLEN and read_bytes < budget and not over:
-            head, opcode, flags, cid, nsid, sgl_len, sgl_id, slba, cdw12 = _unpack_cmd(mv, pos)
+            head, opflags, cid, nsid, sgl_len, sgl_id, slba, cdw12 = _unpack_cmd(mv, pos)
             # The hot lane: a RAM-disk read of the namespace and length this CID had last time. Every
             # check of the general path below, in the fewest steps; anything else goes there.
-            if (head == key and opcode == _READ and nsid == last_nsid and hot is not None and sgl_id == fast_sgl
-                    and flags & SQE_FLAGS_PSDT_MASK == _SGL_FLAGS):
+            if head == key and opflags == _HOT_READ and nsid == hot_nsid and sgl_id == fast_sgl:
                 nlb = (cdw12 & 0xFFFF) + 1
                 length = nlb << shift
                 slot = slots.get(cid)
@@ -627,9 +643,11 @@ class BatchMixin:
                         sqhd += 1
                         if sqhd == wrap:
                             sqhd = 0
-                        _pack_sqhd(slot.buf, _SLOT_SQHD, sqhd)
+                        slot.sqhd[0] = sqhd
                         out += (slot.hdr, disk[offset:offset + length], slot.resp)
                     continue
+            opcode = opflags & 0xFF
+            flags = opflags >> 8
             if head == key:
                 plen = _CMD_HLEN
                 if sgl_id != fast_sgl or (opcode != _READ and opcode != _WRITE):
@@ -659,7 +677,7 @@ class BatchMixin:
                 backend = ns.backend
                 disk = backend.memory_view()
                 qos = ns.qos
-                hot = disk if qos is None else None
+                hot_nsid = nsid if disk is not None and qos is None else -1
                 read_nowait = backend.read_nowait
                 write_nowait = backend.write_nowait
                 shift = ns.lba_shift
@@ -756,7 +774,7 @@ class BatchMixin:
                 sqhd += 1
                 if sqhd == wrap:
                     sqhd = 0
-                _pack_sqhd(slot.buf, _SLOT_SQHD, sqhd)
+                slot.sqhd[0] = sqhd
             append(slot.resp)
         self._fast_full = read_bytes >= budget
         self._fast_over = over
