@@ -61,7 +61,8 @@ handshake itself stays with ``TargetConnection._tls_received``.
 `SocketTransport` is the engine's own asyncio transport on a non-blocking socket, driven by
 ``loop.add_reader``/``add_writer`` (any loop, uvloop included): receives into the protocol's
 buffer (BufferedProtocol), ``sendmsg`` of buffer lists without joining them, a backlog of views
-kept when the socket is full (pause/resume_writing at high/low water marks) and, with
+kept when the socket is full (pause/resume_writing at high/low water marks; a RAM disk view the
+socket took in part is copied, ``_owned_rest``: its cut block must not change before it is sent) and, with
 ``poll_us`` (``nvmeof serve --poll-us N``), hybrid polling: after a batch it keeps trying
 non-blocking receives for up to N µs before going back to sleep in the selector (SPDK's pollers,
 the kernel's busy-poll), bounded per callback so other connections and timers still run.
