@@ -61,7 +61,8 @@ handshake itself stays with ``TargetConnection._tls_received``.
 `SocketTransport` is the engine's own asyncio transport on a non-blocking socket, driven by
 ``loop.add_reader``/``add_writer`` (any loop, uvloop included): receives into the protocol's
 buffer (BufferedProtocol), ``sendmsg`` of buffer lists without joining them, a backlog of views
-kept when the socket is full (pause/resume_writing at high/low water marks) and, with
+kept when the socket is full (pause/resume_writing at high/low water marks; a RAM disk view the
+socket took in part is copied, ``_owned_rest``: its cut block must not change before it is sent) and, with
 ``poll_us`` (``nvmeof serve --poll-us N``), hybrid polling: after a batch it keeps trying
 non-blocking receives for up to N µs before going back to sleep in the selector (SPDK's pollers,
 the kernel's busy-poll), bounded per callback so other connections and timers still run.
@@ -76,6 +77,7 @@ import errno
 import fcntl
 import itertools
 import logging
+import mmap
 import os
 import select
 import socket
@@ -1287,6 +1289,14 @@ _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 102
 _TRY_AGAIN = (BlockingIOError, InterruptedError)
 
 
+def _owned_rest(view: memoryview) -> memoryview:
+    """The unsent rest of a buffer the socket took in part. A view of a RAM disk (a read sent without a copy)
+    is copied: its cut block would otherwise be finished from the disk as it is when the socket drains, and a
+    write landing meanwhile would show the host a block half old, half new (single-block atomicity, AWUN 0).
+    Whole views still queued are sent whole later, each block as it is then: that is only a later read."""
+    return memoryview(bytes(view)) if type(view.obj) is mmap.mmap else view
+
+
 class SocketTransport(asyncio.Transport):
     """A non-blocking TCP socket as an asyncio transport for a BufferedProtocol (see the module
     docstring). Closing flushes the backlog first; ``abort`` drops it."""
@@ -1491,7 +1501,7 @@ class SocketTransport(asyncio.Transport):
         for i, buf in enumerate(bufs):
             view = memoryview(buf).cast("B") if not isinstance(buf, memoryview) or buf.format != "B" else buf
             if i == 0 and skip:
-                view = view[skip:]
+                view = _owned_rest(view[skip:])
             if len(view):
                 backlog.append(view)
                 self._backlog_bytes += len(view)
@@ -1517,7 +1527,7 @@ class SocketTransport(asyncio.Transport):
             for _ in range(len(chunk)):
                 head = backlog[0]
                 if sent < len(head):
-                    backlog[0] = head[sent:]
+                    backlog[0] = _owned_rest(head[sent:])
                     return   # the socket is full again: wait for the next writable
                 sent -= len(head)
                 backlog.popleft()
