@@ -437,3 +437,28 @@ async def test_a_reservation_taken_before_the_data_keeps_a_write_out_of_the_disk
     assert bytes(disk[start:start + size]) == old
     admin.close()
     await peer.close()
+
+
+async def test_a_namespace_made_read_only_before_the_data_refuses_the_write(served, monkeypatch):
+    """The namespace is made read-only between a write's R2T and its data, on the buffered road (a backend
+    with no memory view): the write is judged again by the lifecycle and refused, as it is when the data is
+    received into the disk (_h2c_unchanged) and as a disabled namespace is; the disk keeps its data."""
+    admin, peer, conn = await _io_peer(served)
+    ns = served.target.subsystems[SUBNQN].namespaces[1]
+    disk = ns.backend.memory_view()
+    monkeypatch.setattr(ns.backend, "memory_view", lambda: None)
+    size, slba = 128 * 1024, 1024
+    start = slba * BLOCK
+    old = bytes(disk[start:start + size])
+    new = os.urandom(size)
+    await peer.send(rw_capsule(IoOpcode.WRITE, 7, slba, size))
+    r2t = await _r2t(peer, 7)
+    assert type(conn._h2c[r2t["ttag"]]) is tcp_batch._FastWrite
+    monkeypatch.setattr(ns, "read_only", True)
+    await peer.send(h2c_data(7, r2t["ttag"], 0, new, last=True))
+    assert await peer.wait_for(lambda o: o.done(7), 5)
+    assert peer.out.cqe(7).status_code == 0x20   # Namespace is Write Protected
+    assert bytes(disk[start:start + size]) == old
+    await wait_until(lambda: conn._h2c_bytes == 0 and not conn._tasks, what="the write's budget to come back")
+    admin.close()
+    await peer.close()

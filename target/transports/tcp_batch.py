@@ -1079,7 +1079,10 @@ class BatchMixin:
         done = False
         if data is None:
             done = True   # placed in the disk as it came, each part after _h2c_unchanged
-        elif ctrl is not None and ns.enabled and not ns.pr.registrants and ns.backend is fw.backend:
+        elif (ctrl is not None and ns.enabled and not ns.read_only and not ns.pr.registrants
+              and ns.backend is fw.backend):
+            # (as _h2c_unchanged judges a write received into the disk: what changed since the R2T goes to
+            # the lifecycle, whose io.parse refuses it)
             try:
                 done = fw.backend.write_nowait(fw.offset, data, fua=fw.fua)
             except Exception:   # the lifecycle runs it again and reports the error
