@@ -364,14 +364,7 @@ class BatchQueue(HostQueue):
                     self._on_events(self._conn.direct_received(n))
                     return True
             else:
-                end = self._rend
-                if end == self._rstart:
-                    self._rstart = self._rend = end = 0
-                elif len(self._rbuf) - end < COMPACT_BELOW:
-                    rest = bytes(self._rmv[self._rstart:end])
-                    end = len(rest)
-                    self._rbuf[:end] = rest
-                    self._rstart, self._rend = 0, end
+                end = self._rbuf_end()
                 n = sock.recv_into(self._rmv[end:])
                 if n:
                     self._rend = end + n
@@ -383,6 +376,19 @@ class BatchQueue(HostQueue):
             return False
         self.connection_lost(None)
         return False
+
+    def _rbuf_end(self) -> int:
+        """Where the next received bytes go in _rbuf (socket or TLS session): at its start when all is
+        parsed, else behind the unparsed tail, which moves to the front once less than COMPACT_BELOW is free."""
+        end = self._rend
+        if end == self._rstart:
+            self._rstart = self._rend = end = 0
+        elif len(self._rbuf) - end < COMPACT_BELOW:
+            rest = bytes(self._rmv[self._rstart:end])
+            end = len(rest)
+            self._rbuf[:end] = rest
+            self._rstart, self._rend = 0, end
+        return end
 
     # ---- TLS: records in, plaintext where the socket's bytes would go -------------------------------
 
@@ -442,14 +448,7 @@ class BatchQueue(HostQueue):
             if n:
                 self._direct_in(n)
             return n > 0
-        end = self._rend
-        if end == self._rstart:
-            self._rstart = self._rend = end = 0
-        elif len(self._rbuf) - end < COMPACT_BELOW:
-            rest = bytes(self._rmv[self._rstart:end])
-            end = len(rest)
-            self._rbuf[:end] = rest
-            self._rstart, self._rend = 0, end
+        end = self._rbuf_end()
         room = self._rmv[end:]
         n = tls.read_into(room)
         self._tls_more = 0 < n == len(room)
