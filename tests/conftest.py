@@ -76,3 +76,20 @@ def client(service):  # type: ignore[no-untyped-def]
     yield client
     client.portal.call(service.target.close)
     client.__exit__(None, None, None)
+
+
+@pytest.fixture
+def driver_runs(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """The BatchDriver of each bench job that took the batch path (None for one that did not)."""
+    from initiator.bench.batch import BatchDriver
+
+    seen: list[object] = []
+    original = BatchDriver.for_runner.__func__   # type: ignore[attr-defined]
+
+    def spy(cls: type[BatchDriver], runner: object) -> BatchDriver | None:
+        driver = original(cls, runner)
+        seen.append(driver)
+        return driver
+
+    monkeypatch.setattr(BatchDriver, "for_runner", classmethod(spy))
+    return seen

@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 
 from initiator.bench import ConnectSpec, JobSpec, run_bench
-from initiator.bench.batch import BatchDriver
 from initiator.controller import HostController
 from target.core import Target
 from target.service import TargetService
@@ -28,21 +27,6 @@ async def tcp_target():
     await service.add_listener("tcp", "127.0.0.1", port)
     yield port
     await t.close()
-
-
-@pytest.fixture
-def driver_runs(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """The BatchDriver of each job that took the batch path."""
-    seen: list[Any] = []
-    original = BatchDriver.for_runner.__func__
-
-    def spy(cls: type[BatchDriver], runner: Any) -> BatchDriver | None:
-        driver = original(cls, runner)
-        seen.append(driver)
-        return driver
-
-    monkeypatch.setattr(BatchDriver, "for_runner", classmethod(spy))
-    return seen
 
 
 @pytest.mark.parametrize(("engine", "poll_us", "queues"), [("batch", 0, 1), ("batch", 50, 2), ("stream", 0, 1)])

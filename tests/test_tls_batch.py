@@ -27,7 +27,6 @@ from test_tcp_batch import _send_cut
 
 import initiator
 from initiator.bench import ConnectSpec, JobSpec, run_bench
-from initiator.bench.batch import BatchDriver
 from initiator.engine import BatchQueue
 from nvmeof.spec.nvme import SGL_ID_INCAPSULE, SGL_ID_TRANSPORT, Command, IoOpcode
 from nvmeof.tls.openssl import TlsError, TlsSession
@@ -376,20 +375,6 @@ async def test_tls_slot_commands_take_both_fast_paths() -> None:
 
 
 # --- nvmeof bench --verify crc32c over TLS ----------------------------------------------------------------------
-
-
-@pytest.fixture
-def driver_runs(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    seen: list[Any] = []
-    original = BatchDriver.for_runner.__func__   # type: ignore[attr-defined]
-
-    def spy(cls: type[BatchDriver], runner: Any) -> BatchDriver | None:
-        driver = original(cls, runner)
-        seen.append(driver)
-        return driver
-
-    monkeypatch.setattr(BatchDriver, "for_runner", classmethod(spy))
-    return seen
 
 
 async def test_bench_verify_over_tls(driver_runs: list[Any]) -> None:
