@@ -147,15 +147,11 @@ def _send_cut(host: RecordingHost, sends: list[tuple[Any, ...]], rng: random.Ran
     return futs
 
 
-async def _script(sqflow_off: bool, cut: bool) -> tuple[bytes, list[Any]]:
-    tgt = make_target()
-    sub = tgt.subsystems[SUBNQN]
-    sub.namespaces[3] = Namespace(3, RamBackend(1 << 20, read_only=True))
-    admin, cntlid = await admin_session(tgt, SUBNQN)
-    rec = await _io_recording(tgt, cntlid, sqflow_off=sqflow_off)
-    rng = random.Random(3)
+def script_batches() -> list[list[tuple[Any, ...]]]:
+    """The scripted session's batches of I/O commands: in-capsule and R2T writes, reads of every size, bad SGLs,
+    an unknown and a read-only namespace, a flush, and the same CIDs again (test_tls_batch runs it over TLS)."""
     a = random.Random(1).randbytes(4096)
-    big = random.Random(2).randbytes(32 * 1024)
+    big = random.Random(2).randbytes(32 * 1024)   # above the in-capsule size: R2T and H2CData
     bad_sgl = Command(IoOpcode.READ, nsid=1, cdw10=0, cdw12=0)
     bad_sgl.dptr = Command.make_sgl(SGL_ID_INCAPSULE, 0, 512)
     short_sgl = Command(IoOpcode.READ, nsid=1, cdw10=0, cdw12=1)
@@ -168,8 +164,21 @@ async def _script(sqflow_off: bool, cut: bool) -> tuple[bytes, list[Any]]:
         # the same CIDs again (each batch starts at cid 1): the slots' hot lane, and a length change
         [_rd(100, 64), _rd(0, 8)] + [_rd(i, 1) for i in range(40, 80)],
         [_rd(100, 64), _rd(0, 2)] + [_rd(i, 1) for i in range(40)] + [_rd(3000, 1), _rd(5, 1)],
+        # two R2T writes in one batch, then their reads
+        [_wr(200, big), _wr(300, big), _rd(200, 64), _rd(300, 64)] + [_rd(i, 1) for i in range(40)],
         [_rd(7, 64), _wr(3, a[:1024]), _rd(0, 8)] + [_rd(i, 1, nsid=3 if i % 5 == 0 else 1) for i in range(40)],
     ]
+    return batches
+
+
+async def _script(sqflow_off: bool, cut: bool) -> tuple[bytes, list[Any]]:
+    tgt = make_target()
+    sub = tgt.subsystems[SUBNQN]
+    sub.namespaces[3] = Namespace(3, RamBackend(1 << 20, read_only=True))
+    admin, cntlid = await admin_session(tgt, SUBNQN)
+    rec = await _io_recording(tgt, cntlid, sqflow_off=sqflow_off)
+    rng = random.Random(3)
+    batches = script_batches()
     seen: list[Any] = []
     for sends in batches:
         rec.next_cid = 1   # CIDs are free again once their batch completed

@@ -22,13 +22,13 @@ from typing import Any
 
 import pytest
 from target_host import HOSTNQN, SUBNQN, admin_session, make_target
-from test_fast_paths import RecordingHost, _batch, _rd, _wr
-from test_tcp_batch import _send_cut
+from test_fast_paths import RecordingHost, _batch
+from test_tcp_batch import _send_cut, script_batches
 
 import initiator
 from initiator.bench import ConnectSpec, JobSpec, run_bench
 from initiator.engine import BatchQueue
-from nvmeof.spec.nvme import SGL_ID_INCAPSULE, SGL_ID_TRANSPORT, Command, IoOpcode
+from nvmeof.spec.nvme import Command, IoOpcode
 from nvmeof.tls.openssl import TlsError, TlsSession
 from nvmeof.tls.psk import HMAC_SHA256, TlsKey, generate_key
 from target.backends.ram import RamBackend
@@ -135,21 +135,7 @@ async def _script(tls: bool, sqflow_off: bool) -> tuple[bytes, list[Any], int]:
     rec = await _open(server.port, tls, rng)
     res = await rec.connect(SUBNQN, qid=1, cntlid=cntlid, sqsize=63, cattr=4 if sqflow_off else 0)
     assert res.status == 0, res
-    a = random.Random(1).randbytes(4096)
-    big = random.Random(2).randbytes(32 * 1024)   # above the in-capsule size: R2T and H2CData
-    bad_sgl = Command(IoOpcode.READ, nsid=1, cdw10=0, cdw12=0)
-    bad_sgl.dptr = Command.make_sgl(SGL_ID_INCAPSULE, 0, 512)
-    short_sgl = Command(IoOpcode.READ, nsid=1, cdw10=0, cdw12=1)
-    short_sgl.dptr = Command.make_sgl(SGL_ID_TRANSPORT, 0, 512)
-    batches = [
-        [_wr(0, a), _rd(0, 8), _rd(2, 1), _wr(8, a[:512]), _rd(8, 1), _rd(0, 8)],
-        [_rd(2047, 2), _rd(0, 1, nsid=9), _rd(5, 3), _wr(0, a, nsid=3), _rd(0, 1, nsid=3), _rd(1, 1)],
-        [(bad_sgl, None, 0), (short_sgl, None, 0), _rd(1, 1), (Command(IoOpcode.FLUSH, nsid=1), None, 0), _rd(3, 1)],
-        [_wr(100, big), _rd(100, 64), _rd(0, 8)] + [_rd(i, 1) for i in range(40)],
-        [_rd(100, 64), _rd(0, 8)] + [_rd(i, 1) for i in range(40, 80)],
-        [_wr(200, big), _wr(300, big), _rd(200, 64), _rd(300, 64)] + [_rd(i, 1) for i in range(40)],
-        [_rd(7, 64), _wr(3, a[:1024]), _rd(0, 8)] + [_rd(i, 1, nsid=3 if i % 5 == 0 else 1) for i in range(40)],
-    ]
+    batches = script_batches()
     seen: list[Any] = []
     for i, sends in enumerate(batches):
         rec.next_cid = 1
