@@ -462,3 +462,59 @@ async def test_a_namespace_made_read_only_before_the_data_refuses_the_write(serv
     await wait_until(lambda: conn._h2c_bytes == 0 and not conn._tasks, what="the write's budget to come back")
     admin.close()
     await peer.close()
+
+
+class _ShortSocket:
+    """The target's socket, but a receive into the disk returns ``short`` bytes fewer than asked (the rest
+    stays in the socket): what FIONREAD rules out on Linux TCP (see tcp_batch._h2c_disk_buffer), forced here.
+    After each such receive ``check`` runs as the loop's next callback, where any read of the disk may run."""
+
+    def __init__(self, sock: Any, disk: memoryview, short: int, check: Any) -> None:
+        self._sock = sock
+        self._disk = disk.obj
+        self.short = short
+        self.check = check
+        self.cut = 0
+
+    def recv_into(self, buf: Any, nbytes: int = 0) -> int:
+        n = nbytes or len(buf)
+        if buf.obj is self._disk and n > self.short:
+            self.cut += 1
+            asyncio.get_running_loop().call_soon(self.check, self.cut)
+            n -= self.short
+        return self._sock.recv_into(buf, n)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+async def test_a_short_receive_into_the_disk_leaves_no_torn_block(served):
+    """A receive into the disk that returns less than FIONREAD said, ending inside a block: that block is
+    finished (its rest received) before the callback ends, so the next callback, where a read may run, sees
+    every block all old or all new; the write lands whole."""
+    admin, peer, conn = await _io_peer(served)
+    disk = served.target.subsystems[SUBNQN].namespaces[1].backend.memory_view()
+    size, slba = 128 * 1024, 2048
+    start = slba * BLOCK
+    old = os.urandom(size)
+    disk[start:start + size] = old
+    new = os.urandom(size)
+    torn: list[tuple[int, list[int]]] = []
+    transport = conn.transport
+    short = _ShortSocket(transport._sock, disk, 300, lambda cut: torn.append((cut, _torn(disk, start, old, new))))
+    await peer.send(rw_capsule(IoOpcode.WRITE, 3, slba, size))
+    r2t = await _r2t(peer, 3)
+    transport._sock = short
+    try:
+        wire = h2c_data(3, r2t["ttag"], 0, new, last=True)
+        await _send_cut(peer, conn, wire, [24 + 700, 24 + 40000, 24 + 100000], lambda sent: None)
+        assert await peer.wait_for(lambda o: o.done(3), 5)
+    finally:
+        transport._sock = short._sock
+    assert peer.out.cqe(3).status_code == 0 and not peer.out.errors
+    assert short.cut >= 2, short.cut   # receives into the disk were cut
+    assert [t for t in torn if t[1]] == [], torn
+    assert bytes(disk[start:start + size]) == new
+    assert await _read_back(peer, 9, slba, size) == new
+    admin.close()
+    await peer.close()

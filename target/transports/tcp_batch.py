@@ -957,6 +957,16 @@ class BatchMixin:
     def _h2c_disk_buffer(self, dest: memoryview) -> memoryview:
         """get_buffer while a write is placed in the disk: the whole blocks the socket holds, else the rest
         of the block being gathered."""
+        # Why a receive of no more than FIONREAD returns all of it (Linux TCP), so a block is never left half
+        # new: FIONREAD is tcp_inq(), rcv_nxt - copied_seq, the in-order bytes of sk_receive_queue, stopped
+        # at a pending urgent mark. tcp_recvmsg_locked, non-blocking, copies from that queue until the length
+        # asked is done; it stops early only when the queue is empty (only then does it look at signals and
+        # socket errors), at the urgent mark (where tcp_inq stopped already; an urgent pointer that arrives
+        # later cannot point below rcv_nxt, tcp_check_urg ignores it), or at a fault writing the buffer
+        # (EFAULT: the disk's memory could not be faulted in). And nothing else reads this socket: only this
+        # loop's transport holds its descriptor (a --workers hand-off stops reading and closes it here). A
+        # receive cut anyway (a fault, another reader, another kernel) has its block finished before the
+        # callback ends (_h2c_finish_block; tests/test_batch_r2t.py forces one).
         bs = self._h2c_bs
         staged = self._h2c_staged
         if not staged:
@@ -979,11 +989,7 @@ class BatchMixin:
         if self._h2c_into_disk:
             cut = nbytes % bs
             if cut:
-                # FIONREAD said more was there: not expected; the block's new start waits in the stage,
-                # and the block is whole again once its rest comes
-                nbytes -= cut
-                self._h2c_stage[:cut] = dest[nbytes:nbytes + cut]
-                self._h2c_staged = cut
+                nbytes += self._h2c_finish_block(dest, nbytes, bs - cut)
             dest = dest[nbytes:]
         else:
             staged = self._h2c_staged + nbytes
@@ -1008,6 +1014,30 @@ class BatchMixin:
             return
         fw.received = fw.length
         self._fast_write_done(fw, None)
+
+    def _h2c_finish_block(self, dest: memoryview, nbytes: int, need: int) -> int:
+        """A receive into the disk returned ``nbytes``, ending ``need`` bytes short of a block's end: receive
+        those now, before this callback ends, so that no callback sees the block half new (the socket holds
+        them: FIONREAD counted them). Returns ``need``; or, where the socket does not give them (something
+        else reads it, an error), 0 with the block's new start moved to the stage: the block is then torn
+        in the disk until its rest comes, which is logged."""
+        sock = self.transport._sock
+        got = 0
+        with contextlib.suppress(OSError):
+            while got < need:
+                n = sock.recv_into(dest[nbytes + got:nbytes + need])
+                if not n:
+                    break
+                got += n
+        if got == need:
+            return need
+        cut = self._h2c_bs - need + got
+        start = nbytes - (self._h2c_bs - need)
+        self._h2c_stage[:cut] = dest[start:start + cut]
+        self._h2c_staged = cut
+        log.error("NVMe/TCP queue %s: the socket held less than FIONREAD said; a block of a write stays torn "
+                  "in the RAM disk until its rest comes", getattr(self.queue, "qid", "?"))
+        return need - self._h2c_bs   # the received part of the block: in the stage, not counted as placed
 
     def _h2c_unplace(self) -> None:
         """The namespace changed under a write being placed in the disk: what came so far goes to a write
