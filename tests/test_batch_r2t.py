@@ -475,8 +475,10 @@ class _ShortSocket:
         self.check = check
         self.cut = 0
 
-    def recv_into(self, buf: Any, nbytes: int = 0) -> int:
+    def recv_into(self, buf: Any, nbytes: int = 0, flags: int = 0) -> int:
         n = nbytes or len(buf)
+        if flags or not isinstance(buf, memoryview):
+            return self._sock.recv_into(buf, nbytes, flags)
         if buf.obj is self._disk and n > self.short:
             self.cut += 1
             asyncio.get_running_loop().call_soon(self.check, self.cut)
@@ -615,5 +617,49 @@ async def test_an_h2c_the_sansio_path_takes_moves_a_write_from_the_disk_to_a_buf
     assert unplaced == [131_000]
     assert peer.out.cqe(5).status_code == 0 and not peer.out.errors
     assert bytes(disk[slba * BLOCK:slba * BLOCK + size]) == new
+    admin.close()
+    await peer.close()
+
+
+async def test_reads_while_an_r2t_waits_are_not_cut_to_the_first_read(served, monkeypatch):
+    """While a write's R2T waits for its data, a read from a PDU boundary is cut to an H2CData header and 4 KiB
+    only when the socket's next PDU is a large H2CData of a fast-path write (its header peeked at): capsules of
+    other commands queued first, or a small H2CData, are taken in one receive as without R2Ts; the large
+    H2CData's read is still cut (the rest goes into the disk)."""
+    admin, peer, conn = await _io_peer(served)
+    size = 128 * 1024
+    await peer.send(rw_capsule(IoOpcode.WRITE, 3, 64, size))
+    ttag = (await _r2t(peer, 3))["ttag"]
+    await peer.send(rw_capsule(IoOpcode.WRITE, 4, 1024, 16384))
+    ttag4 = (await _r2t(peer, 4))["ttag"]
+    reads: list[int] = []
+    updated = conn.buffer_updated
+    monkeypatch.setattr(conn, "buffer_updated", lambda n: reads.append(n) or updated(n))
+
+    async def burst(wire: bytes) -> None:
+        reads.clear()
+        conn.transport.pause_reading()
+        await peer.send(wire)
+        # (all of it, or what the socket takes before its window closes: about 128 KB here)
+        await wait_until(lambda: _inq(conn) >= min(len(wire), 64 * 1024), what="the burst in the target's socket")
+        await asyncio.sleep(0.05)
+        conn.transport.resume_reading()
+        await wait_until(lambda: _inq(conn) == 0, what="the target to take the burst")
+
+    capsules = b"".join(rw_capsule(IoOpcode.READ, 100 + i, i * 8, 4096) for i in range(80))   # 5,760 bytes
+    await burst(capsules)
+    assert reads[0] == len(capsules), reads
+    for i in range(80):
+        assert await peer.wait_for(lambda o, i=i: o.done(100 + i), 5)
+    small = os.urandom(16384)
+    await burst(h2c_data(4, ttag4, 0, small, last=True))
+    assert reads[0] > 24 + 4096, reads   # (as much as the receive buffer holds)
+    data = os.urandom(size)
+    await burst(h2c_data(3, ttag, 0, data, last=True))
+    assert reads[0] == 24 + 4096, reads
+    for cid in (3, 4):
+        assert await peer.wait_for(lambda o, cid=cid: o.done(cid), 5)
+        assert peer.out.cqe(cid).status_code == 0
+    assert await _read_back(peer, 9, 64, size) == data and await _read_back(peer, 10, 1024, 16384) == small
     admin.close()
     await peer.close()

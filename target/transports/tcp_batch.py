@@ -171,6 +171,11 @@ _ioctl = fcntl.ioctl
 # (whole blocks) of its payload: the rest of a RAM disk's write is then received into the disk
 # (_h2c_direct_start), not into the receive buffer and copied from there.
 _H2C_FIRST_READ = spec.DATA_PDU_HEADER_SIZE + 4096
+# ... when the next PDU in the socket is an H2CData of a fast-path write with at least this much payload (a
+# peek at its header, _h2c_next_is_large): capsules of other commands, and smaller H2CData, which the
+# read would cut to more receives and wake-ups than the copy it saves, are read as usual.
+_H2C_CAP_MIN = 32 * 1024
+_PEEK = socket.MSG_PEEK
 _FIONREAD = termios.FIONREAD   # SIOCINQ on a TCP socket: the bytes queued in order, ready to read
 
 
@@ -311,6 +316,7 @@ class BatchMixin:
         self._h2c_into_disk = False                # the last get_buffer handed out a part of the range
         self._h2c_fd = -1
         self._h2c_inq = bytearray(4)
+        self._h2c_peek = bytearray(_DATA_HLEN)   # the next PDU's header, peeked at (_h2c_next_is_large)
         self._parked: set[Any] = set()       # reads parked at a QoS limit (qos.Parked), not let go yet
         self._released: list[Any] = []       # ... let go, to run in _run_released (one call_soon)
         self._release_due = False
@@ -335,7 +341,9 @@ class BatchMixin:
         if carry:
             return buf[carry:]
         # (not under TLS: the socket carries records, which the session opens whole)
-        return buf[:_H2C_FIRST_READ] if self._h2c and not self._recv_direct and self._tls is None else buf
+        if self._h2c and not self._recv_direct and self._tls is None and self._h2c_next_is_large():
+            return buf[:_H2C_FIRST_READ]
+        return buf
 
     def buffer_updated(self, nbytes: int) -> None:
         if self._tls_records:
@@ -883,6 +891,23 @@ class BatchMixin:
         if stop == length:
             self._fast_write_done(fw, buf)
         return plen
+
+    def _h2c_next_is_large(self) -> bool:
+        """The next PDU in the socket is an H2CData of a fast-path write carrying at least _H2C_CAP_MIN bytes
+        (its header peeked at: the socket keeps it). Not on a transport of another kind (no socket to peek):
+        True there, the read is cut as before."""
+        transport = self.transport
+        if type(transport) is not SocketTransport:
+            return True
+        peek = self._h2c_peek
+        try:
+            if transport._sock.recv_into(peek, _DATA_HLEN, _PEEK) < _DATA_HLEN:
+                return False
+        except OSError:
+            return False   # (the receive that follows meets it again)
+        head, _plen, _cccid, ttag, _datao, datal = _unpack_h2c(peek)
+        return (head == _H2C_HEAD or head == _H2C_HEAD_LAST) and datal >= _H2C_CAP_MIN \
+            and type(self._h2c.get(ttag)) is _FastWrite
 
     def _h2c_received(self, nbytes: int) -> None:
         """``nbytes`` of a cut fast-path H2CData landed in its write's buffer (or its range of the disk)."""
