@@ -38,10 +38,10 @@ The H2CData of a larger (R2T) Write is received into the write's own buffer (the
 any byte, so a read running meanwhile would see half a block, and two overlapping writes on two queues
 could leave one block mixing both (AWUN 0 promises single-block atomicity). nvmet receives into its own
 pages too (nvmet_tcp_map_data) and the backend copies them when the command executes, in one step.
-The exception is a RAM disk's write in one H2CData cut by the end of a read, on this engine's socket:
-its rest is received into the disk in whole blocks only, as many as the socket holds (FIONREAD), a cut
-block gathered aside and copied in once whole (``_h2c_direct_start``): the same atomicity without the
-copy of the whole write.
+The exception is a RAM disk's write on this engine's socket that does not come whole in one read (cut by
+its end, or in several H2CData): each H2CData is received into the disk in whole blocks only, as many as
+the socket holds (FIONREAD), a cut block gathered aside and copied in once whole (``_h2c_direct_start``):
+the same atomicity without the copy of the whole write.
 
 Anything else (ICReq, Fabrics and admin commands, a queue that is not connected, enabled or
 authenticated yet, any command that fails a check, TermReq, a backend that would wait, and every
@@ -167,7 +167,7 @@ _H2C_HEAD = _H2C_TYPE | _DATA_HLEN << 16 | _DATA_HLEN << 24
 _H2C_HEAD_LAST = _H2C_HEAD | _LAST << 8
 _perf_ns = time.perf_counter_ns
 _ioctl = fcntl.ioctl
-# While R2Ts wait for their data, a read from a PDU boundary takes at most an H2CData header and 4 KiB
+# While R2Ts wait for their data, a read from a PDU boundary may take at most an H2CData header and 4 KiB
 # (whole blocks) of its payload: the rest of a RAM disk's write is then received into the disk
 # (_h2c_direct_start), not into the receive buffer and copied from there.
 _H2C_FIRST_READ = spec.DATA_PDU_HEADER_SIZE + 4096
@@ -234,8 +234,8 @@ class _FastWrite:
         self.fua = fua
         self.qos = qos          # the namespace's QoS limits the R2T was charged to (None: none)
         self.sqe = sqe          # the 64-byte SQE, for the lifecycle if the backend cannot take it inline
-        # The write's own buffer (H2CData goes here, never into the disk), taken at its first H2CData that
-        # does not carry the whole write: one that does is written from where it was received.
+        # The write's own buffer (the buffered road: H2CData goes here, not into the disk), taken at its first
+        # H2CData that does not carry the whole write: one that does is written from where it was received.
         self.buf: bytearray | None = None
         self.received = 0
         # ... or, a RAM disk's write, received into the disk itself (_h2c_direct_start): its range of the
