@@ -317,6 +317,9 @@ class BatchMixin:
         self._h2c_fd = -1
         self._h2c_inq = bytearray(4)
         self._h2c_peek = bytearray(_DATA_HLEN)   # the next PDU's header, peeked at (_h2c_next_is_large)
+        # an H2CData of a write received into the disk just ended and more of it is due: the next read is cut
+        # without a peek (hosts send a write's H2CData back to back)
+        self._h2c_more = False
         self._parked: set[Any] = set()       # reads parked at a QoS limit (qos.Parked), not let go yet
         self._released: list[Any] = []       # ... let go, to run in _run_released (one call_soon)
         self._release_due = False
@@ -341,7 +344,8 @@ class BatchMixin:
         if carry:
             return buf[carry:]
         # (not under TLS: the socket carries records, which the session opens whole)
-        if self._h2c and not self._recv_direct and self._tls is None and self._h2c_next_is_large():
+        if self._h2c and not self._recv_direct and self._tls is None and (self._h2c_more or self._h2c_next_is_large()):
+            self._h2c_more = False
             return buf[:_H2C_FIRST_READ]
         return buf
 
@@ -1013,6 +1017,8 @@ class BatchMixin:
             fw.tail = bytes(self._h2c_stage[:staged])
         if fw.received == fw.length:
             self._fast_write_done(fw, None)
+        else:
+            self._h2c_more = fw.length - fw.received >= _H2C_CAP_MIN
 
     def _h2c_pull(self, transport: SocketTransport) -> None:
         """Receive the whole blocks the socket holds now, into the disk, without another trip through the
