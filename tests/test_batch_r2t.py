@@ -663,3 +663,23 @@ async def test_reads_while_an_r2t_waits_are_not_cut_to_the_first_read(served, mo
     assert await _read_back(peer, 9, 64, size) == data and await _read_back(peer, 10, 1024, 16384) == small
     admin.close()
     await peer.close()
+
+
+async def test_the_next_h2c_of_a_write_in_the_disk_is_read_without_a_peek(served, monkeypatch):
+    """Once an H2CData of a write received into the disk ends with more of the write due, the next read is cut
+    to the first read without peeking at the socket: a 1 MiB write in eight H2CData peeks once, not eight times."""
+    admin, peer, conn = await _io_peer(served)
+    peeks: list[bool] = []
+    peek = conn._h2c_next_is_large
+    monkeypatch.setattr(conn, "_h2c_next_is_large", lambda: peeks.append(peek()) or peeks[-1])
+    size, slba = 1 << 20, 6144
+    data = os.urandom(size)
+    await peer.send(rw_capsule(IoOpcode.WRITE, 3, slba, size))
+    ttag = (await _r2t(peer, 3))["ttag"]
+    await peer.send(b"".join(_h2cs(3, ttag, data, MAXH2C)))
+    assert await peer.wait_for(lambda o: o.done(3), 5)
+    assert peer.out.cqe(3).status_code == 0
+    assert peeks == [True], peeks
+    assert await _read_back(peer, 9, slba, size) == data
+    admin.close()
+    await peer.close()
