@@ -172,8 +172,9 @@ _ioctl = fcntl.ioctl
 # (_h2c_direct_start), not into the receive buffer and copied from there.
 _H2C_FIRST_READ = spec.DATA_PDU_HEADER_SIZE + 4096
 # ... when the next PDU in the socket is an H2CData of a fast-path write with at least this much payload (a
-# peek at its header, _h2c_next_is_large): capsules of other commands, and smaller H2CData, which the
-# read would cut to more receives and wake-ups than the copy it saves, are read as usual.
+# peek at its header, _h2c_next_is_large, skipped while the cut reads begin with one): capsules of other
+# commands, and smaller H2CData, which the read would cut to more receives and wake-ups than the copy it
+# saves, are read as usual.
 _H2C_CAP_MIN = 32 * 1024
 _PEEK = socket.MSG_PEEK
 _FIONREAD = termios.FIONREAD   # SIOCINQ on a TCP socket: the bytes queued in order, ready to read
@@ -317,9 +318,8 @@ class BatchMixin:
         self._h2c_fd = -1
         self._h2c_inq = bytearray(4)
         self._h2c_peek = bytearray(_DATA_HLEN)   # the next PDU's header, peeked at (_h2c_next_is_large)
-        # an H2CData of a write received into the disk just ended and more of it is due: the next read is cut
-        # without a peek (hosts send a write's H2CData back to back)
-        self._h2c_more = False
+        self._h2c_more = False     # the last cut read began with a large H2CData: cut the next without a peek
+        self._h2c_capped = False   # the read under way was cut to _H2C_FIRST_READ
         self._parked: set[Any] = set()       # reads parked at a QoS limit (qos.Parked), not let go yet
         self._released: list[Any] = []       # ... let go, to run in _run_released (one call_soon)
         self._release_due = False
@@ -345,7 +345,7 @@ class BatchMixin:
             return buf[carry:]
         # (not under TLS: the socket carries records, which the session opens whole)
         if self._h2c and not self._recv_direct and self._tls is None and (self._h2c_more or self._h2c_next_is_large()):
-            self._h2c_more = False
+            self._h2c_capped = True
             return buf[:_H2C_FIRST_READ]
         return buf
 
@@ -359,6 +359,11 @@ class BatchMixin:
         if self._recv_direct:
             super().buffer_updated(nbytes)   # type: ignore[misc]
             return
+        if self._h2c_capped:
+            # a cut read that began with a large H2CData: the next one is cut without a peek too (a host
+            # sends a write's H2CData back to back, and large writes come in a row); anything else: peek again
+            self._h2c_capped = False
+            self._h2c_more = nbytes >= _DATA_HLEN and self._h2c_large(self._recv)
         total = self._carry + nbytes
         self._carry = 0
         self._held = False   # what was held goes now, with what came behind it
@@ -909,7 +914,11 @@ class BatchMixin:
                 return False
         except OSError:
             return False   # (the receive that follows meets it again)
-        head, _plen, _cccid, ttag, _datao, datal = _unpack_h2c(peek)
+        return self._h2c_large(peek)
+
+    def _h2c_large(self, header: Any) -> bool:
+        """``header`` starts an H2CData of a fast-path write with at least _H2C_CAP_MIN bytes of payload."""
+        head, _plen, _cccid, ttag, _datao, datal = _unpack_h2c(header)
         return (head == _H2C_HEAD or head == _H2C_HEAD_LAST) and datal >= _H2C_CAP_MIN \
             and type(self._h2c.get(ttag)) is _FastWrite
 
@@ -1017,8 +1026,6 @@ class BatchMixin:
             fw.tail = bytes(self._h2c_stage[:staged])
         if fw.received == fw.length:
             self._fast_write_done(fw, None)
-        else:
-            self._h2c_more = fw.length - fw.received >= _H2C_CAP_MIN
 
     def _h2c_pull(self, transport: SocketTransport) -> None:
         """Receive the whole blocks the socket holds now, into the disk, without another trip through the
