@@ -329,7 +329,7 @@ async def test_a_cut_write_lands_in_the_ram_disk_a_whole_block_at_a_time(served)
     assert bytes(disk[start:start + size]) == new
     # the disk took the data as it came (in whole blocks), not at the end in one copy
     assert seen_new[0] == 700 // BLOCK and seen_new[-2] == 100000 // BLOCK and seen_new[-1] == 131071 // BLOCK
-    assert not conn._h2c and conn._h2c_bytes == 0 and conn._h2c_dest is None and conn._h2c_disk is None
+    assert not conn._h2c and conn._h2c_bytes == 0 and conn._h2c_dest is None and not conn._h2c_bs
     assert await _read_back(peer, 9, slba, size) == new
     admin.close()
     await peer.close()
@@ -363,7 +363,7 @@ async def test_a_namespace_changed_under_a_write_in_the_disk_takes_the_buffered_
     assert placed == 4608   # the nine whole blocks that came before the change
     assert bytes(disk[start + placed:start + size]) == old[placed:]
     await wait_until(lambda: conn._h2c_bytes == 0 and not conn._tasks, what="the write's budget to come back")
-    assert conn._h2c_disk is None and conn._h2c_dest is None
+    assert not conn._h2c_bs and conn._h2c_dest is None
     admin.close()
     await peer.close()
 
@@ -379,9 +379,8 @@ async def test_a_write_whose_data_is_all_there_is_still_received_into_the_disk(s
     write_nowait = backend.write_nowait
     monkeypatch.setattr(backend, "write_nowait", lambda offset, data, **k: copies.append(len(data))
                         or write_nowait(offset, data, **k))
-    direct_start = conn._h2c_direct_start
-    monkeypatch.setattr(conn, "_h2c_direct_start", lambda fw, data: copies.append(len(data))
-                        or direct_start(fw, data))
+    place = conn._h2c_place
+    monkeypatch.setattr(conn, "_h2c_place", lambda fw, data: copies.append(len(data)) or place(fw, data))
     size, slba = 128 * 1024, 1024
     for cid in (3, 4):
         data = os.urandom(size)
@@ -397,7 +396,7 @@ async def test_a_write_whose_data_is_all_there_is_still_received_into_the_disk(s
         left: list[int] = []   # payload bytes still to come after each of the transport's receives
         recv_once = conn.transport._recv_once
         monkeypatch.setattr(conn.transport, "_recv_once", lambda recv_once=recv_once, left=left: (
-            recv_once(), left.append(0 if conn._h2c_dest is None else len(conn._h2c_dest)))[0])
+            recv_once(), left.append(0 if conn._h2c_fw is None else conn._h2c_stop - conn._h2c_fw.received))[0])
         conn.transport.resume_reading()
         assert await peer.wait_for(lambda o, cid=cid: o.done(cid), 5)
         assert peer.out.cqe(cid).status_code == 0
@@ -460,5 +459,227 @@ async def test_a_namespace_made_read_only_before_the_data_refuses_the_write(serv
     assert peer.out.cqe(7).status_code == 0x20   # Namespace is Write Protected
     assert bytes(disk[start:start + size]) == old
     await wait_until(lambda: conn._h2c_bytes == 0 and not conn._tasks, what="the write's budget to come back")
+    admin.close()
+    await peer.close()
+
+
+class _ShortSocket:
+    """The target's socket, but a receive into the disk returns ``short`` bytes fewer than asked (the rest
+    stays in the socket): what FIONREAD rules out on Linux TCP (see tcp_batch._h2c_disk_buffer), forced here.
+    After each such receive ``check`` runs as the loop's next callback, where any read of the disk may run."""
+
+    def __init__(self, sock: Any, disk: memoryview, short: int, check: Any) -> None:
+        self._sock = sock
+        self._disk = disk.obj
+        self.short = short
+        self.check = check
+        self.cut = 0
+
+    def recv_into(self, buf: Any, nbytes: int = 0, flags: int = 0) -> int:
+        n = nbytes or len(buf)
+        if flags or not isinstance(buf, memoryview):
+            return self._sock.recv_into(buf, nbytes, flags)
+        if buf.obj is self._disk and n > self.short:
+            self.cut += 1
+            asyncio.get_running_loop().call_soon(self.check, self.cut)
+            n -= self.short
+        return self._sock.recv_into(buf, n)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+async def test_a_short_receive_into_the_disk_leaves_no_torn_block(served):
+    """A receive into the disk that returns less than FIONREAD said, ending inside a block: that block is
+    finished (its rest received) before the callback ends, so the next callback, where a read may run, sees
+    every block all old or all new; the write lands whole."""
+    admin, peer, conn = await _io_peer(served)
+    disk = served.target.subsystems[SUBNQN].namespaces[1].backend.memory_view()
+    size, slba = 128 * 1024, 2048
+    start = slba * BLOCK
+    old = os.urandom(size)
+    disk[start:start + size] = old
+    new = os.urandom(size)
+    torn: list[tuple[int, list[int]]] = []
+    transport = conn.transport
+    short = _ShortSocket(transport._sock, disk, 300, lambda cut: torn.append((cut, _torn(disk, start, old, new))))
+    await peer.send(rw_capsule(IoOpcode.WRITE, 3, slba, size))
+    r2t = await _r2t(peer, 3)
+    transport._sock = short
+    try:
+        wire = h2c_data(3, r2t["ttag"], 0, new, last=True)
+        await _send_cut(peer, conn, wire, [24 + 700, 24 + 40000, 24 + 100000], lambda sent: None)
+        assert await peer.wait_for(lambda o: o.done(3), 5)
+    finally:
+        transport._sock = short._sock
+    assert peer.out.cqe(3).status_code == 0 and not peer.out.errors
+    assert short.cut >= 2, short.cut   # receives into the disk were cut
+    assert [t for t in torn if t[1]] == [], torn
+    assert bytes(disk[start:start + size]) == new
+    assert await _read_back(peer, 9, slba, size) == new
+    admin.close()
+    await peer.close()
+
+
+# --- writes of several H2CData, each received into the disk ----------------------------------------------
+
+
+def _h2cs(cid: int, ttag: int, data: bytes, pdu: int) -> list[bytes]:
+    return [h2c_data(cid, ttag, off, data[off:off + pdu], last=off + pdu >= len(data))
+            for off in range(0, len(data), pdu)]
+
+
+@pytest.mark.parametrize("pdu", [MAXH2C, 5000])   # 5000: blocks cut by the ends of H2CData
+async def test_a_write_of_several_h2c_lands_in_the_ram_disk_a_whole_block_at_a_time(served, monkeypatch, pdu):
+    """A RAM disk's 1 MiB write in several H2CData (MAXH2CDATA is 128 KiB), cut at any byte: each H2CData is
+    received into the disk itself (no write buffer taken, the disk changes while the data comes), and between
+    two callbacks every block of the range is all old or all new, also a block that two H2CData share."""
+    admin, peer, conn = await _io_peer(served)
+    disk = served.target.subsystems[SUBNQN].namespaces[1].backend.memory_view()
+    wbufs: list[int] = []
+    take_wbuf = conn._take_wbuf
+    monkeypatch.setattr(conn, "_take_wbuf", lambda length: wbufs.append(length) or take_wbuf(length))
+    size, slba = 1 << 20, 4096
+    start = slba * BLOCK
+    old = os.urandom(size)
+    disk[start:start + size] = old
+    new = os.urandom(size)
+    await peer.send(rw_capsule(IoOpcode.WRITE, 3, slba, size))
+    r2t = await _r2t(peer, 3)
+    wire = b"".join(_h2cs(3, r2t["ttag"], new, pdu))
+    seen_new: list[int] = []
+
+    def check(sent: int) -> None:
+        assert not _torn(disk, start, old, new), f"a torn block with {sent} bytes sent"
+        now = bytes(disk[start:start + size])
+        seen_new.append(sum(now[b:b + BLOCK] == new[b:b + BLOCK] for b in range(0, size, BLOCK)))
+
+    cuts = [700, 5023, 5100, 131072 + 24 + 1, 131072 + 48 + 7000, 300001, 524288 + 99, 1000000, len(wire) - 1]
+    await _send_cut(peer, conn, wire, cuts, check)
+    assert await peer.wait_for(lambda o: o.done(3), 5)
+    assert peer.out.cqe(3).status_code == 0 and not peer.out.errors
+    assert bytes(disk[start:start + size]) == new
+    assert not wbufs, wbufs   # no write buffer: nothing took the buffered road
+    assert 0 < seen_new[2] < seen_new[5] < seen_new[-1] < size // BLOCK, seen_new   # the disk took it as it came
+    assert not conn._h2c and conn._h2c_bytes == 0 and conn._h2c_dest is None and not conn._h2c_bs
+    assert await _read_back(peer, 9, slba, size) == new
+    admin.close()
+    await peer.close()
+
+
+async def test_interleaved_h2c_of_two_writes_both_land_in_the_disk(served, monkeypatch):
+    """H2CData of two writes interleaved (the protocol allows it), each cutting a block the next one of its
+    write finishes: each write keeps its own cut block (its tail) between its H2CData; both land, no buffer."""
+    admin, peer, conn = await _io_peer(served)
+    disk = served.target.subsystems[SUBNQN].namespaces[1].backend.memory_view()
+    wbufs: list[int] = []
+    take_wbuf = conn._take_wbuf
+    monkeypatch.setattr(conn, "_take_wbuf", lambda length: wbufs.append(length) or take_wbuf(length))
+    size = 256 * 1024
+    news = {3: os.urandom(size), 4: os.urandom(size)}
+    pdus = {}
+    for cid, slba in ((3, 8192), (4, 9216)):
+        await peer.send(rw_capsule(IoOpcode.WRITE, cid, slba, size))
+        pdus[cid] = _h2cs(cid, (await _r2t(peer, cid))["ttag"], news[cid], 100_001)
+    for a, b in zip(pdus[3], pdus[4], strict=True):
+        await peer.send(a + b, [77, 40000])
+    for cid, slba in ((3, 8192), (4, 9216)):
+        assert await peer.wait_for(lambda o, cid=cid: o.done(cid), 5)
+        assert peer.out.cqe(cid).status_code == 0
+        assert bytes(disk[slba * BLOCK:slba * BLOCK + size]) == news[cid]
+    assert not wbufs and not peer.out.errors
+    admin.close()
+    await peer.close()
+
+
+async def test_an_h2c_the_sansio_path_takes_moves_a_write_from_the_disk_to_a_buffer(served, monkeypatch):
+    """The first H2CData of a write was received into the disk; the next one goes through the sans-IO
+    connection (the fast path is not ready for it): what was placed, and the block the first one cut, move to
+    the write's buffer, and the write lands whole from there."""
+    admin, peer, conn = await _io_peer(served)
+    disk = served.target.subsystems[SUBNQN].namespaces[1].backend.memory_view()
+    size, slba = 256 * 1024, 10240
+    new = os.urandom(size)
+    await peer.send(rw_capsule(IoOpcode.WRITE, 5, slba, size))
+    ttag = (await _r2t(peer, 5))["ttag"]
+    pdus = _h2cs(5, ttag, new, 131_000)   # 131,000 bytes: the first one cuts a block
+    await peer.send(pdus[0])
+    fw = conn._h2c[ttag]
+    await wait_until(lambda: fw.received == 131_000, what="the first H2CData")
+    assert fw.span is not None and fw.tail is not None and fw.buf is None   # in the disk, a cut block aside
+    unplaced: list[int] = []
+    unplace = conn._h2c_unplace
+    monkeypatch.setattr(conn, "_h2c_unplace", lambda fw, have, staged: unplaced.append(have)
+                        or unplace(fw, have, staged))
+    monkeypatch.setattr(conn, "_fast_ready", lambda: False)
+    await peer.send(b"".join(pdus[1:]))
+    assert await peer.wait_for(lambda o: o.done(5), 5)
+    assert unplaced == [131_000]
+    assert peer.out.cqe(5).status_code == 0 and not peer.out.errors
+    assert bytes(disk[slba * BLOCK:slba * BLOCK + size]) == new
+    admin.close()
+    await peer.close()
+
+
+async def test_reads_while_an_r2t_waits_are_not_cut_to_the_first_read(served, monkeypatch):
+    """While a write's R2T waits for its data, a read from a PDU boundary is cut to an H2CData header and 4 KiB
+    only when the socket's next PDU is a large H2CData of a fast-path write (its header peeked at): capsules of
+    other commands queued first, or a small H2CData, are taken in one receive as without R2Ts; the large
+    H2CData's read is still cut (the rest goes into the disk)."""
+    admin, peer, conn = await _io_peer(served)
+    size = 128 * 1024
+    await peer.send(rw_capsule(IoOpcode.WRITE, 3, 64, size))
+    ttag = (await _r2t(peer, 3))["ttag"]
+    await peer.send(rw_capsule(IoOpcode.WRITE, 4, 1024, 16384))
+    ttag4 = (await _r2t(peer, 4))["ttag"]
+    reads: list[int] = []
+    updated = conn.buffer_updated
+    monkeypatch.setattr(conn, "buffer_updated", lambda n: reads.append(n) or updated(n))
+
+    async def burst(wire: bytes) -> None:
+        reads.clear()
+        conn.transport.pause_reading()
+        await peer.send(wire)
+        # (all of it, or what the socket takes before its window closes: about 128 KB here)
+        await wait_until(lambda: _inq(conn) >= min(len(wire), 64 * 1024), what="the burst in the target's socket")
+        await asyncio.sleep(0.05)
+        conn.transport.resume_reading()
+        await wait_until(lambda: _inq(conn) == 0, what="the target to take the burst")
+
+    capsules = b"".join(rw_capsule(IoOpcode.READ, 100 + i, i * 8, 4096) for i in range(80))   # 5,760 bytes
+    await burst(capsules)
+    assert reads[0] == len(capsules), reads
+    for i in range(80):
+        assert await peer.wait_for(lambda o, i=i: o.done(100 + i), 5)
+    small = os.urandom(16384)
+    await burst(h2c_data(4, ttag4, 0, small, last=True))
+    assert reads[0] > 24 + 4096, reads   # (as much as the receive buffer holds)
+    data = os.urandom(size)
+    await burst(h2c_data(3, ttag, 0, data, last=True))
+    assert reads[0] == 24 + 4096, reads
+    for cid in (3, 4):
+        assert await peer.wait_for(lambda o, cid=cid: o.done(cid), 5)
+        assert peer.out.cqe(cid).status_code == 0
+    assert await _read_back(peer, 9, 64, size) == data and await _read_back(peer, 10, 1024, 16384) == small
+    admin.close()
+    await peer.close()
+
+
+async def test_the_next_h2c_of_a_write_in_the_disk_is_read_without_a_peek(served, monkeypatch):
+    """Once an H2CData of a write received into the disk ends with more of the write due, the next read is cut
+    to the first read without peeking at the socket: a 1 MiB write in eight H2CData peeks once, not eight times."""
+    admin, peer, conn = await _io_peer(served)
+    peeks: list[bool] = []
+    peek = conn._h2c_next_is_large
+    monkeypatch.setattr(conn, "_h2c_next_is_large", lambda: peeks.append(peek()) or peeks[-1])
+    size, slba = 1 << 20, 6144
+    data = os.urandom(size)
+    await peer.send(rw_capsule(IoOpcode.WRITE, 3, slba, size))
+    ttag = (await _r2t(peer, 3))["ttag"]
+    await peer.send(b"".join(_h2cs(3, ttag, data, MAXH2C)))
+    assert await peer.wait_for(lambda o: o.done(3), 5)
+    assert peer.out.cqe(3).status_code == 0
+    assert peeks == [True], peeks
+    assert await _read_back(peer, 9, slba, size) == data
     admin.close()
     await peer.close()

@@ -38,10 +38,10 @@ The H2CData of a larger (R2T) Write is received into the write's own buffer (the
 any byte, so a read running meanwhile would see half a block, and two overlapping writes on two queues
 could leave one block mixing both (AWUN 0 promises single-block atomicity). nvmet receives into its own
 pages too (nvmet_tcp_map_data) and the backend copies them when the command executes, in one step.
-The exception is a RAM disk's write in one H2CData cut by the end of a read, on this engine's socket:
-its rest is received into the disk in whole blocks only, as many as the socket holds (FIONREAD), a cut
-block gathered aside and copied in once whole (``_h2c_direct_start``): the same atomicity without the
-copy of the whole write.
+The exception is a RAM disk's write on this engine's socket that does not come whole in one read (cut by
+its end, or in several H2CData): each H2CData is received into the disk in whole blocks only, as many as
+the socket holds (FIONREAD), a cut block gathered aside and copied in once whole (``_h2c_direct_start``):
+the same atomicity without the copy of the whole write.
 
 Anything else (ICReq, Fabrics and admin commands, a queue that is not connected, enabled or
 authenticated yet, any command that fails a check, TermReq, a backend that would wait, and every
@@ -167,10 +167,16 @@ _H2C_HEAD = _H2C_TYPE | _DATA_HLEN << 16 | _DATA_HLEN << 24
 _H2C_HEAD_LAST = _H2C_HEAD | _LAST << 8
 _perf_ns = time.perf_counter_ns
 _ioctl = fcntl.ioctl
-# While R2Ts wait for their data, a read from a PDU boundary takes at most an H2CData header and 4 KiB
+# While R2Ts wait for their data, a read from a PDU boundary may take at most an H2CData header and 4 KiB
 # (whole blocks) of its payload: the rest of a RAM disk's write is then received into the disk
 # (_h2c_direct_start), not into the receive buffer and copied from there.
 _H2C_FIRST_READ = spec.DATA_PDU_HEADER_SIZE + 4096
+# ... when the next PDU in the socket is an H2CData of a fast-path write with at least this much payload (a
+# peek at its header, _h2c_next_is_large, skipped while the cut reads begin with one): capsules of other
+# commands, and smaller H2CData, which the read would cut to more receives and wake-ups than the copy it
+# saves, are read as usual.
+_H2C_CAP_MIN = 32 * 1024
+_PEEK = socket.MSG_PEEK
 _FIONREAD = termios.FIONREAD   # SIOCINQ on a TCP socket: the bytes queued in order, ready to read
 
 
@@ -215,7 +221,8 @@ class _FastWrite:
     """A Write the fast path sent its R2T for: what its H2CData completes (the stream engine's
     ``_PendingH2C`` fields ``buf``/``received``, which its ``_place`` hook reads, plus the command)."""
 
-    __slots__ = ("backend", "buf", "cid", "fua", "length", "ns", "offset", "qos", "received", "sqe", "ttag")
+    __slots__ = ("backend", "bs", "buf", "cid", "disk", "fua", "length", "ns", "offset", "qos", "received", "span",
+                 "sqe", "tail", "ttag")
 
     def __init__(self, cid: int, ttag: int, ns: Any, offset: int, length: int, fua: bool, qos: Any,
                  sqe: bytes) -> None:
@@ -228,10 +235,17 @@ class _FastWrite:
         self.fua = fua
         self.qos = qos          # the namespace's QoS limits the R2T was charged to (None: none)
         self.sqe = sqe          # the 64-byte SQE, for the lifecycle if the backend cannot take it inline
-        # The write's own buffer (H2CData goes here, never into the disk), taken at its first H2CData that
-        # does not carry the whole write: one that does is written from where it was received.
+        # The write's own buffer (the buffered road: H2CData goes here, not into the disk), taken at its first
+        # H2CData that does not carry the whole write: one that does is written from where it was received.
         self.buf: bytearray | None = None
         self.received = 0
+        # ... or, a RAM disk's write, received into the disk itself (_h2c_direct_start): its range of the
+        # disk view it started with (a resize replaces the view), the LBA size, and between two H2CData the
+        # start of a block the first one cut (all its other bytes so far are in the disk)
+        self.span: memoryview | None = None
+        self.disk: memoryview | None = None
+        self.bs = 0
+        self.tail: bytes | None = None
 
 
 class _FetchedRequest(TcpRequest):
@@ -295,17 +309,17 @@ class BatchMixin:
         self._h2c_dest: memoryview | None = None
         self._h2c_fw: _FastWrite | None = None
         self._h2c_stop = 0
-        # ... or, for a RAM disk's write, its range of the disk (_h2c_direct_start): then _h2c_dest is the part
-        # of that range still to come, received there in whole blocks (_h2c_bs, the LBA size), a block cut
-        # by what the socket holds gathered in _h2c_stage first (_h2c_staged bytes of it)
+        # ... or, for a RAM disk's write, its range of the disk (_h2c_direct_start, the write's ``span``): then
+        # _h2c_bs is the LBA size and the rest of the H2CData is received there in whole blocks, a block cut
+        # by what the socket holds gathered in _h2c_stage first
         self._h2c_bs = 0
-        self._h2c_disk: memoryview | None = None   # the disk's view the range was cut from (a resize replaces it)
-        self._h2c_span: memoryview | None = None   # the write's range of it
         self._h2c_stage = memoryview(bytearray(0))
-        self._h2c_staged = 0
         self._h2c_into_disk = False                # the last get_buffer handed out a part of the range
         self._h2c_fd = -1
         self._h2c_inq = bytearray(4)
+        self._h2c_peek = bytearray(_DATA_HLEN)   # the next PDU's header, peeked at (_h2c_next_is_large)
+        self._h2c_more = False     # the last cut read began with a large H2CData: cut the next without a peek
+        self._h2c_capped = False   # the read under way was cut to _H2C_FIRST_READ
         self._parked: set[Any] = set()       # reads parked at a QoS limit (qos.Parked), not let go yet
         self._released: list[Any] = []       # ... let go, to run in _run_released (one call_soon)
         self._release_due = False
@@ -322,7 +336,7 @@ class BatchMixin:
         dest = self._h2c_dest
         if dest is not None:
             self._recv_direct = False
-            return self._h2c_disk_buffer(dest) if self._h2c_bs else dest
+            return self._h2c_disk_buffer() if self._h2c_bs else dest
         buf = super().get_buffer(sizehint)   # type: ignore[misc]
         carry = self._carry
         # A carry exists only while the sans-IO connection holds nothing (no payload being placed), so
@@ -330,7 +344,10 @@ class BatchMixin:
         if carry:
             return buf[carry:]
         # (not under TLS: the socket carries records, which the session opens whole)
-        return buf[:_H2C_FIRST_READ] if self._h2c and not self._recv_direct and self._tls is None else buf
+        if self._h2c and not self._recv_direct and self._tls is None and (self._h2c_more or self._h2c_next_is_large()):
+            self._h2c_capped = True
+            return buf[:_H2C_FIRST_READ]
+        return buf
 
     def buffer_updated(self, nbytes: int) -> None:
         if self._tls_records:
@@ -342,6 +359,11 @@ class BatchMixin:
         if self._recv_direct:
             super().buffer_updated(nbytes)   # type: ignore[misc]
             return
+        if self._h2c_capped:
+            # a cut read that began with a large H2CData: the next one is cut without a peek too (a host
+            # sends a write's H2CData back to back, and large writes come in a row); anything else: peek again
+            self._h2c_capped = False
+            self._h2c_more = nbytes >= _DATA_HLEN and self._h2c_large(self._recv)
         total = self._carry + nbytes
         self._carry = 0
         self._held = False   # what was held goes now, with what came behind it
@@ -354,6 +376,12 @@ class BatchMixin:
             return
         dest = self._h2c_dest
         if dest is not None:
+            fw = self._h2c_fw
+            if self._h2c_bs and fw is not None:
+                # (no FIONREAD for these bytes: the buffered road, as after a change of the namespace)
+                self._h2c_unplace(fw, fw.received, fw.received % fw.bs)
+                dest = self._h2c_dest
+                assert dest is not None
             mv = memoryview(data).cast("B")
             n = min(len(mv), len(dest))
             dest[:n] = mv[:n]
@@ -843,19 +871,25 @@ class BatchMixin:
             return 0
         if not self.conn.take_h2c(ttag, cccid, datao, stop):
             return 0
-        data = mv[pos + _DATA_HLEN:pos + plen if rest >= plen else pos + rest]
-        if rest >= plen and not datao and stop == length:
-            fw.received = stop
-            self._fast_write_done(fw, data)   # the whole write in one PDU: no copy to its buffer
-            return plen
-        if rest < plen and not datao and stop == length and self._h2c_direct_start(fw, data):
-            return rest   # the whole write in one PDU, cut: the rest is received straight into the disk
+        whole = rest >= plen
+        data = mv[pos + _DATA_HLEN:pos + plen if whole else pos + rest]
+        if not datao:
+            if whole and stop == length:
+                fw.received = stop
+                self._fast_write_done(fw, data)   # the whole write in one PDU: no copy to its buffer
+                return plen
+            self._h2c_direct_start(fw)   # cut, or the first of several: into the disk if it is a RAM disk's
+        if fw.span is not None:
+            if self._h2c_unchanged(fw):
+                self._h2c_take(fw, data, stop, whole)
+                return plen if whole else rest
+            self._h2c_unplace(fw, fw.received, fw.received % fw.bs)
         buf = fw.buf
         if buf is None:
             buf = fw.buf = self._take_wbuf(length)
         have = datao + len(data)
         buf[datao:have] = data
-        if rest < plen:
+        if not whole:
             # the rest of the payload is received straight into the write's buffer (get_buffer), however
             # short: one more recv, and the next read starts at a PDU boundary (the engine's again)
             self._h2c_dest = memoryview(buf)[have:stop]
@@ -867,13 +901,34 @@ class BatchMixin:
             self._fast_write_done(fw, buf)
         return plen
 
+    def _h2c_next_is_large(self) -> bool:
+        """The next PDU in the socket is an H2CData of a fast-path write carrying at least _H2C_CAP_MIN bytes
+        (its header peeked at: the socket keeps it). Not on a transport of another kind (no socket to peek):
+        True there, the read is cut as before."""
+        transport = self.transport
+        if type(transport) is not SocketTransport:
+            return True
+        peek = self._h2c_peek
+        try:
+            if transport._sock.recv_into(peek, _DATA_HLEN, _PEEK) < _DATA_HLEN:
+                return False
+        except OSError:
+            return False   # (the receive that follows meets it again)
+        return self._h2c_large(peek)
+
+    def _h2c_large(self, header: Any) -> bool:
+        """``header`` starts an H2CData of a fast-path write with at least _H2C_CAP_MIN bytes of payload."""
+        head, _plen, _cccid, ttag, _datao, datal = _unpack_h2c(header)
+        return (head == _H2C_HEAD or head == _H2C_HEAD_LAST) and datal >= _H2C_CAP_MIN \
+            and type(self._h2c.get(ttag)) is _FastWrite
+
     def _h2c_received(self, nbytes: int) -> None:
         """``nbytes`` of a cut fast-path H2CData landed in its write's buffer (or its range of the disk)."""
+        if self._h2c_bs:
+            self._h2c_disk_received(nbytes)
+            return
         dest = self._h2c_dest
         assert dest is not None
-        if self._h2c_bs:
-            self._h2c_disk_received(dest, nbytes)
-            return
         if nbytes < len(dest):
             self._h2c_dest = dest[nbytes:]
             return
@@ -885,51 +940,92 @@ class BatchMixin:
         if fw.received == fw.length:
             self._fast_write_done(fw, fw.buf)
 
-    # A RAM disk's write in one H2CData, cut by the end of a read, is received into the disk itself: the
-    # copy out of the write's buffer (the whole write again, into memory that is rarely in cache) is gone.
-    # Single-block atomicity (AWUN 0) holds as with that copy: between two callbacks of the loop, where
-    # any read runs, every block of the range is all old or all new. Whole blocks are received into the
-    # disk only as many as the socket holds (FIONREAD: a receive of no more than that returns all of it in
-    # one copy, nothing else running meanwhile); a block that is only partly there is gathered in
-    # _h2c_stage and copied in once whole. Before each placement the namespace is checked as the copy
-    # would be (_h2c_unchanged): if it changed (disabled, resized, write-protected, another backend, the
-    # controller gone), what came so far moves to a write buffer and the write takes the buffered road,
-    # whose end judges it as before (_fast_write_done, the lifecycle). A write once placed in part is
-    # done whole: as nvmet, it was admitted at its command (reservations and all) before its R2T.
+    # A RAM disk's write is received into the disk itself, each of its H2CData in turn (the write's buffer and
+    # the copy out of it, the whole write again into memory that is rarely in cache, are gone). Single-block
+    # atomicity (AWUN 0) holds as with that copy: between two callbacks of the loop, where any read runs, every
+    # block of the range is all old or all new. From the socket, whole blocks are received into the disk only
+    # as many as it holds (FIONREAD: a receive of no more than that returns all of it in one copy, nothing else
+    # running meanwhile); a block that is only partly there (cut by what the socket holds, by the end of a
+    # read, or by the end of an H2CData that is not a multiple of the block size) is gathered in _h2c_stage
+    # (between two H2CData, in the write's ``tail``) and copied in once whole. The write's ``received`` counts
+    # its bytes in hand: all of them in the disk but the last ``received % bs``, which are in the stage. Before
+    # each placement the namespace is checked as the copy would be (_h2c_unchanged): if it changed (disabled,
+    # resized, write-protected, another backend, the controller gone), what came so far moves to a write buffer
+    # and the write takes the buffered road, whose end judges it as before (_fast_write_done, the lifecycle);
+    # so does an H2CData of it that the sans-IO connection takes (_place). A write once placed in part is done
+    # whole: as nvmet, it was admitted at its command (reservations and all) before its R2T.
 
-    def _h2c_direct_start(self, fw: _FastWrite, data: memoryview) -> bool:
-        """Place the cut single-PDU write ``fw`` in the disk, ``data`` (its payload so far) first; False where
-        it cannot be (no RAM disk, a transport that is not this engine's own socket: no FIONREAD, or TLS: the
-        socket holds records, whose byte count says nothing of the plaintext's, and _h2c_pull would receive
-        ciphertext into the disk)."""
+    def _h2c_direct_start(self, fw: _FastWrite) -> None:
+        """Receive ``fw`` into the disk from its first H2CData on, where it can be (a RAM disk on this engine's
+        own socket: FIONREAD; not TLS: the socket holds records, whose byte count says nothing of the
+        plaintext's, and _h2c_pull would receive ciphertext into the disk)."""
         transport = self.transport
         if type(transport) is not SocketTransport or self._tls is not None:
-            return False
+            return
         disk = fw.backend.memory_view()
+        ns = fw.ns
         # (registrants that came since the R2T: the buffered road, whose end hands it to io.parse's check)
-        if disk is None or fw.ns.pr.registrants or not self._h2c_unchanged(fw, disk):
-            return False
-        bs = fw.ns.block_size
+        if disk is None or ns.pr.registrants or not (self.queue.ctrl is not None and ns.enabled
+                                                     and ns.backend is fw.backend and not fw.backend.read_only
+                                                     and not ns.read_only):
+            return
+        bs = ns.block_size
         if len(self._h2c_stage) < bs:
             self._h2c_stage = memoryview(bytearray(bs))
-        span = disk[fw.offset:fw.offset + fw.length]
-        have = len(data)
-        whole = have - have % bs
-        if whole:
-            span[:whole] = data[:whole]
-        staged = have - whole
-        if staged:
-            self._h2c_stage[:staged] = data[whole:]
         self._h2c_fd = transport._fd
-        self._h2c_bs = bs
-        self._h2c_disk = disk
-        self._h2c_span = span
-        self._h2c_staged = staged
-        self._h2c_dest = span[whole:]
+        fw.bs = bs
+        fw.disk = disk
+        fw.span = disk[fw.offset:fw.offset + fw.length]
+
+    def _h2c_take(self, fw: _FastWrite, data: memoryview, stop: int, whole: bool) -> None:
+        """Place ``data``, the start (``whole``: all) of an H2CData of ``fw`` ending at ``stop``, in the disk;
+        the rest of a cut one is received there (get_buffer), the whole blocks waiting now at once."""
+        tail = fw.tail
+        if tail is not None:
+            self._h2c_stage[:len(tail)] = tail
+            fw.tail = None
+        self._h2c_place(fw, data)
+        if whole:
+            self._h2c_pdu_end(fw)
+            return
         self._h2c_fw = fw
-        self._h2c_stop = fw.length
-        self._h2c_pull(transport)
-        return True
+        self._h2c_stop = stop
+        self._h2c_bs = fw.bs
+        self._h2c_dest = fw.span   # (not None: a cut H2CData is being received; _h2c_bs: into the disk)
+        self._h2c_pull(self.transport)
+
+    def _h2c_place(self, fw: _FastWrite, data: memoryview) -> None:
+        """Copy ``data``, the next bytes of ``fw``, into the disk in whole blocks; a block's part to the stage
+        (the namespace is checked already)."""
+        bs = fw.bs
+        span = fw.span
+        stage = self._h2c_stage
+        at = fw.received
+        n = len(data)
+        fw.received = at + n
+        pos = 0
+        staged = at % bs
+        if staged:
+            pos = min(bs - staged, n)
+            stage[staged:staged + pos] = data[:pos]
+            if staged + pos < bs:
+                return
+            span[at - staged:at - staged + bs] = stage[:bs]
+            at += pos
+        end = n - (n - pos) % bs
+        if end > pos:
+            span[at:at + end - pos] = data[pos:end]
+        if end < n:
+            stage[:n - end] = data[end:]
+
+    def _h2c_pdu_end(self, fw: _FastWrite) -> None:
+        """An H2CData of ``fw`` is all in: a block it cut waits in the write's tail for the next one; the
+        last one ends the write."""
+        staged = fw.received % fw.bs
+        if staged:
+            fw.tail = bytes(self._h2c_stage[:staged])
+        if fw.received == fw.length:
+            self._fast_write_done(fw, None)
 
     def _h2c_pull(self, transport: SocketTransport) -> None:
         """Receive the whole blocks the socket holds now, into the disk, without another trip through the
@@ -937,7 +1033,7 @@ class BatchMixin:
         or the end of the stream is left to the transport's next receive, which meets it again."""
         if not transport._reading:
             return
-        buf = self._h2c_disk_buffer(self._h2c_dest)   # type: ignore[arg-type]
+        buf = self._h2c_disk_buffer()
         if not self._h2c_into_disk:
             return   # less than a block there (or the namespace changed): the transport's reads go on
         try:
@@ -947,88 +1043,117 @@ class BatchMixin:
         if n:
             self._h2c_received(n)
 
-    def _h2c_unchanged(self, fw: _FastWrite, disk: memoryview | None) -> bool:
-        """The namespace of ``fw`` still takes its data as when its R2T went (``disk``: the view then)."""
+    def _h2c_unchanged(self, fw: _FastWrite) -> bool:
+        """The namespace of ``fw`` still takes its data as when it started into the disk (``fw.disk``)."""
         ns = fw.ns
         backend = fw.backend
         return (self.queue.ctrl is not None and ns.enabled and ns.backend is backend and not backend.read_only
-                and not ns.read_only and backend.memory_view() is disk)
+                and not ns.read_only and backend.memory_view() is fw.disk)
 
-    def _h2c_disk_buffer(self, dest: memoryview) -> memoryview:
-        """get_buffer while a write is placed in the disk: the whole blocks the socket holds, else the rest
-        of the block being gathered."""
+    def _h2c_disk_buffer(self) -> memoryview:
+        """get_buffer while an H2CData is received into the disk: the whole blocks the socket holds (up to the
+        H2CData's end), else the rest of the block being gathered."""
+        # Why a receive of no more than FIONREAD returns all of it (Linux TCP), so a block is never left half
+        # new: FIONREAD is tcp_inq(), rcv_nxt - copied_seq, the in-order bytes of sk_receive_queue, stopped
+        # at a pending urgent mark. tcp_recvmsg_locked, non-blocking, copies from that queue until the length
+        # asked is done; it stops early only when the queue is empty (only then does it look at signals and
+        # socket errors), at the urgent mark (where tcp_inq stopped already; an urgent pointer that arrives
+        # later cannot point below rcv_nxt, tcp_check_urg ignores it), or at a fault writing the buffer
+        # (EFAULT: the disk's memory could not be faulted in). And nothing else reads this socket: only this
+        # loop's transport holds its descriptor (a --workers hand-off stops reading and closes it here). A
+        # receive cut anyway (a fault, another reader, another kernel) has its block finished before the
+        # callback ends (_h2c_finish_block; tests/test_batch_r2t.py forces one).
+        fw = self._h2c_fw
+        assert fw is not None and fw.span is not None
         bs = self._h2c_bs
-        staged = self._h2c_staged
+        at = fw.received
+        left = self._h2c_stop - at
+        staged = at % bs
         if not staged:
             _ioctl(self._h2c_fd, _FIONREAD, self._h2c_inq, True)
-            whole = min(_unpack_int(self._h2c_inq)[0], len(dest))
+            whole = min(_unpack_int(self._h2c_inq)[0], left)
             whole -= whole % bs
             if whole:
-                fw = self._h2c_fw
-                if fw is not None and self._h2c_unchanged(fw, self._h2c_disk):
+                if self._h2c_unchanged(fw):
                     self._h2c_into_disk = True
-                    return dest[:whole]
-                self._h2c_unplace()
+                    return fw.span[at:at + whole]
+                self._h2c_unplace(fw, at, 0)
                 assert self._h2c_dest is not None
                 return self._h2c_dest
         self._h2c_into_disk = False
-        return self._h2c_stage[staged:min(bs, len(dest))]
+        return self._h2c_stage[staged:min(bs, staged + left)]
 
-    def _h2c_disk_received(self, dest: memoryview, nbytes: int) -> None:
+    def _h2c_disk_received(self, nbytes: int) -> None:
+        fw = self._h2c_fw
+        assert fw is not None
         bs = self._h2c_bs
+        at = fw.received
         if self._h2c_into_disk:
             cut = nbytes % bs
             if cut:
-                # FIONREAD said more was there: not expected; the block's new start waits in the stage,
-                # and the block is whole again once its rest comes
-                nbytes -= cut
-                self._h2c_stage[:cut] = dest[nbytes:nbytes + cut]
-                self._h2c_staged = cut
-            dest = dest[nbytes:]
+                nbytes += self._h2c_finish_block(fw, at + nbytes, bs - cut)
+            fw.received = at + nbytes
         else:
-            staged = self._h2c_staged + nbytes
-            full = min(bs, len(dest))
-            self._h2c_staged = staged
-            if staged < full:
-                return
-            fw = self._h2c_fw
-            if fw is None or not self._h2c_unchanged(fw, self._h2c_disk):
-                self._h2c_unplace()
-                self._h2c_received(0)
-                return
-            dest[:full] = self._h2c_stage[:full]
-            self._h2c_staged = 0
-            dest = dest[full:]
-        if len(dest) or self._h2c_staged:
-            self._h2c_dest = dest
+            staged = at % bs
+            if staged + nbytes == bs:   # the block gathered is whole
+                if not self._h2c_unchanged(fw):
+                    self._h2c_unplace(fw, at + nbytes, bs)
+                    self._h2c_received(nbytes)   # (as received into the write's buffer)
+                    return
+                fw.span[at - staged:at - staged + bs] = self._h2c_stage[:bs]
+            fw.received = at + nbytes
+        if fw.received < self._h2c_stop:
             return
-        fw = self._h2c_fw
         self._h2c_direct_end()
-        if fw is None or self._closed or self._h2c.get(fw.ttag) is not fw:
-            return
-        fw.received = fw.length
-        self._fast_write_done(fw, None)
+        if not self._closed and self._h2c.get(fw.ttag) is fw:
+            self._h2c_pdu_end(fw)
 
-    def _h2c_unplace(self) -> None:
-        """The namespace changed under a write being placed in the disk: what came so far goes to a write
-        buffer (from the old range: its view keeps that memory), and the rest is received there."""
-        fw = self._h2c_fw
-        dest = self._h2c_dest
-        span = self._h2c_span
-        assert fw is not None and dest is not None and span is not None
-        placed = len(span) - len(dest)
-        staged = self._h2c_staged
+    def _h2c_finish_block(self, fw: _FastWrite, at: int, need: int) -> int:
+        """A receive into the disk ended at ``at``, ``need`` bytes short of a block's end: receive those now,
+        before this callback ends, so that no callback sees the block half new (the socket holds them:
+        FIONREAD counted them). Returns the bytes received; short of ``need`` (something else reads the
+        socket, an error), the block's new start is moved to the stage and is torn in the disk until its
+        rest comes, which is logged."""
+        span = fw.span
+        assert span is not None
+        sock = self.transport._sock
+        got = 0
+        with contextlib.suppress(OSError):
+            while got < need:
+                n = sock.recv_into(span[at + got:at + need])
+                if not n:
+                    break
+                got += n
+        if got < need:
+            bs = self._h2c_bs
+            start = at + need - bs
+            self._h2c_stage[:bs - need + got] = span[start:at + got]
+            log.error("NVMe/TCP queue %s: the socket held less than FIONREAD said; a block of a write stays torn "
+                      "in the RAM disk until its rest comes", getattr(self.queue, "qid", "?"))
+        return got
+
+    def _h2c_unplace(self, fw: _FastWrite, have: int, staged: int) -> None:
+        """The namespace changed under a write being received into the disk (or the sans-IO connection takes
+        its next H2CData): its ``have`` bytes so far go to a write buffer (from the old range: its view keeps
+        that memory), the last ``staged`` of them from the stage (or the write's tail), and the rest of an
+        H2CData being received goes there (from ``fw.received`` on)."""
+        span = fw.span
+        assert span is not None
+        placed = have - staged
         buf = fw.buf = self._take_wbuf(fw.length)
         buf[:placed] = span[:placed]
-        buf[placed:placed + staged] = self._h2c_stage[:staged]
-        self._h2c_direct_end()
-        self._h2c_fw = fw
-        self._h2c_stop = fw.length
-        self._h2c_dest = memoryview(buf)[placed + staged:]
+        if staged:
+            buf[placed:have] = fw.tail if fw.tail is not None else self._h2c_stage[:staged]
+        fw.span = fw.disk = fw.tail = None
+        if self._h2c_fw is fw:
+            # an H2CData being received: its rest into the buffer (the buffered road's _h2c_received)
+            self._h2c_direct_end()
+            self._h2c_fw = fw
+            self._h2c_dest = memoryview(buf)[fw.received:self._h2c_stop]
 
     def _h2c_direct_end(self) -> None:
-        self._h2c_bs = self._h2c_staged = 0
-        self._h2c_disk = self._h2c_span = self._h2c_dest = self._h2c_fw = None
+        self._h2c_bs = 0
+        self._h2c_dest = self._h2c_fw = None
         self._h2c_into_disk = False
 
     def _place(self, cccid: int, ttag: int, datao: int, datal: int) -> memoryview | None:
@@ -1039,6 +1164,8 @@ class BatchMixin:
             return super()._place(cccid, ttag, datao, datal)   # type: ignore[misc]
         if datao != pending.received:
             return None
+        if pending.span is not None:   # received into the disk so far: the buffered road from here on
+            self._h2c_unplace(pending, datao, datao % pending.bs)
         if pending.buf is None:
             pending.buf = self._take_wbuf(pending.length)
         return memoryview(pending.buf)[datao:datao + datal]
@@ -1053,6 +1180,8 @@ class BatchMixin:
             return
         data = event.data
         start = pending.received
+        if pending.span is not None:   # (as _place)
+            self._h2c_unplace(pending, start, start % pending.bs)
         end = start + len(data)
         pending.received = end
         if not start and end == pending.length and not event.placed:
