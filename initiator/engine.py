@@ -10,8 +10,8 @@ transport, the way SPDK's initiator (lib/nvme/nvme_tcp.c) drives a qpair from it
   ``struct nvme_tcp_req`` array): no Future, Task or dict per command, the capsule PDU is packed with one
   precompiled ``struct`` into the cid's own reused 72-byte buffer, and the completion is a callback;
 - the CapsuleResp and C2HData of those commands are parsed here from their fixed headers; C2HData goes
-  straight into the caller's buffer (a payload missing at least ``TCP_DIRECT_PLACEMENT_MIN`` bytes is
-  received into it directly);
+  straight into the caller's buffer (a payload missing at least ``TCP_DIRECT_PLACEMENT_MIN`` bytes, or one
+  longer than the receive buffer, is received into it directly);
 - a slot write above the in-capsule size is sent with a transport SGL: its R2Ts are parsed here (the checks
   of ``TcpConnection._check_r2t``, nvme_tcp_handle_r2t) and answered with H2CData PDUs of at most MAXH2CDATA,
   each a header packed with one precompiled ``struct`` plus a view of the caller's buffer, in the same
@@ -388,6 +388,10 @@ class BatchQueue(HostQueue):
             end = len(rest)
             self._rbuf[:end] = rest
             self._rstart, self._rend = 0, end
+            if end == len(self._rbuf):
+                # _process places a PDU longer than _rbuf in its buffer, so this is a bug; said as one, since
+                # a receive into no room returns 0 and would read as the controller closing the connection
+                raise RuntimeError(f"receive buffer full of {end} unparsed bytes")
         return end
 
     # ---- TLS: records in, plaintext where the socket's bytes would go -------------------------------
@@ -494,6 +498,7 @@ class BatchQueue(HostQueue):
         dbuf, dnext, dend, toks = self._dbuf, self._dnext, self._dend, self._tok
         wsrc = self._wsrc
         max_data = self._max_data
+        rbuf_len = len(self._rbuf)
         waiters = self._cid_waiters
         unpack_key, unpack_hdr, unpack_data = _unpack_le64, _unpack_hdr, _unpack_data_hdr
         rsp_key, c2h_mask, c2h_key = _RSP_KEY, _C2H_MASK, _C2H_KEY
@@ -561,7 +566,9 @@ class BatchQueue(HostQueue):
                                     break
                             continue
                         have = avail - _DATA_HLEN
-                        if datal - have >= _DIRECT_MIN:
+                        # In place when much is missing, and always when the PDU is longer than _rbuf: left there,
+                        # it would fill _rbuf to the last byte and the next receive would have no room.
+                        if datal - have >= _DIRECT_MIN or plen > rbuf_len:
                             dest[datao:datao + have] = mv[data:end]
                             self._direct = dest[datao + have:stop]
                             self._direct_cid = cid
