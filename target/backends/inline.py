@@ -1,9 +1,9 @@
 """When a call that may block runs on the event loop anyway: while such calls stay fast.
 
 ``InlinePolicy`` runs a buffered write that RWF_NOWAIT cannot bound inline while such writes complete fast,
-and sends them to the thread pool for a doubling back-off after a slow one that slept in the kernel (not one
-that only waited for a CPU), or while the page cache's dirty pages are at the background writeback
-threshold. The reasons and the measurements: ARCHITECTURE.md, "Inline writes".
+and sends them to the thread pool for a doubling back-off after a slow one that slept in the kernel or ran
+on the CPU for longer than the bound (not one that only waited for a CPU), or while the page cache's dirty
+pages are at the background writeback threshold. The reasons and the measurements: ARCHITECTURE.md, "Inline writes".
 """
 
 from __future__ import annotations
@@ -82,17 +82,19 @@ class InlinePolicy:
     """Inline or thread pool, for one file's calls that may block: see the module docstring.
 
     ``inline_now()`` is asked before each call (cheap while inline: one attribute test), and
-    ``record(start_ns, end_ns, switches)`` is told how long each inline call took, on ``clock``'s scale
-    (time.perf_counter_ns; tests give a fake clock), with ``switches()`` as it was before the call.
-    Counters: ``slow`` calls seen, ``preempted`` (slow ones only waiting for a CPU, no back-off),
-    ``unswitched`` (slow ones with no context switch at all: the time went to interrupts or the
-    hypervisor, no back-off), ``backoffs`` entered (slow calls that slept, and dirty-page pressure),
-    ``probes`` (first calls after a back-off).
+    ``record(start_ns, end_ns, switches, cpu_ns)`` is told how long each inline call took, on ``clock``'s
+    scale (time.perf_counter_ns; tests give a fake clock), with ``switches()`` and ``cpu()`` (the thread's
+    CPU time) as they were before the call.
+    Counters: ``slow`` calls seen, ``ran`` (slow ones that ran on the CPU for longer than the bound,
+    without sleeping: a back-off), ``preempted`` (slow ones that did neither and were preempted: they
+    waited for a CPU, no back-off), ``unswitched`` (slow ones with no context switch at all: the time went
+    to the hypervisor, no back-off), ``backoffs`` entered (slow calls that slept or ran, and dirty-page
+    pressure), ``probes`` (first calls after a back-off).
     """
 
     __slots__ = ("_backoff", "_checked_ns", "_probing", "_until", "backoff_max_ns", "backoff_ns", "backoffs",
-                 "clock", "preempted", "pressure", "probes", "slow", "slow_ns", "switches", "unswitched",
-                 "worst_ns")
+                 "clock", "cpu", "preempted", "pressure", "probes", "ran", "slow", "slow_ns", "switches",
+                 "unswitched", "worst_ns")
 
     def __init__(
         self,
@@ -102,6 +104,7 @@ class InlinePolicy:
         clock: Callable[[], int] = time.perf_counter_ns,
         pressure: Callable[[int], bool] | None = _cached_pressure,
         switches: Callable[[], Any] = thread_switches,
+        cpu: Callable[[], int] = time.thread_time_ns,
     ) -> None:
         self.slow_ns = defaults.FILE_INLINE_SLOW_US * 1000 if slow_ns is None else slow_ns
         self.backoff_ns = defaults.FILE_INLINE_BACKOFF_MS * 1_000_000 if backoff_ns is None else backoff_ns
@@ -110,11 +113,12 @@ class InlinePolicy:
         self.clock = clock
         self.pressure = pressure
         self.switches = switches
+        self.cpu = cpu
         self._until = 0           # clock value before which calls go to the pool; 0: inline
         self._backoff = self.backoff_ns
         self._probing = False     # the next inline call is the first after a back-off
         self._checked_ns = clock()
-        self.slow = self.preempted = self.unswitched = self.backoffs = self.probes = 0
+        self.slow = self.ran = self.preempted = self.unswitched = self.backoffs = self.probes = 0
         self.worst_ns = 0         # the longest inline call seen
 
     def inline_now(self) -> bool:
@@ -134,7 +138,7 @@ class InlinePolicy:
         self.probes += 1
         return True
 
-    def record(self, start_ns: int, end_ns: int, before: Any) -> None:
+    def record(self, start_ns: int, end_ns: int, before: Any, cpu_before: int) -> None:
         elapsed = end_ns - start_ns
         if elapsed > self.worst_ns:
             self.worst_ns = elapsed
@@ -142,15 +146,21 @@ class InlinePolicy:
             self.slow += 1
             after = self.switches()
             if after.ru_nvcsw == before.ru_nvcsw:
-                # it never slept: it waited for a CPU (preempted) or, with no context switch at all, the time
-                # went to interrupts or to a hypervisor holding the vCPU; a pool thread would wait the same.
-                # (The thread's CPU time cannot tell more: getrusage's lags by up to a tick for a running
-                # thread, and a preemption adds what the loop ran before the call.)
-                if after.ru_nivcsw != before.ru_nivcsw:
+                # It never slept. If it ran on the CPU for longer than the bound (reclaim or compaction that
+                # does not sleep, a long copy; interrupts too, with no IRQ_TIME_ACCOUNTING), the next such
+                # call stalls the loop as long: back off. Otherwise it waited for a CPU (preempted) or, with
+                # no context switch at all, for a hypervisor holding the vCPU, which a pool thread would wait
+                # as well. The thread's CPU clock (CLOCK_THREAD_CPUTIME_ID, task_sched_runtime) counts up to
+                # the nanosecond and leaves out the time stolen by the hypervisor (PARAVIRT_TIME_ACCOUNTING);
+                # getrusage's CPU times lag by up to a tick for a running thread.
+                if self.cpu() - cpu_before > self.slow_ns:
+                    self.ran += 1
+                elif after.ru_nivcsw != before.ru_nivcsw:
                     self.preempted += 1
+                    return
                 else:
                     self.unswitched += 1
-                return
+                    return
             # a slow probe: the condition lasted the whole back-off, so wait longer next time
             self._backoff = min(self._backoff * 2, self.backoff_max_ns) if self._probing else self.backoff_ns
             self._enter_backoff(end_ns)
@@ -170,7 +180,7 @@ class InlinePolicy:
         self._until = (now_ns + self._backoff) or 1
 
     def counts(self) -> dict[str, int]:
-        return {"slow": self.slow, "preempted": self.preempted, "unswitched": self.unswitched,
+        return {"slow": self.slow, "ran": self.ran, "preempted": self.preempted, "unswitched": self.unswitched,
                 "backoffs": self.backoffs, "probes": self.probes, "worst_inline_us": self.worst_ns // 1000,
                 "on_pool": int(bool(self._until))}
 
