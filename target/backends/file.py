@@ -632,7 +632,7 @@ class FileBackend(Backend):
             return 0
         clock = policy.clock
         switches = policy.switches()
-        cpu = policy.cpu()
+        cpu = policy.cpu() if policy.cpu_timed else -1
         start = clock()
         try:
             _pwrite_all(fd, view, offset)

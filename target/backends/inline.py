@@ -83,24 +83,25 @@ class InlinePolicy:
 
     ``inline_now()`` is asked before each call (cheap while inline: one attribute test), and
     ``record(start_ns, end_ns, switches, cpu_ns)`` is told how long each inline call took, on ``clock``'s
-    scale (time.perf_counter_ns; tests give a fake clock), with ``switches()`` and ``cpu()`` (the thread's
-    CPU time) as they were before the call.
-    Counters: ``slow`` calls seen, ``ran`` (slow ones that ran on the CPU for longer than the bound,
-    without sleeping: a back-off), ``preempted`` (slow ones that did neither and were preempted: they
+    scale (time.perf_counter_ns; tests give a fake clock), with ``switches()`` as it was before the call and,
+    while ``cpu_timed``, ``cpu()`` (the thread's CPU time) too, else -1.
+    Counters: ``slow`` calls seen, ``ran`` (slow ones timed on the CPU clock that ran for longer than the
+    bound without sleeping: a back-off), ``preempted`` (slow ones that did neither and were preempted: they
     waited for a CPU, no back-off), ``unswitched`` (slow ones with no context switch at all: the time went
     to the hypervisor, no back-off), ``backoffs`` entered (slow calls that slept or ran, and dirty-page
     pressure), ``probes`` (first calls after a back-off).
     """
 
-    __slots__ = ("_backoff", "_checked_ns", "_probing", "_until", "backoff_max_ns", "backoff_ns", "backoffs",
-                 "clock", "cpu", "preempted", "pressure", "probes", "ran", "slow", "slow_ns", "switches",
-                 "unswitched", "worst_ns")
+    __slots__ = ("_backoff", "_checked_ns", "_cpu_until", "_probing", "_until", "backoff_max_ns", "backoff_ns",
+                 "backoffs", "clock", "cpu", "cpu_timed", "cpu_timed_ns", "preempted", "pressure", "probes", "ran",
+                 "slow", "slow_ns", "switches", "unswitched", "worst_ns")
 
     def __init__(
         self,
         slow_ns: int | None = None,
         backoff_ns: int | None = None,
         backoff_max_ns: int | None = None,
+        cpu_timed_ns: int | None = None,
         clock: Callable[[], int] = time.perf_counter_ns,
         pressure: Callable[[int], bool] | None = _cached_pressure,
         switches: Callable[[], Any] = thread_switches,
@@ -110,10 +111,13 @@ class InlinePolicy:
         self.backoff_ns = defaults.FILE_INLINE_BACKOFF_MS * 1_000_000 if backoff_ns is None else backoff_ns
         self.backoff_max_ns = (defaults.FILE_INLINE_BACKOFF_MAX_MS * 1_000_000 if backoff_max_ns is None
                                else backoff_max_ns)
+        self.cpu_timed_ns = defaults.FILE_INLINE_CPU_TIMED_MS * 1_000_000 if cpu_timed_ns is None else cpu_timed_ns
         self.clock = clock
         self.pressure = pressure
         self.switches = switches
         self.cpu = cpu
+        self.cpu_timed = False    # calls are timed on the CPU clock too (until _cpu_until)
+        self._cpu_until = 0
         self._until = 0           # clock value before which calls go to the pool; 0: inline
         self._backoff = self.backoff_ns
         self._probing = False     # the next inline call is the first after a back-off
@@ -142,6 +146,8 @@ class InlinePolicy:
         elapsed = end_ns - start_ns
         if elapsed > self.worst_ns:
             self.worst_ns = elapsed
+        if self.cpu_timed and end_ns >= self._cpu_until:
+            self.cpu_timed = False
         if elapsed > self.slow_ns:
             self.slow += 1
             after = self.switches()
@@ -150,20 +156,28 @@ class InlinePolicy:
                 # does not sleep, a long copy; interrupts too, with no IRQ_TIME_ACCOUNTING), the next such
                 # call stalls the loop as long: back off. Otherwise it waited for a CPU (preempted) or, with
                 # no context switch at all, for a hypervisor holding the vCPU, which a pool thread would wait
-                # as well. The thread's CPU clock (CLOCK_THREAD_CPUTIME_ID, task_sched_runtime) counts up to
-                # the nanosecond and leaves out the time stolen by the hypervisor (PARAVIRT_TIME_ACCOUNTING);
-                # getrusage's CPU times lag by up to a tick for a running thread.
-                if self.cpu() - cpu_before > self.slow_ns:
+                # as well. The thread's CPU clock (CLOCK_THREAD_CPUTIME_ID, task_sched_runtime) tells them
+                # apart: exact to the nanosecond, without the time the hypervisor stole where the kernel
+                # accounts it (PARAVIRT_TIME_ACCOUNTING); getrusage's CPU times lag by up to a tick for a
+                # running thread. That clock is a system call (about 1 us a write here, a fifth of an
+                # inline 4 KiB write), so it is read only for cpu_timed_ns after a slow call that did not
+                # sleep: the first call of a condition that keeps the CPU busy stalls the loop unnoticed,
+                # the next one backs off.
+                if cpu_before >= 0 and self.cpu() - cpu_before > self.slow_ns:
                     self.ran += 1
-                elif after.ru_nivcsw != before.ru_nivcsw:
-                    self.preempted += 1
-                    return
                 else:
-                    self.unswitched += 1
+                    self.cpu_timed = True
+                    self._cpu_until = end_ns + self.cpu_timed_ns
+                    if after.ru_nivcsw != before.ru_nivcsw:
+                        self.preempted += 1
+                    else:
+                        self.unswitched += 1
                     return
             # a slow probe: the condition lasted the whole back-off, so wait longer next time
             self._backoff = min(self._backoff * 2, self.backoff_max_ns) if self._probing else self.backoff_ns
             self._enter_backoff(end_ns)
+            if self.cpu_timed:
+                self._cpu_until = self._until + self.cpu_timed_ns   # the probe after it is timed too
             return
         if self._probing:
             self._probing = False
