@@ -874,6 +874,7 @@ class BatchQueue(HostQueue):
         if self._closing:
             return
         self._closing = True
+        self._poller = None   # registered by fd number, which the closed socket frees for reuse
         sock, self._sock = self._sock, None
         if sock is not None and self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self._fd)
