@@ -381,9 +381,10 @@ def test_a_slow_call_that_ran_on_the_cpu_backs_off_without_sleeping(involuntary)
     sleep, a long copy), preempted or not at its end: the next one would stall the loop as long, so the file
     backs off (before, only a call that slept did). The thread's CPU time tells it from a call that waited
     for a CPU or for the hypervisor (CPU time under the bound: no back-off). That clock is read only for a
-    while after a slow call that did not sleep, so the first such call is not caught, the next one is."""
+    for a number of calls after a slow one that did not sleep, so the first such call is not caught, the next
+    one is."""
     clock = FakeClock()
-    p = InlinePolicy(slow_ns=300 * US, backoff_ns=100 * MS, backoff_max_ns=400 * MS, cpu_timed_ns=500 * MS,
+    p = InlinePolicy(slow_ns=300 * US, backoff_ns=100 * MS, backoff_max_ns=400 * MS, cpu_timed_calls=4,
                      clock=clock, pressure=None, switches=Switches(), cpu=FakeClock())
     _call(p, clock, 10 * US, ran=10 * US)
     assert not p.cpu_timed                                           # fast calls: no CPU clock read
@@ -400,10 +401,11 @@ def test_a_slow_call_that_ran_on_the_cpu_backs_off_without_sleeping(involuntary)
     assert not p.inline_now() and p.counts()["ran"] == 2
     clock.now += 1
     assert p.inline_now()
-    _call(p, clock, 10 * US, ran=10 * US)                            # fast again
-    clock.now += 600 * MS
+    for _ in range(3):
+        _call(p, clock, 10 * US, ran=10 * US)                        # fast again: timed 4 calls from the probe ...
+    assert p.cpu_timed
     _call(p, clock, 10 * US, ran=10 * US)
-    assert p.inline_now() and not p.cpu_timed                        # and untimed once the while is over
+    assert p.inline_now() and not p.cpu_timed                        # ... then no more
 
 
 def test_dirty_page_pressure_sends_writes_to_the_pool():

@@ -92,8 +92,8 @@ class InlinePolicy:
     pressure), ``probes`` (first calls after a back-off).
     """
 
-    __slots__ = ("_backoff", "_checked_ns", "_cpu_until", "_probing", "_until", "backoff_max_ns", "backoff_ns",
-                 "backoffs", "clock", "cpu", "cpu_timed", "cpu_timed_ns", "preempted", "pressure", "probes", "ran",
+    __slots__ = ("_backoff", "_checked_ns", "_cpu_left", "_probing", "_until", "backoff_max_ns", "backoff_ns",
+                 "backoffs", "clock", "cpu", "cpu_timed", "cpu_timed_calls", "preempted", "pressure", "probes", "ran",
                  "slow", "slow_ns", "switches", "unswitched", "worst_ns")
 
     def __init__(
@@ -101,7 +101,7 @@ class InlinePolicy:
         slow_ns: int | None = None,
         backoff_ns: int | None = None,
         backoff_max_ns: int | None = None,
-        cpu_timed_ns: int | None = None,
+        cpu_timed_calls: int | None = None,
         clock: Callable[[], int] = time.perf_counter_ns,
         pressure: Callable[[int], bool] | None = _cached_pressure,
         switches: Callable[[], Any] = thread_switches,
@@ -111,13 +111,13 @@ class InlinePolicy:
         self.backoff_ns = defaults.FILE_INLINE_BACKOFF_MS * 1_000_000 if backoff_ns is None else backoff_ns
         self.backoff_max_ns = (defaults.FILE_INLINE_BACKOFF_MAX_MS * 1_000_000 if backoff_max_ns is None
                                else backoff_max_ns)
-        self.cpu_timed_ns = defaults.FILE_INLINE_CPU_TIMED_MS * 1_000_000 if cpu_timed_ns is None else cpu_timed_ns
+        self.cpu_timed_calls = defaults.FILE_INLINE_CPU_TIMED_WRITES if cpu_timed_calls is None else cpu_timed_calls
         self.clock = clock
         self.pressure = pressure
         self.switches = switches
         self.cpu = cpu
-        self.cpu_timed = False    # calls are timed on the CPU clock too (until _cpu_until)
-        self._cpu_until = 0
+        self.cpu_timed = False    # calls are timed on the CPU clock too (_cpu_left more of them)
+        self._cpu_left = 0
         self._until = 0           # clock value before which calls go to the pool; 0: inline
         self._backoff = self.backoff_ns
         self._probing = False     # the next inline call is the first after a back-off
@@ -146,8 +146,10 @@ class InlinePolicy:
         elapsed = end_ns - start_ns
         if elapsed > self.worst_ns:
             self.worst_ns = elapsed
-        if self.cpu_timed and end_ns >= self._cpu_until:
-            self.cpu_timed = False
+        if self.cpu_timed:
+            self._cpu_left -= 1
+            if self._cpu_left <= 0:
+                self.cpu_timed = False
         if elapsed > self.slow_ns:
             self.slow += 1
             after = self.switches()
@@ -160,14 +162,15 @@ class InlinePolicy:
                 # apart: exact to the nanosecond, without the time the hypervisor stole where the kernel
                 # accounts it (PARAVIRT_TIME_ACCOUNTING); getrusage's CPU times lag by up to a tick for a
                 # running thread. That clock is a system call (about 1 us a write here, a fifth of an
-                # inline 4 KiB write), so it is read only for cpu_timed_ns after a slow call that did not
-                # sleep: the first call of a condition that keeps the CPU busy stalls the loop unnoticed,
-                # the next one backs off.
+                # inline 4 KiB write; each read also updates the thread's run time, where the scheduler may
+                # end its slice), so it is read only for the cpu_timed_calls calls after a slow one
+                # that did not sleep: the first call of a condition that keeps the CPU busy stalls the loop
+                # unnoticed, the next slow one backs off.
                 if cpu_before >= 0 and self.cpu() - cpu_before > self.slow_ns:
                     self.ran += 1
                 else:
                     self.cpu_timed = True
-                    self._cpu_until = end_ns + self.cpu_timed_ns
+                    self._cpu_left = self.cpu_timed_calls
                     if after.ru_nivcsw != before.ru_nivcsw:
                         self.preempted += 1
                     else:
@@ -176,8 +179,9 @@ class InlinePolicy:
             # a slow probe: the condition lasted the whole back-off, so wait longer next time
             self._backoff = min(self._backoff * 2, self.backoff_max_ns) if self._probing else self.backoff_ns
             self._enter_backoff(end_ns)
-            if self.cpu_timed:
-                self._cpu_until = self._until + self.cpu_timed_ns   # the probe after it is timed too
+            if cpu_before >= 0:
+                self.cpu_timed = True   # the probe after it is timed too
+                self._cpu_left = self.cpu_timed_calls
             return
         if self._probing:
             self._probing = False
