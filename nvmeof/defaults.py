@@ -114,6 +114,9 @@ FILE_INLINE_WRITE_MAX = 128 * 1024    # where pwritev2(RWF_NOWAIT) is unsupporte
 FILE_INLINE_SLOW_US = 1000            # an inline write taking longer moves the file's writes to the thread pool ...
 FILE_INLINE_BACKOFF_MS = 100          # ... for this long, then one is tried inline again; a slow retry doubles it
 FILE_INLINE_BACKOFF_MAX_MS = 5000     # ... up to this
+FILE_INLINE_CPU_TIMED_WRITES = 256    # after a slow inline write that did not sleep, this many next ones are timed
+                                      # on the thread's CPU clock (a system call each): one that ran on the CPU for
+                                      # longer than FILE_INLINE_SLOW_US backs off too
 
 # NVMe/TCP batch engine (target/transports/tcp_batch.py, issue 12)
 POLL_US = 0                           # `--poll-us`: µs of non-blocking receives after a batch before sleeping in

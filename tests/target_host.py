@@ -255,3 +255,22 @@ def make_target(**kwargs):  # type: ignore[no-untyped-def]
     sub.namespaces[1] = Namespace(1, RamBackend(NS_SIZE), nguid=bytes(range(1, 17)), eui64=bytes(range(1, 9)))
     tgt.subsystems[SUBNQN] = sub
     return tgt
+
+
+async def serve_tls(mode: str, key: str, *, hostnqn: str = HOSTNQN, engine: str = "batch", allow: bool = True):  # type: ignore[no-untyped-def]
+    """make_target() with one NVMe/TCP listener on 127.0.0.1 (``mode``: the listener's tls, none|optional|required)
+    on the ``engine`` (batch|stream) listener; ``allow``: only ``hostnqn`` may connect, with the TLS PSK ``key``
+    (else any host, no key). Returns the target and the started listener."""
+    from nvmeof.tls.psk import TlsKey
+    from target.model import HostAuth, Listener
+    from target.transports import tcp, tcp_batch
+
+    tgt = make_target(transports={"tcp": tcp_batch.BatchTcpListener if engine == "batch" else tcp.TcpListener})
+    sub = tgt.subsystems[SUBNQN]
+    if allow:
+        sub.allow_any_host = False
+        sub.hosts.add(hostnqn)
+        sub.host_auth[hostnqn] = HostAuth(tls_key=TlsKey.parse(key))
+    listener = Listener("tcp", "ipv4", "127.0.0.1", 0, portid=1, tls=mode)
+    tgt.listeners[listener.id] = listener
+    return tgt, await tgt.start_listener(listener)

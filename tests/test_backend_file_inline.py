@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import os
+import time
 
 import pytest
 
@@ -302,18 +303,22 @@ class Switches:
 
 
 def _policy(clock, pressure=None, switches=None):
+    """A policy on fake clocks: ``clock`` for the calls' wall time, a FakeClock of its own (``p.cpu``) for the
+    thread's CPU time."""
     return InlinePolicy(slow_ns=300 * US, backoff_ns=100 * MS, backoff_max_ns=400 * MS, clock=clock, pressure=pressure,
-                        switches=switches or Switches())
+                        switches=switches or Switches(), cpu=FakeClock())
 
 
-def _call(p: InlinePolicy, clock: FakeClock, took: int, *, voluntary: int = 0, involuntary: int = 0) -> None:
+def _call(p: InlinePolicy, clock: FakeClock, took: int, *, voluntary: int = 0, involuntary: int = 0,
+          ran: int = 0) -> None:
     """An inline call that took ``took`` ns (sleeping ``voluntary`` times, preempted ``involuntary``
-    times meanwhile), told to the policy as it ends."""
-    before = p.switches()
+    times, on the CPU for ``ran`` ns meanwhile), told to the policy as it ends."""
+    before, cpu = p.switches(), p.cpu() if p.cpu_timed else -1
     clock.now += took
+    p.cpu.now += ran
     p.switches.ru_nvcsw += voluntary
     p.switches.ru_nivcsw += involuntary
-    p.record(clock.now - took, clock.now, before)
+    p.record(clock.now - took, clock.now, before, cpu)
 
 
 def test_a_slow_call_backs_off_and_a_slow_retry_doubles_the_back_off():
@@ -368,6 +373,39 @@ def test_a_slow_call_without_any_context_switch_stays_inline():
     _call(p, clock, 5 * MS, voluntary=1)
     assert not p.inline_now() and p.backoffs == 1
     assert p.counts()["unswitched"] == 1 and p.counts()["slow"] == 2
+
+
+@pytest.mark.parametrize("involuntary", [0, 1])
+def test_a_slow_call_that_ran_on_the_cpu_backs_off_without_sleeping(involuntary):
+    """A call that never slept but ran on the CPU for longer than the bound (reclaim or compaction that does not
+    sleep, a long copy), preempted or not at its end: the next one would stall the loop as long, so the file
+    backs off (before, only a call that slept did). The thread's CPU time tells it from a call that waited
+    for a CPU or for the hypervisor (CPU time under the bound: no back-off). That clock is read only for a
+    for a number of calls after a slow one that did not sleep, so the first such call is not caught, the next
+    one is."""
+    clock = FakeClock()
+    p = InlinePolicy(slow_ns=300 * US, backoff_ns=100 * MS, backoff_max_ns=400 * MS, cpu_timed_calls=4,
+                     clock=clock, pressure=None, switches=Switches(), cpu=FakeClock())
+    _call(p, clock, 10 * US, ran=10 * US)
+    assert not p.cpu_timed                                           # fast calls: no CPU clock read
+    _call(p, clock, 5 * MS, involuntary=involuntary, ran=5 * MS)     # not timed yet: taken as a wait ...
+    assert p.inline_now() and p.backoffs == 0 and p.cpu_timed        # ... and the next calls are timed
+    _call(p, clock, 5 * MS, involuntary=involuntary, ran=300 * US)   # the bound itself: not over it
+    assert p.inline_now() and p.ran == 0 and p.backoffs == 0
+    _call(p, clock, 5 * MS, involuntary=involuntary, ran=4 * MS)
+    assert not p.inline_now() and p.ran == 1 and p.backoffs == 1 and p.preempted + p.unswitched == 2
+    clock.now += 100 * MS
+    assert p.inline_now() and p.cpu_timed                           # the probe is timed too ...
+    _call(p, clock, 2 * MS, ran=2 * MS)                              # ... and ran long: twice as long
+    clock.now += 200 * MS - 1
+    assert not p.inline_now() and p.counts()["ran"] == 2
+    clock.now += 1
+    assert p.inline_now()
+    for _ in range(3):
+        _call(p, clock, 10 * US, ran=10 * US)                        # fast again: timed 4 calls from the probe ...
+    assert p.cpu_timed
+    _call(p, clock, 10 * US, ran=10 * US)
+    assert p.inline_now() and not p.cpu_timed                        # ... then no more
 
 
 def test_dirty_page_pressure_sends_writes_to_the_pool():
@@ -454,6 +492,37 @@ async def test_a_slow_inline_write_moves_the_file_to_the_pool_and_back(timed_fil
     want = b"\x01" * 4096 + b"\x02" * 4096 + b"\x03" * 8192 + b"\x04" * 4096 + b"\x05" * 4096
     assert bytes(await f.read(0, len(want))) == want
     assert path.read_bytes()[:len(want)] == want
+
+
+async def test_a_write_that_computes_for_long_without_sleeping_moves_the_file_to_the_pool(tmp_path, monkeypatch):
+    """The real clocks and getrusage: writes that spin on the CPU for 3 ms in the kernel's stead (no sleep, no
+    voluntary context switch; a stub of pwritev, then the real one) stall the loop for 3 ms each; the second
+    one, timed on the CPU clock since the first, sends the file to the pool (before, such writes never backed
+    off: only one that slept did)."""
+    f = FileBackend(tmp_path / "c.img", size=MiB, create=True)
+    try:
+        f._nowait_write = False   # as on ext4: every write under the write policy
+        f._write_policy = InlinePolicy(slow_ns=MS, pressure=None)
+        real = os.pwritev
+
+        def pwritev(fd, buffers, offset, flags=0):
+            start = time.thread_time_ns()
+            while time.thread_time_ns() - start < 3 * MS:
+                pass
+            return real(fd, buffers, offset, flags)
+
+        monkeypatch.setattr(os, "pwritev", pwritev)
+        assert f.write_nowait(0, b"\x01" * 4096)           # inline, and it ran for 3 ms: the next ones are timed
+        assert f.write_nowait(0, b"\x01" * 4096)           # inline, and it ran for 3 ms again
+        assert not f.write_nowait(4096, b"\x02" * 4096), f.io_counts()   # the next one: not on the loop
+        counts = f.io_counts()
+        assert counts["write_ran"] == 1 and counts["write_backoffs"] == 1, counts
+        monkeypatch.setattr(os, "pwritev", real)
+        await f.write(4096, b"\x02" * 4096)
+        assert f.io_counts()["thread"] == 1
+        assert bytes(await f.read(0, 8192)) == b"\x01" * 4096 + b"\x02" * 4096
+    finally:
+        f.close()
 
 
 @needs_nowait

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 from raw_pdu import (
@@ -335,19 +335,36 @@ async def test_a_cut_write_lands_in_the_ram_disk_a_whole_block_at_a_time(served)
     await peer.close()
 
 
+class _Write(NamedTuple):
+    admin: Any
+    peer: RawPeer
+    conn: Any
+    ns: Any
+    disk: memoryview   # namespace 1's RAM disk
+    start: int         # the write's first byte in it
+    size: int
+    old: bytes         # what the range holds before the write
+    new: bytes         # the write's data
+    wire: bytes        # its H2CData PDU
+
+
+async def _write_after_r2t(s: Any, cid: int, slba: int) -> _Write:
+    """A 128 KiB write of random data to namespace 1 at ``slba`` from a raw host, sent up to its R2T (the
+    data not yet)."""
+    admin, peer, conn = await _io_peer(s)
+    ns = s.target.subsystems[SUBNQN].namespaces[1]
+    disk = ns.backend.memory_view()
+    size, start = 128 * 1024, slba * BLOCK
+    old, new = bytes(disk[start:start + size]), os.urandom(size)
+    await peer.send(rw_capsule(IoOpcode.WRITE, cid, slba, size))
+    r2t = await _r2t(peer, cid)
+    return _Write(admin, peer, conn, ns, disk, start, size, old, new, h2c_data(cid, r2t["ttag"], 0, new, last=True))
+
+
 async def test_a_namespace_changed_under_a_write_in_the_disk_takes_the_buffered_road(served):
     """A namespace disabled while a write is received into it: nothing more is placed in the disk, what
     came so far moves to a write buffer, and the write ends as the lifecycle judges it (refused)."""
-    admin, peer, conn = await _io_peer(served)
-    ns = served.target.subsystems[SUBNQN].namespaces[1]
-    disk = ns.backend.memory_view()
-    size, slba = 128 * 1024, 512
-    start = slba * BLOCK
-    old = bytes(disk[start:start + size])
-    new = os.urandom(size)
-    await peer.send(rw_capsule(IoOpcode.WRITE, 5, slba, size))
-    r2t = await _r2t(peer, 5)
-    wire = h2c_data(5, r2t["ttag"], 0, new, last=True)
+    admin, peer, conn, ns, disk, start, size, old, new, wire = await _write_after_r2t(served, 5, 512)
     placed = 0
 
     def check(sent: int) -> None:
@@ -414,18 +431,9 @@ async def test_a_reservation_taken_before_the_data_keeps_a_write_out_of_the_disk
     received into the disk (the buffered road), and io.parse's check refuses the write when it executes."""
     from target.reservations import ReservationState
 
-    admin, peer, conn = await _io_peer(served)
-    ns = served.target.subsystems[SUBNQN].namespaces[1]
-    disk = ns.backend.memory_view()
-    size, slba = 128 * 1024, 768
-    start = slba * BLOCK
-    old = bytes(disk[start:start + size])
-    new = os.urandom(size)
-    await peer.send(rw_capsule(IoOpcode.WRITE, 6, slba, size))
-    r2t = await _r2t(peer, 6)
+    admin, peer, conn, ns, disk, start, size, old, _new, wire = await _write_after_r2t(served, 6, 768)
     other = b"\xee" * 16   # not the raw host's hostid
     ns.pr = ReservationState(generation=1, registrants=((other, 7),), rtype=1, holder=other)
-    wire = h2c_data(6, r2t["ttag"], 0, new, last=True)
 
     def check(sent: int) -> None:
         assert bytes(disk[start:start + size]) == old, f"the disk changed with {sent} bytes sent"

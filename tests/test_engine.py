@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import inspect
 import os
+import socket
 import struct
 
 import pytest
@@ -263,6 +264,21 @@ async def test_polling_serves_submit_and_slots(server: FakeServer, poll_us: int)
     await asyncio.sleep(0.3)
     assert not hung.done()
     hung.cancel()
+
+
+async def test_a_peer_gone_while_polling_breaks_the_queue_at_once() -> None:
+    """The polling window asks poll(0) before receiving: a closed peer (POLLIN|POLLHUP) is received as the
+    end of the connection inside the window, not polled past for the whole window."""
+    mine, peer = socket.socketpair()
+    q = BatchQueue(1, queue_size=4, name="poll qid 1", poll_us=10_000_000)
+    q.attach(mine)
+    q._fast = True
+    got: list[BaseException | None] = []
+    q.start(READ, 1, 0, 1, memoryview(bytearray(512)), False, lambda t, e: got.append(e), None)
+    q._flush()
+    peer.close()
+    q._poll()   # unnoticed, the end would leave the window after 10 s with the read still in flight
+    assert len(got) == 1 and isinstance(got[0], tq.TransportError) and q.broken is not None
 
 
 def test_poll_us_is_checked() -> None:

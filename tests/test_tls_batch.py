@@ -21,7 +21,7 @@ import socket
 from typing import Any
 
 import pytest
-from target_host import HOSTNQN, SUBNQN, admin_session, make_target
+from target_host import HOSTNQN, SUBNQN, admin_session, serve_tls
 from test_fast_paths import RecordingHost, _batch
 from test_tcp_batch import _send_cut, script_batches
 
@@ -32,7 +32,7 @@ from nvmeof.spec.nvme import Command, IoOpcode
 from nvmeof.tls.openssl import TlsError, TlsSession
 from nvmeof.tls.psk import HMAC_SHA256, TlsKey, generate_key
 from target.backends.ram import RamBackend
-from target.model import HostAuth, Listener, Namespace
+from target.model import Namespace
 from target.transports import tcp_batch
 from target.transports.tcp_batch import BatchConnection, BatchTcpListener
 
@@ -40,17 +40,10 @@ KEY = generate_key(hmac_id=HMAC_SHA256)
 
 
 async def _serve(tls: str) -> tuple[Any, BatchTcpListener]:
-    """A target on the batch engine's listener (namespace 1 of 1 MiB, 2 of 8 MiB); HOSTNQN allowed with the TLS
-    PSK KEY."""
-    tgt = make_target(transports={"tcp": BatchTcpListener})
-    sub = tgt.subsystems[SUBNQN]
-    sub.namespaces[2] = Namespace(2, RamBackend(8 << 20))
-    sub.allow_any_host = False
-    sub.hosts.add(HOSTNQN)
-    sub.host_auth[HOSTNQN] = HostAuth(tls_key=TlsKey.parse(KEY))
-    listener = Listener("tcp", "ipv4", "127.0.0.1", 0, portid=1, tls=tls)
-    tgt.listeners[listener.id] = listener
-    server = await tgt.start_listener(listener)
+    """target_host.serve_tls on the batch engine's listener, HOSTNQN allowed with the TLS PSK KEY, and a namespace 2
+    of 8 MiB beside namespace 1 (1 MiB)."""
+    tgt, server = await serve_tls(tls, KEY)
+    tgt.subsystems[SUBNQN].namespaces[2] = Namespace(2, RamBackend(8 << 20))
     assert isinstance(server, BatchTcpListener)
     return tgt, server
 

@@ -13,15 +13,14 @@ import logging
 import os
 
 import pytest
-from target_host import SUBNQN, make_target
+from target_host import SUBNQN, serve_tls
 
 import initiator
 from initiator.queue import TransportError
 from nvmeof import defaults
 from nvmeof.status import NvmeError
 from nvmeof.tls.psk import HMAC_SHA256, HMAC_SHA384, TlsKey, generate_key
-from target.model import HostAuth, Listener
-from target.transports import tcp, tcp_batch
+from target.transports import tcp
 
 HOST = "nqn.2014-08.org.nvmexpress:uuid:0f0f0f0f-1111-2222-3333-444444444444"
 KEY = generate_key(hmac_id=HMAC_SHA256)
@@ -29,16 +28,7 @@ KEY384 = generate_key(hmac_id=HMAC_SHA384)
 
 
 async def _serve(mode: str, *, engine: str = "batch", key: str = KEY, allow: bool = True):  # type: ignore[no-untyped-def]
-    cls = tcp_batch.BatchTcpListener if engine == "batch" else tcp.TcpListener
-    tgt = make_target(transports={"tcp": cls})
-    sub = tgt.subsystems[SUBNQN]
-    if allow:
-        sub.allow_any_host = False
-        sub.hosts.add(HOST)
-        sub.host_auth[HOST] = HostAuth(tls_key=TlsKey.parse(key))
-    listener = Listener("tcp", "ipv4", "127.0.0.1", 0, portid=1, tls=mode)
-    tgt.listeners[listener.id] = listener
-    server = await tgt.start_listener(listener)
+    tgt, server = await serve_tls(mode, key, hostnqn=HOST, engine=engine, allow=allow)
     return tgt, server.port
 
 

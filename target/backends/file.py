@@ -632,13 +632,14 @@ class FileBackend(Backend):
             return 0
         clock = policy.clock
         switches = policy.switches()
+        cpu = policy.cpu() if policy.cpu_timed else -1
         start = clock()
         try:
             _pwrite_all(fd, view, offset)
         except OSError as exc:
-            policy.record(start, clock(), switches)
+            policy.record(start, clock(), switches, cpu)
             raise BackendError(f"{self._name()}: write failed: {exc.strerror or exc}") from exc
-        policy.record(start, clock(), switches)
+        policy.record(start, clock(), switches, cpu)
         self.timed_writes += 1
         return length
 

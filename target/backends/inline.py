@@ -1,9 +1,9 @@
 """When a call that may block runs on the event loop anyway: while such calls stay fast.
 
 ``InlinePolicy`` runs a buffered write that RWF_NOWAIT cannot bound inline while such writes complete fast,
-and sends them to the thread pool for a doubling back-off after a slow one that slept in the kernel (not one
-that only waited for a CPU), or while the page cache's dirty pages are at the background writeback
-threshold. The reasons and the measurements: ARCHITECTURE.md, "Inline writes".
+and sends them to the thread pool for a doubling back-off after a slow one that slept in the kernel or ran
+on the CPU for longer than the bound (not one that only waited for a CPU), or while the page cache's dirty
+pages are at the background writeback threshold. The reasons and the measurements: ARCHITECTURE.md, "Inline writes".
 """
 
 from __future__ import annotations
@@ -82,39 +82,47 @@ class InlinePolicy:
     """Inline or thread pool, for one file's calls that may block: see the module docstring.
 
     ``inline_now()`` is asked before each call (cheap while inline: one attribute test), and
-    ``record(start_ns, end_ns, switches)`` is told how long each inline call took, on ``clock``'s scale
-    (time.perf_counter_ns; tests give a fake clock), with ``switches()`` as it was before the call.
-    Counters: ``slow`` calls seen, ``preempted`` (slow ones only waiting for a CPU, no back-off),
-    ``unswitched`` (slow ones with no context switch at all: the time went to interrupts or the
-    hypervisor, no back-off), ``backoffs`` entered (slow calls that slept, and dirty-page pressure),
-    ``probes`` (first calls after a back-off).
+    ``record(start_ns, end_ns, switches, cpu_ns)`` is told how long each inline call took, on ``clock``'s
+    scale (time.perf_counter_ns; tests give a fake clock), with ``switches()`` as it was before the call and,
+    while ``cpu_timed``, ``cpu()`` (the thread's CPU time) too, else -1.
+    Counters: ``slow`` calls seen, ``ran`` (slow ones timed on the CPU clock that ran for longer than the
+    bound without sleeping: a back-off), ``preempted`` (slow ones that did neither and were preempted: they
+    waited for a CPU, no back-off), ``unswitched`` (slow ones with no context switch at all: the time went
+    to the hypervisor, no back-off), ``backoffs`` entered (slow calls that slept or ran, and dirty-page
+    pressure), ``probes`` (first calls after a back-off).
     """
 
-    __slots__ = ("_backoff", "_checked_ns", "_probing", "_until", "backoff_max_ns", "backoff_ns", "backoffs",
-                 "clock", "preempted", "pressure", "probes", "slow", "slow_ns", "switches", "unswitched",
-                 "worst_ns")
+    __slots__ = ("_backoff", "_checked_ns", "_cpu_left", "_probing", "_until", "backoff_max_ns", "backoff_ns",
+                 "backoffs", "clock", "cpu", "cpu_timed", "cpu_timed_calls", "preempted", "pressure", "probes", "ran",
+                 "slow", "slow_ns", "switches", "unswitched", "worst_ns")
 
     def __init__(
         self,
         slow_ns: int | None = None,
         backoff_ns: int | None = None,
         backoff_max_ns: int | None = None,
+        cpu_timed_calls: int | None = None,
         clock: Callable[[], int] = time.perf_counter_ns,
         pressure: Callable[[int], bool] | None = _cached_pressure,
         switches: Callable[[], Any] = thread_switches,
+        cpu: Callable[[], int] = time.thread_time_ns,
     ) -> None:
         self.slow_ns = defaults.FILE_INLINE_SLOW_US * 1000 if slow_ns is None else slow_ns
         self.backoff_ns = defaults.FILE_INLINE_BACKOFF_MS * 1_000_000 if backoff_ns is None else backoff_ns
         self.backoff_max_ns = (defaults.FILE_INLINE_BACKOFF_MAX_MS * 1_000_000 if backoff_max_ns is None
                                else backoff_max_ns)
+        self.cpu_timed_calls = defaults.FILE_INLINE_CPU_TIMED_WRITES if cpu_timed_calls is None else cpu_timed_calls
         self.clock = clock
         self.pressure = pressure
         self.switches = switches
+        self.cpu = cpu
+        self.cpu_timed = False    # calls are timed on the CPU clock too (_cpu_left more of them)
+        self._cpu_left = 0
         self._until = 0           # clock value before which calls go to the pool; 0: inline
         self._backoff = self.backoff_ns
         self._probing = False     # the next inline call is the first after a back-off
         self._checked_ns = clock()
-        self.slow = self.preempted = self.unswitched = self.backoffs = self.probes = 0
+        self.slow = self.ran = self.preempted = self.unswitched = self.backoffs = self.probes = 0
         self.worst_ns = 0         # the longest inline call seen
 
     def inline_now(self) -> bool:
@@ -134,26 +142,46 @@ class InlinePolicy:
         self.probes += 1
         return True
 
-    def record(self, start_ns: int, end_ns: int, before: Any) -> None:
+    def record(self, start_ns: int, end_ns: int, before: Any, cpu_before: int) -> None:
         elapsed = end_ns - start_ns
         if elapsed > self.worst_ns:
             self.worst_ns = elapsed
+        if self.cpu_timed:
+            self._cpu_left -= 1
+            if self._cpu_left <= 0:
+                self.cpu_timed = False
         if elapsed > self.slow_ns:
             self.slow += 1
             after = self.switches()
             if after.ru_nvcsw == before.ru_nvcsw:
-                # it never slept: it waited for a CPU (preempted) or, with no context switch at all, the time
-                # went to interrupts or to a hypervisor holding the vCPU; a pool thread would wait the same.
-                # (The thread's CPU time cannot tell more: getrusage's lags by up to a tick for a running
-                # thread, and a preemption adds what the loop ran before the call.)
-                if after.ru_nivcsw != before.ru_nivcsw:
-                    self.preempted += 1
+                # It never slept. If it ran on the CPU for longer than the bound (reclaim or compaction that
+                # does not sleep, a long copy; interrupts too, with no IRQ_TIME_ACCOUNTING), the next such
+                # call stalls the loop as long: back off. Otherwise it waited for a CPU (preempted) or, with
+                # no context switch at all, for a hypervisor holding the vCPU, which a pool thread would wait
+                # as well. The thread's CPU clock (CLOCK_THREAD_CPUTIME_ID, task_sched_runtime) tells them
+                # apart: exact to the nanosecond, without the time the hypervisor stole where the kernel
+                # accounts it (PARAVIRT_TIME_ACCOUNTING); getrusage's CPU times lag by up to a tick for a
+                # running thread. That clock is a system call (about 1 us a write here, a fifth of an
+                # inline 4 KiB write; each read also updates the thread's run time, where the scheduler may
+                # end its slice), so it is read only for the cpu_timed_calls calls after a slow one
+                # that did not sleep: the first call of a condition that keeps the CPU busy stalls the loop
+                # unnoticed, the next slow one backs off.
+                if cpu_before >= 0 and self.cpu() - cpu_before > self.slow_ns:
+                    self.ran += 1
                 else:
-                    self.unswitched += 1
-                return
+                    self.cpu_timed = True
+                    self._cpu_left = self.cpu_timed_calls
+                    if after.ru_nivcsw != before.ru_nivcsw:
+                        self.preempted += 1
+                    else:
+                        self.unswitched += 1
+                    return
             # a slow probe: the condition lasted the whole back-off, so wait longer next time
             self._backoff = min(self._backoff * 2, self.backoff_max_ns) if self._probing else self.backoff_ns
             self._enter_backoff(end_ns)
+            if cpu_before >= 0:
+                self.cpu_timed = True   # the probe after it is timed too
+                self._cpu_left = self.cpu_timed_calls
             return
         if self._probing:
             self._probing = False
@@ -170,7 +198,7 @@ class InlinePolicy:
         self._until = (now_ns + self._backoff) or 1
 
     def counts(self) -> dict[str, int]:
-        return {"slow": self.slow, "preempted": self.preempted, "unswitched": self.unswitched,
+        return {"slow": self.slow, "ran": self.ran, "preempted": self.preempted, "unswitched": self.unswitched,
                 "backoffs": self.backoffs, "probes": self.probes, "worst_inline_us": self.worst_ns // 1000,
                 "on_pool": int(bool(self._until))}
 
