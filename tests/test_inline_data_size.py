@@ -9,9 +9,9 @@ import random
 from typing import Any
 
 import pytest
-from target_host import SUBNQN, TinyHost, make_target
+from target_host import SUBNQN, TinyHost, make_target, open_tcp
 from test_fast_paths import RecordingHost
-from test_tcp_batch import _fast_count, _listen, _use_batch
+from test_tcp_batch import _daemon_options, _fast_count, _listen, _use_batch
 
 from nvmeof import defaults
 from nvmeof.spec import tcp as spec
@@ -150,3 +150,30 @@ async def test_saved_and_shown(service: Any) -> None:
     finally:
         await service.remove_listener(lst.id)
         await service.target.close()
+
+
+async def test_worker_queues_keep_the_listener_size(tmp_path: Any) -> None:
+    """A worker process's queue has no listener: the size comes with the handoff."""
+    from nvmeof.cli.daemon import Daemon
+
+    options, port = _daemon_options(tmp_path, workers=1, inline_data_size=BIG)
+    daemon = Daemon(options)
+    try:
+        await daemon.start()
+        pool = daemon.target.pool   # type: ignore[attr-defined]
+        admin = await open_tcp(port, incapsule_limit=BIG)
+        res = await admin.connect(defaults.DEFAULT_SUBSYSTEM_NQN)
+        assert res.status == 0
+        await admin.enable()
+        io = await open_tcp(port, incapsule_limit=BIG)
+        assert (await io.connect(defaults.DEFAULT_SUBSYSTEM_NQN, qid=1, cntlid=res.cqe.dw0 & 0xFFFF,
+                                 sqsize=31)).status == 0
+        data = random.Random(9).randbytes(BIG)
+        assert (await io.cmd(_write(0, data), data, incapsule=True)).status == 0
+        read = await io.cmd(Command(IoOpcode.READ, nsid=1, cdw10=0, cdw12=BIG // 512 - 1), read_len=BIG)
+        assert read.data == data
+        assert list(pool.placement().values()) == pool.pids()   # served by the worker
+        io.close()
+        admin.close()
+    finally:
+        await daemon.stop()
