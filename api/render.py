@@ -77,7 +77,7 @@ def stats(ns: Any) -> schemas.NamespaceStatsOut:
 def listener(lst: Any) -> schemas.ListenerOut:
     return schemas.ListenerOut(
         id=lst.id, trtype=lst.trtype, adrfam=lst.adrfam, traddr=lst.traddr, trsvcid=int(lst.trsvcid),
-        portid=lst.portid, discovery=lst.discovery, tls=lst.tls,
+        portid=lst.portid, discovery=lst.discovery, tls=lst.tls, inline_data_size=lst.inline_data_size,
         ana_states={str(g): ANA_STATE_NAMES[st] for g, st in sorted(lst.ana_states.items())},
     )
 

@@ -273,6 +273,8 @@ class ListenerOut(BaseModel):
     portid: int
     discovery: bool
     tls: TlsMode = "none"
+    inline_data_size: int = Field(defaults.IO_INCAPSULE_SIZE,
+                                  description=schema.LISTENER["inline_data_size"].description)
     ana_states: dict[str, AnaStateName] = Field(
         default_factory=dict, description="ANA state per group id on this listener; groups not listed are optimized")
 

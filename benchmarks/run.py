@@ -7,7 +7,9 @@ raw TCP baselines measured in the same run, with the issue-12 goals checked at t
 
 Starts ``nvmeof serve`` (nsid 1 a RAM disk, nsid 2 a file of the same size written just before, so in
 the page cache), a second ``nvmeof serve --poll-us N`` for the polled QD1 row when the tree has that
-option, and the baselines of benchmarks/baseline.py as subprocesses on free loopback ports. Each row
+option, a third ``nvmeof serve --inline-data-size 131072`` for the in-capsule 128 KiB rows (a write in
+one capsule, no R2T: issue 26 part 2 judged there too), and the baselines of benchmarks/baseline.py as
+subprocesses on free loopback ports. Each row
 runs ``nvmeof bench --output-format json --target-pid ...`` in a fresh process and its baseline: the
 asyncio echo pair with the same traffic, the QD1 ping-pong pair with the same polling, or (file rows)
 the RAM row of the same shape. ``--tree`` measures another checkout's `nvmeof` with this script
@@ -59,6 +61,7 @@ class Job:
     baseline: str = "stream"  # "stream" (asyncio echo pair), "pingpong" (QD1 pair, same polling), "ram:ROW",
     #                           "clear:ROW" (that row of this run: the same I/O in the clear)
     tls: bool = False        # over NVMe/TCP TLS 1.3 (SHA-256 PSK) to `serve --tls optional` (benchmarks/tls.py)
+    inline: bool = False     # to `serve --inline-data-size INLINE_DATA_SIZE`: 128 KiB writes go in-capsule, no R2T
 
     @property
     def name(self) -> str:
@@ -79,7 +82,12 @@ MATRIX = (
     Job(Row("tls-4k-randread-qd32", "randread", 4096, 32), tls=True, baseline="clear:4k-randread-qd32"),
     Job(Row("tls-128k-read-qd8", "read", 131072, 8), tls=True, baseline="clear:128k-read-qd8"),
     Job(Row("tls-128k-write-qd8", "write", 131072, 8), tls=True, baseline="clear:128k-write-qd8"),
+    # issue 26 part 2 again with the listener's in-capsule size at 128 KiB (nvmetcli's param_inline_data_size)
+    Job(Row("inline-128k-read-qd8", "read", 131072, 8), inline=True),
+    Job(Row("inline-128k-write-qd8", "write", 131072, 8), inline=True),
 )
+INLINE_DATA_SIZE = 131072   # the inline rows' listener: a whole 128 KiB write fits in its capsule
+INLINE_LABEL = f"in-capsule (inline_data_size {INLINE_DATA_SIZE})"
 
 # issue 12 "Goals", as issue 26 part 5 restates them
 GOAL_TARGET_CPU_US = 5.0      # target CPU per 4 KiB random read at QD32
@@ -148,6 +156,13 @@ def tls_support() -> str | None:
     needed = (("serve", "--tls"), ("bench", "--tls-key"))
     missing = [f"{sub} {opt}" for sub, opt in needed if not cli_supports(sub, opt)]
     return f"`nvmeof {' / '.join(missing)}` missing in {harness.TREE}" if missing else None
+
+
+def inline_support() -> str | None:
+    """None if the measured tree's `serve` takes --inline-data-size, else why the in-capsule rows are skipped."""
+    if cli_supports("serve", "--inline-data-size"):
+        return None
+    return f"`nvmeof serve` of {harness.TREE} has no --inline-data-size option"
 
 
 def fmt_rate(bw: float) -> str:
@@ -246,17 +261,20 @@ def goals(by_name: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             f"{fmt_rate(r['nvmeof']['bw_bytes'])} vs {fmt_rate(r['baseline']['bw_bytes'])} MiB/s = "
             f"{_f(ratio * 100 if ratio is not None else None, '.0f')} %")
 
-    seq = usable("128k-read-qd8")
-    if seq:
-        throughput_goal(seq, "read", GOAL_SEQ_READ_RATIO)
-    wr = usable("128k-write-qd8")
-    if wr:
-        throughput_goal(wr, "write", GOAL_SEQ_WRITE_RATIO)
+    # issue 26 part 2 on the default listener (writes by R2T), then on the in-capsule one
+    for prefix, label in (("", ""), ("inline-", f", {INLINE_LABEL}")):
+        seq = usable(f"{prefix}128k-read-qd8")
+        if seq:
+            throughput_goal(seq, f"read{label}", GOAL_SEQ_READ_RATIO)
+        wr = usable(f"{prefix}128k-write-qd8")
+        if not wr:
+            continue
+        throughput_goal(wr, f"write{label}", GOAL_SEQ_WRITE_RATIO)
         if seq:
             # same block size: CPU per I/O is CPU per byte
             w, r = wr["nvmeof"]["target_cpu_us_per_io"], seq["nvmeof"]["target_cpu_us_per_io"]
             cpu = _ratio(w, r)
-            add(f"128K seq write target CPU per byte <= {GOAL_WRITE_CPU_RATIO:g}x the 128K reads'",
+            add(f"128K seq write target CPU per byte <= {GOAL_WRITE_CPU_RATIO:g}x the 128K reads'{label}",
                 "met" if cpu is not None and cpu <= GOAL_WRITE_CPU_RATIO else "MISSED",
                 f"{_f(w)} vs {_f(r)} us/IO = {_f(cpu, '.2f')}x (raw TCP server: "
                 f"{_f(wr['baseline'].get('server_cpu_us_per_io'))} vs "
@@ -317,6 +335,7 @@ def measure(jobs: list[Job], args: argparse.Namespace) -> list[dict[str, Any]]:
     """Run ``jobs`` (in MATRIX order) with only the targets and baselines they need started."""
     poll_skip = poll_support() if any(j.poll for j in jobs) else None
     tls_skip = tls_support() if any(j.tls for j in jobs) else None
+    inline_skip = inline_support() if any(j.inline for j in jobs) else None
     serve_args = tuple(args.serve_arg or ())
     bench_args = tuple(args.bench_arg or ())
     results: list[dict[str, Any]] = []
@@ -325,7 +344,7 @@ def measure(jobs: list[Job], args: argparse.Namespace) -> list[dict[str, Any]]:
         lag_dir = None if args.no_loop_lag else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="lag-")))
         lag_files = {False: None, True: None} if lag_dir is None else {False: lag_dir / "serve.jsonl",
                                                                        True: lag_dir / "serve-poll.jsonl"}
-        plain = [j for j in jobs if not j.poll and not j.tls]
+        plain = [j for j in jobs if not j.poll and not j.tls and not j.inline]
         target = io_port = None
         if plain:
             target, io_port = stack.enter_context(serving(args.ramdisk_size, log_level="warning",
@@ -349,6 +368,14 @@ def measure(jobs: list[Job], args: argparse.Namespace) -> list[dict[str, Any]]:
                 args.ramdisk_size, tls_key, log_level="warning", extra_args=serve_args))
             if args.precondition:
                 precondition(tls_port, extra=tlsbench.host_args(None))
+        inline_target = inline_port = None
+        if inline_skip is None and any(j.inline for j in jobs):
+            # its own target: the -l listener takes 128 KiB capsules (`serve --inline-data-size`)
+            inline_target, inline_port = stack.enter_context(serving(
+                args.ramdisk_size, log_level="warning",
+                extra_args=(*serve_args, "--inline-data-size", str(INLINE_DATA_SIZE))))
+            if args.precondition:
+                precondition(inline_port)
         raw: dict[Any, tuple[subprocess.Popen[bytes], int]] = {}
 
         def raw_server(poll_us: int | None) -> tuple[subprocess.Popen[bytes], int]:
@@ -362,7 +389,7 @@ def measure(jobs: list[Job], args: argparse.Namespace) -> list[dict[str, Any]]:
                                      "nsid": job.nsid, "poll_us": args.poll_us if job.poll else 0,
                                      "baseline_kind": job.baseline.split(":")[0], "baseline": None,
                                      "throughput_ratio": None, "latency_ratio": None}
-            skip = poll_skip if job.poll else tls_skip if job.tls else None
+            skip = poll_skip if job.poll else tls_skip if job.tls else inline_skip if job.inline else None
             if skip:
                 entry["skipped"] = skip
                 print(f"skipping {job.name}: {skip}", file=sys.stderr, flush=True)
@@ -381,6 +408,8 @@ def measure(jobs: list[Job], args: argparse.Namespace) -> list[dict[str, Any]]:
                 base = same["nvmeof"] if same and not same.get("skipped") else None
             if job.tls:
                 pid, port = tls_target.pid, tls_port  # type: ignore[union-attr]
+            elif job.inline:
+                pid, port = inline_target.pid, inline_port  # type: ignore[union-attr]
             else:
                 pid, port = (poll_target.pid, poll_port) if job.poll else (target.pid, io_port)  # type: ignore[union-attr]
             extra = (*bench_args, *(("--poll-us", str(args.poll_us)) if job.poll else ()),
@@ -388,7 +417,7 @@ def measure(jobs: list[Job], args: argparse.Namespace) -> list[dict[str, Any]]:
             started = time.monotonic_ns()
             ours = run_bench(row, port, pid, runtime=args.runtime, ramp=args.ramp, numjobs=args.numjobs,
                              nsid=job.nsid, extra_args=extra)
-            lag_file = None if job.tls else lag_files[job.poll]
+            lag_file = None if job.tls or job.inline else lag_files[job.poll]
             if lag_file is not None:
                 # the target's event loop from the probe's 100 ms reports (benchmarks/lagprobe.py): over the
                 # last --runtime seconds before the bench exited (about its measured window; the process start,

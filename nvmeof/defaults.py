@@ -13,11 +13,18 @@ ADMIN_QUEUE_SIZE = 32       # NVME_AQ_DEPTH: the Linux host connects the admin q
 MAX_QUEUE_SIZE = 128        # MQES + 1 advertised in CAP
 MAX_IO_QUEUES = 64
 ADMIN_INCAPSULE_SIZE = 8192  # NVME_TCP_ADMIN_CCSZ: fabrics/admin in-capsule data
-IO_INCAPSULE_SIZE = 8192     # advertised through IOCCSZ = (64 + this) / 16
+IO_INCAPSULE_SIZE = 8192     # advertised through IOCCSZ = (64 + this) / 16; a listener's inline_data_size default
 MAXH2CDATA = 128 * 1024      # ICResp maxdata: multiple of 4, >= 4096
 MDTS = 8                     # 2**8 * 4 KiB = 1 MiB per command
 PAGE_SIZE = 4096             # CAP.MPSMIN = 0
 MAX_TRANSFER = (1 << MDTS) * PAGE_SIZE   # MDTS in bytes: the most data one command moves (CAP.MPSMIN is 4 KiB)
+# A listener's inline_data_size (nvmet's port param_inline_data_size): IOCCSZ counts 16-byte units, and no
+# command carries more than MDTS bytes, so a larger in-capsule size could never be used
+INLINE_DATA_SIZE_UNIT = 16
+INLINE_DATA_SIZE_MAX = MAX_TRANSFER
+# NVMe/RDMA preallocates each receive's in-capsule buffer: nvmet-rdma's NVMET_RDMA_MAX_INLINE_DATA_SIZE
+# (max(SZ_16K, PAGE_SIZE)) bounds it
+RDMA_INLINE_DATA_SIZE_MAX = 16384
 KAS_UNITS_MS = 100           # Identify KAS granularity
 DEFAULT_KATO_MS = 5000       # NVME_DEFAULT_KATO = 5 s
 KATO_GRACE = 1.0             # extra seconds before a silent host's controller is torn down (CTRATT TBKAS off)

@@ -112,7 +112,7 @@ async def _identify(req: Request) -> None:
     cns = req.cmd.cdw10 & 0xFF
     ctrl = _ctrl(req)
     if cns == Cns.CONTROLLER:
-        req.reply = identify_controller(ctrl, req.queue.ops)
+        req.reply = identify_controller(ctrl, req.queue.ops, req.queue.io_incapsule)
     elif cns == Cns.NAMESPACE:
         req.reply = _identify_namespace(req, ctrl)
     elif cns == Cns.ACTIVE_NS_LIST:
@@ -179,8 +179,12 @@ def identify_namespace(ns: Namespace, *, rescap: int = 0) -> bytes:
     })
 
 
-def identify_controller(ctrl: Controller, ops: TransportOps) -> bytes:
-    """Identify Controller; SGLS and IOCCSZ come from the queue's transport (nvmet_execute_identify_ctrl)."""
+def identify_controller(ctrl: Controller, ops: TransportOps, io_incapsule: int | None = None) -> bytes:
+    """Identify Controller; SGLS come from the queue's transport, IOCCSZ from ``io_incapsule``, the in-capsule
+    size of the listener the admin queue came through (the transport's without one), as
+    nvmet_execute_identify_ctrl reads req->port->inline_data_size."""
+    if io_incapsule is None:
+        io_incapsule = ops.io_incapsule
     sub = ctrl.subsystem
     discovery = ctrl.is_discovery
     fields = {
@@ -230,7 +234,7 @@ def identify_controller(ctrl: Controller, ops: TransportOps) -> bytes:
             | (idf.ONCS_RESERVATIONS if ctrl.target.reservations_supported else 0),
             # present, and Flush with NSID FFFFFFFFh flushes every namespace (bits 2:1 = 11b)
             "vwc": idf.VWC_PRESENT | VWC_FLUSH_BROADCAST,
-            "ioccsz": (64 + ops.io_incapsule) // 16,
+            "ioccsz": (64 + io_incapsule) // 16,
             "iorcsz": 1,
         })
     return IdentifyController.build(fields)

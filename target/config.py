@@ -503,6 +503,9 @@ def import_nvmetcli(data: Any) -> Converted:
         ana_states = _import_ana_groups(port, where, warnings)
         if ana_states:
             listener["ana_states"] = ana_states
+        inline = _import_inline_data_size(port, trtype, where, warnings)
+        if inline is not None and inline != defaults.IO_INCAPSULE_SIZE:   # ours, as a saved file leaves it out
+            listener["inline_data_size"] = inline
         linked = set(port.get("subsystems") or [])
         if linked and linked != set(all_nqns):
             warnings.append(
@@ -791,6 +794,7 @@ def export_nvmetcli(config: dict[str, Any]) -> Converted:
                 # nvmet makes a port's groups other than 1 inaccessible until ana_groups/<g> exists:
                 # list every group in use, in its state on this listener
                 "ana_groups": _export_ana_groups(ana_groups, lst.get("ana_states") or {}),
+                "param": {"inline_data_size": str(lst.get("inline_data_size", defaults.IO_INCAPSULE_SIZE))},
                 "referrals": [dict(r, addr=dict(r["addr"])) for r in ref_entries],
                 # The kernel serves discovery on every port; a port linked to nothing is a discovery port.
                 "subsystems": [] if lst.get("discovery") else list(nvm_nqns),
@@ -803,6 +807,27 @@ def export_nvmetcli(config: dict[str, Any]) -> Converted:
          "ports": ports, "subsystems": subsystems},
         warnings,
     )
+
+
+def _import_inline_data_size(port: dict[str, Any], trtype: str, where: str, warnings: list[str]) -> int | None:
+    """A port's param_inline_data_size as a listener's inline_data_size: None for nvmet's -1 (the transport's
+    default) or none given; above NVMET_RDMA_MAX_INLINE_DATA_SIZE on rdma it is reduced, as
+    nvmet_rdma_add_port does, and off the 16-byte unit rounded down to what IOCCSZ would advertise."""
+    text = (port.get("param") or {}).get("inline_data_size")
+    try:
+        size = int(text) if text is not None else -1
+    except (TypeError, ValueError):
+        warnings.append(f"{where}: param inline_data_size {text!r} is not a number, left at the default")
+        return None
+    if size < 0:
+        return None
+    limit = defaults.RDMA_INLINE_DATA_SIZE_MAX if trtype == "rdma" else defaults.INLINE_DATA_SIZE_MAX
+    unit = defaults.INLINE_DATA_SIZE_UNIT
+    taken = min(size, limit) // unit * unit
+    if taken != size:
+        warnings.append(f"{where}: param inline_data_size {size} taken as {taken} (a multiple of {unit}, "
+                        f"at most {limit} on {trtype})")
+    return taken
 
 
 def _export_ana_groups(used: set[int], states: dict[str, str]) -> list[dict[str, Any]]:

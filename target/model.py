@@ -274,6 +274,9 @@ class Listener:
     # NVMe/TCP secure channel (TP 8011): "none" (clear only), "optional" (TLS or clear, told apart by the
     # first byte) or "required" (TLS 1.3 only); discovery shows it as SECTYPE/TREQ (target/discovery.py)
     tls: str = "none"
+    # In-capsule data bytes its I/O queues accept and Identify's IOCCSZ advertises (nvmet's port
+    # param_inline_data_size); fixed while it listens, as nvmet refuses to change an enabled port's
+    inline_data_size: int = defaults.IO_INCAPSULE_SIZE
 
     @property
     def id(self) -> str:

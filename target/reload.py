@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from nvmeof import defaults
 from target.qos import parse_config
 
 # Namespace keys a running namespace can take on live; any other difference needs a new nsid.
@@ -69,6 +70,12 @@ def _ana_states(item: dict[str, Any]) -> dict[int, str]:
     return out
 
 
+def _inline(item: dict[str, Any]) -> Any:
+    """A listener item's inline_data_size (absent or null: the default, which a saved file leaves out)."""
+    size = item.get("inline_data_size")
+    return defaults.IO_INCAPSULE_SIZE if size is None else size
+
+
 def _hosts(item: dict[str, Any]) -> dict[str, Any]:
     return {h.get("nqn") if isinstance(h, dict) else h: h for h in item.get("hosts") or []}
 
@@ -107,6 +114,10 @@ def plan_reload(live: dict[str, Any], new: dict[str, Any], endpoint_key: Any) ->
         elif any(item.get(key) is not None and item[key] != old.get(key) for key in ("discovery", "portid", "tls")):
             plan.problems.append(f"listener {lid}: discovery/portid/tls cannot change on a running listener; remove "
                                  "it in one reload and add it in the next")
+        elif _inline(item) != _inline(old):
+            # nvmet_param_inline_data_size_store refuses an enabled port's too (nvmet_is_port_enabled)
+            plan.problems.append(f"listener {lid}: inline_data_size cannot change on a running listener "
+                                 f"({_inline(old)} to {_inline(item)}); remove it in one reload and add it in the next")
         elif _ana_states(item) != _ana_states(old):
             plan.ana_states.append((lid, item.get("ana_states") or {}))
     old_ref = {endpoint_key(item): item for item in live.get("referrals", [])}

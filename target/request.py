@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 class TargetQueue:
     """A submission/completion queue pair on the target, bound to a controller by Connect."""
 
-    __slots__ = ("auth", "close", "connected_at", "ctrl", "ddgst", "hdgst", "listener", "local_addr", "ops", "peer",
-                 "qid", "sqflow_disabled", "sqhd", "sqsize", "tls")
+    __slots__ = ("auth", "close", "connected_at", "ctrl", "ddgst", "hdgst", "io_incapsule", "listener", "local_addr",
+                 "ops", "peer", "qid", "sqflow_disabled", "sqhd", "sqsize", "tls")
 
     def __init__(self, *, ops: TransportOps, peer: str = "", listener: Listener | None = None,
                  local_addr: str = "", close: Callable[[], None] | None = None) -> None:
@@ -37,6 +37,10 @@ class TargetQueue:
         self.peer = peer
         self.ops = ops            # the transport's constants: check_sgl and Identify ask these
         self.listener = listener
+        # In-capsule data an I/O queue through this listener accepts and Identify's IOCCSZ advertises: the
+        # listener's inline_data_size (nvmet reads req->port's), the transport's without one (loop); a worker
+        # process's queue has no listener and is told it with the handoff
+        self.io_incapsule = ops.io_incapsule if listener is None else listener.inline_data_size
         self.local_addr = local_addr  # our IP address on this connection (fills wildcard listeners' entries)
         self.connected_at = 0.0   # wall-clock time of the Connect that bound this queue
         self.auth: QueueAuth | None = None   # DH-HMAC-CHAP state when the host must authenticate (target/auth.py)
@@ -53,10 +57,10 @@ class TargetQueue:
     @property
     def max_incapsule(self) -> int:
         """In-capsule data this queue accepts: the transport's admin size (8 KiB, NVME_TCP_ADMIN_CCSZ) on
-        admin queues and for Connect, its I/O size (IOCCSZ) on I/O queues."""
+        admin queues and for Connect, its listener's I/O size (IOCCSZ) on I/O queues."""
         if self.ctrl is None or self.qid == 0:
             return self.ops.admin_incapsule
-        return self.ops.io_incapsule
+        return self.io_incapsule
 
     def complete(self, req: Request, status: int = 0, dw0: int = 0, dw1: int = 0, dnr: bool = False) -> bytes:
         """The 16-byte CQE for ``req``; advances SQHD (nvmet_update_sq_head) unless flow control is off."""

@@ -46,6 +46,7 @@ TRSVCID = IntField("port (trsvcid)", 1, defaults.PORT_MAX)
 LISTENER_PORTID = IntField("portid", 1, PORTID_MAX)  # 0 is left for referrals that name no port
 REFERRAL_PORTID = IntField("portid", 0, PORTID_MAX)
 CNTLID = IntField("cntlid", 0, 0xFFFF)
+INLINE_DATA_SIZE = IntField("inline_data_size", 0, defaults.INLINE_DATA_SIZE_MAX)
 SIZE = IntField("size", 1, defaults.MAX_FILE_SIZE)
 QOS_IOS = IntField("rw_ios_per_second", 0, defaults.QOS_IOS_MAX)
 QOS_MBYTES = IntField("mbytes_per_second", 0, defaults.QOS_MBYTES_MAX)
@@ -130,6 +131,24 @@ def check_tls_mode(tls: Any, trtype: str) -> str:
     return str(tls)
 
 
+def check_inline_data_size(value: Any, trtype: str) -> int:
+    """A listener's in-capsule data size in bytes (nvmet's port param_inline_data_size): what its I/O queues
+    accept in a command capsule and Identify's IOCCSZ advertises. IOCCSZ counts 16-byte units, so the size
+    is a multiple of 16 (nvmet would advertise a rounded-down size yet accept the rest); NVMe/RDMA
+    preallocates it per receive, and nvmet_rdma_add_port bounds it by NVMET_RDMA_MAX_INLINE_DATA_SIZE,
+    which is refused here rather than quietly reduced."""
+    size = INLINE_DATA_SIZE.check(value)
+    unit = defaults.INLINE_DATA_SIZE_UNIT
+    if size % unit:
+        raise SchemaError(f"inline_data_size {size} is not a multiple of {unit} (Identify's IOCCSZ counts "
+                          f"{unit}-byte units); use {size // unit * unit} or {(size // unit + 1) * unit}")
+    if trtype == "rdma" and size > defaults.RDMA_INLINE_DATA_SIZE_MAX:
+        raise SchemaError(f"inline_data_size {size} is too large for an rdma listener: each receive holds it "
+                          f"preallocated; use at most {defaults.RDMA_INLINE_DATA_SIZE_MAX} "
+                          "(nvmet-rdma's NVMET_RDMA_MAX_INLINE_DATA_SIZE)")
+    return size
+
+
 def check_ana_state(value: Any) -> AnaState:
     """An ANA state: an AnaState, or its word (ANA_STATE_NAMES; parse_ana_state takes any case, "_" for "-")."""
     try:
@@ -164,6 +183,12 @@ LISTENER: dict[str, Field] = {
     # NVMe/TCP secure channel: "none" (default), "optional" or "required" (TLS 1.3 with a PSK)
     "tls": Field(str, "none", TlsMode,
                  description="NVMe/TCP TLS 1.3 with PSKs: none, optional (TLS or clear) or required"),
+    # nvmet's port param_inline_data_size: in-capsule data its I/O queues take (IOCCSZ); set when it is added
+    "inline_data_size": Field(int, defaults.IO_INCAPSULE_SIZE, range=INLINE_DATA_SIZE,
+                              description="In-capsule data bytes a command may carry on this listener's I/O queues "
+                                          "(Identify IOCCSZ; nvmet's param_inline_data_size): a multiple of 16, at "
+                                          f"most {defaults.INLINE_DATA_SIZE_MAX} (MDTS), "
+                                          f"{defaults.RDMA_INLINE_DATA_SIZE_MAX} on rdma; larger writes go by R2T"),
     # {"<anagrpid>": state word}: groups not named are optimized on this listener (PUT .../ana/... sets them)
     "ana_states": Field(dict, in_body=False),
 }

@@ -291,6 +291,7 @@ class Worker:
         queue.sqsize = msg["sqsize"]
         queue.sqhd = msg["sqhd"]
         queue.sqflow_disabled = bool(msg["sqflow_disabled"])
+        queue.io_incapsule = int(msg.get("io_incapsule", queue.io_incapsule))
         queue.connected_at = msg["connected_at"]
         queue.peer = msg["peer"]
         queue.local_addr = msg["local_addr"]

@@ -301,7 +301,7 @@ class WorkerPool:
             "hostnqn": ctrl.hostnqn, "subnqn": ctrl.subsystem.nqn, "enabled": ctrl.enabled,
             "qid": queue.qid, "sqsize": queue.sqsize, "sqhd": queue.sqhd, "sqflow_disabled": queue.sqflow_disabled,
             "connected_at": queue.connected_at, "peer": queue.peer, "local_addr": queue.local_addr,
-            "tcp": state.to_dict(), "ana_blocked": sorted(ctrl.ana_blocked.items()),
+            "tcp": state.to_dict(), "io_incapsule": queue.io_incapsule, "ana_blocked": sorted(ctrl.ana_blocked.items()),
         }
         w.channel.send(msg, [fd], close_fds=True)
         w.hids.add(hid)

@@ -265,7 +265,7 @@ def test_listener_add_list_delete(client, service):
     assert r.status_code == 201, r.text
     assert r.json() == {"id": f"tcp:127.0.0.1:{port}", "trtype": "tcp", "adrfam": "ipv4",
                         "traddr": "127.0.0.1", "trsvcid": port, "portid": 1, "discovery": False, "tls": "none",
-                        "ana_states": {}}
+                        "inline_data_size": 8192, "ana_states": {}}
     with socket.create_connection(("127.0.0.1", port), timeout=5):
         pass  # it really listens
     assert [lst["trsvcid"] for lst in client.get("/api/v1/listeners").json()] == [port]

@@ -197,7 +197,7 @@ def test_listener_commands(run, server):
     out = run("listener", "add", f"tcp://127.0.0.1:{port}").stdout
     assert out.strip() == f"listening on tcp:127.0.0.1:{port} (port id 1)"
     rows = run("listener", "list").stdout.splitlines()
-    assert rows[2].split() == ["tcp", "127.0.0.1", str(port), "1", "no", "none"]
+    assert rows[2].split() == ["tcp", "127.0.0.1", str(port), "1", "no", "none", "8192"]
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -205,6 +205,11 @@ def test_listener_commands(run, server):
     assert "already in use" in r.stderr
     run("listener", "del", f"127.0.0.1:{port}")
     assert server.service.list_listeners() == []
+    run("listener", "add", f"127.0.0.1:{port}", "--inline-data-size", "131072")
+    assert run("listener", "list").stdout.splitlines()[2].split()[-1] == "131072"
+    assert "multiple of 16" in run("listener", "add", f"127.0.0.1:{free_port()}", "--inline-data-size", "1000",
+                                   code=1).stderr
+    run("listener", "del", f"127.0.0.1:{port}")
     assert "no listener" in run("listener", "del", f"127.0.0.1:{port}", code=1).stderr
 
 

@@ -314,6 +314,7 @@ def test_import_nvmetcli(nvmetcli_sample, tmp_path):
             "trsvcid": 4420,
             "portid": 1,
             "discovery": False,
+            "inline_data_size": 16384,   # the port's param_inline_data_size
         },
         {
             "trtype": "tcp",
@@ -322,6 +323,7 @@ def test_import_nvmetcli(nvmetcli_sample, tmp_path):
             "trsvcid": 8009,
             "portid": 2,
             "discovery": True,
+            "inline_data_size": 16384,
         },
     ]
     assert out["referrals"] == [
@@ -379,12 +381,24 @@ def test_nvmetcli_round_trip(nvmetcli_sample):
         "trtype": "tcp",
     }
     assert io_port["portid"] == 1 and disc_port["portid"] == 2
+    assert io_port["param"] == {"inline_data_size": "16384"}
     assert sorted(io_port["subsystems"]) == sorted(nvmetcli_sample["ports"][0]["subsystems"])
     assert disc_port["subsystems"] == []
     assert disc_port["referrals"][0]["addr"] == nvmetcli_sample["ports"][1]["referrals"][0]["addr"]
     # and back again: the same configuration
     again = import_nvmetcli(json.loads(json.dumps(back)))
     assert dict(again) == dict(ours)
+
+
+def test_nvmetcli_inline_data_size_is_taken_as_nvmet_takes_it(nvmetcli_sample):
+    ports = nvmetcli_sample["ports"]
+    ports[0]["param"]["inline_data_size"] = "-1"      # nvmet's "the transport's default"
+    ports[1]["param"]["inline_data_size"] = "100004"  # not in 16-byte units: what IOCCSZ would advertise
+    out = import_nvmetcli(nvmetcli_sample)
+    assert "inline_data_size" not in out["listeners"][0]
+    assert out["listeners"][1]["inline_data_size"] == 100000
+    assert "param inline_data_size 100004 taken as 100000" in "\n".join(out.warnings)
+    validate_config(out)
 
 
 def test_export_warns_about_what_nvmetcli_cannot_hold(tmp_path):

@@ -116,6 +116,7 @@ async def test_reload_keeps_allowed_hosts_and_drops_the_denied_one(daemon: Daemo
                 d["subsystems"][0]["namespaces"].append({"backend": "file", "path": "/nonexistent/x.img"})),
      "x.img"),
     (lambda d: d["subsystems"][0].update(allow_any_host=True), "not both"),
+    (lambda d: d["listeners"][0].update(inline_data_size=16384), "inline_data_size cannot change"),
 ])
 async def test_a_refused_reload_changes_nothing(daemon: Daemon, change: Any, fragment: str) -> None:
     b = await connect(daemon, HOSTB)

@@ -80,6 +80,8 @@ CASES = [
     # a listener binds its trsvcid: its range is tried on the referral (the same TRSVCID), its refusals here
     _ranged("listener", "trsvcid", accept=()),
     _ranged("listener", "portid"),
+    # in 16-byte units (IOCCSZ) up to MDTS: a size off the unit is refused inside the range too
+    Case("listener", "inline_data_size", (-16, 0x100010, 8200, True, 16384.0, "x"), (0, 16, 131072, 0x100000)),
     _ranged("referral", "trsvcid"),
     _ranged("referral", "portid"),
     _ranged("qos", "rw_ios_per_second"),

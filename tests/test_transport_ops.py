@@ -57,7 +57,9 @@ class ShadowListener(TcpListener):
 
 async def test_a_new_transport_serves_connect_and_io_without_touching_the_core() -> None:
     tgt = make_target(transports={"tcp-shadow": ShadowListener})
-    listener = Listener("tcp-shadow", "ipv4", "127.0.0.1", 0, portid=1)   # type: ignore[arg-type]
+    # the in-capsule size a listener serves is its own (nvmet's port inline_data_size), here the transport's
+    listener = Listener("tcp-shadow", "ipv4", "127.0.0.1", 0, portid=1,   # type: ignore[arg-type]
+                        inline_data_size=SHADOW_OPS.io_incapsule)
     tgt.listeners[listener.id] = listener
     server = await tgt.start_listener(listener)
     assert isinstance(server, ShadowListener)

@@ -41,7 +41,8 @@ async def list_listeners(service: Service) -> list[schemas.ListenerOut]:
 @listeners.post("", status_code=status.HTTP_201_CREATED, response_model=schemas.ListenerOut)
 async def add_listener(body: schemas.ListenerCreate, service: Service) -> schemas.ListenerOut:
     lst = await service.add_listener(body.trtype, body.traddr, body.trsvcid, adrfam=body.adrfam,
-                                     discovery=body.discovery, portid=body.portid, tls=body.tls)
+                                     discovery=body.discovery, portid=body.portid, tls=body.tls,
+                                     inline_data_size=body.inline_data_size)
     return render.listener(lst)
 
 

@@ -41,6 +41,7 @@ class DaemonOptions:
     listen: list[TransportAddress] = field(default_factory=list)
     discovery: list[TransportAddress] = field(default_factory=list)
     tls: str = "none"   # serve --tls: the TLS mode of the -l/-d listeners (none, optional, required)
+    inline_data_size: int = defaults.IO_INCAPSULE_SIZE   # serve --inline-data-size: the -l listeners' in-capsule size
     api: tuple[str, int] | Path | None = (defaults.LISTEN_ADDRESS, defaults.API_PORT)  # a Path: a Unix socket
     api_token: str | None = None
     subsystem_nqn: str = defaults.DEFAULT_SUBSYSTEM_NQN
@@ -392,7 +393,9 @@ class Daemon:
                 continue
             try:
                 await self.service.add_listener(addr.trtype, addr.traddr, addr.trsvcid, discovery=discovery,
-                                                tls=self.options.tls if addr.trtype == "tcp" else None)
+                                                tls=self.options.tls if addr.trtype == "tcp" else None,
+                                                inline_data_size=defaults.IO_INCAPSULE_SIZE if discovery
+                                                else self.options.inline_data_size)
             except ServiceError as e:
                 raise DaemonError(f"cannot listen on {addr}: {e}") from e
 

@@ -26,10 +26,13 @@ class ListenersMixin(ServiceBase):
         discovery: bool = False,
         portid: int | None = None,
         tls: str | None = None,
+        inline_data_size: int = defaults.IO_INCAPSULE_SIZE,
     ) -> Listener:
-        """Listen on an address; ``tls`` none|optional|required (NVMe/TCP only, TP 8011)."""
+        """Listen on an address; ``tls`` none|optional|required (NVMe/TCP only, TP 8011); ``inline_data_size``
+        the in-capsule bytes its I/O queues take (nvmet's param_inline_data_size; fixed while it listens)."""
         trtype, adrfam, traddr, port = schema.check_address(trtype, traddr, trsvcid, adrfam)
         tls = schema.check_tls_mode(tls, trtype)
+        inline_data_size = schema.check_inline_data_size(inline_data_size, trtype)
         discovery = schema.check_bool(discovery, "discovery")
         lid = endpoint_id(trtype, traddr, port)
         if lid in self.target.listeners:
@@ -48,7 +51,8 @@ class ListenersMixin(ServiceBase):
                     f"port id {portid} is already used by another listener; leave it out to get a free one",
                 )
         listener = Listener(
-            trtype=trtype, adrfam=adrfam, traddr=traddr, trsvcid=port, portid=portid, discovery=discovery, tls=tls
+            trtype=trtype, adrfam=adrfam, traddr=traddr, trsvcid=port, portid=portid, discovery=discovery, tls=tls,
+            inline_data_size=inline_data_size,
         )
         try:
             await self.target.start_listener(listener)

@@ -84,6 +84,8 @@ class ReplayMixin(ServiceBase):
                     "portid": lst.portid,
                     "discovery": lst.discovery,
                     **({"tls": lst.tls} if lst.tls != "none" else {}),
+                    **({"inline_data_size": lst.inline_data_size}
+                       if lst.inline_data_size != defaults.IO_INCAPSULE_SIZE else {}),
                     **self._ana_entry(lst),
                 }
                 for lst in self.target.listeners.values()
@@ -256,6 +258,7 @@ class ReplayMixin(ServiceBase):
                     _given(item, "discovery", False),
                     item.get("portid"),
                     tls=item.get("tls"),
+                    inline_data_size=_given(item, "inline_data_size", defaults.IO_INCAPSULE_SIZE),
                 )
                 self._restore_ana(listener, item.get("ana_states"))
             except ServiceError as exc:

@@ -161,12 +161,13 @@ def transport_pair(loop: asyncio.AbstractEventLoop) -> tuple[LoopTransport, Loop
     return host, tgt
 
 
-async def create_loop_connection(target: Any, protocol_factory: Callable[[], asyncio.BaseProtocol]
-                                 ) -> tuple[LoopTransport, asyncio.BaseProtocol]:
-    """The in-memory twin of ``loop.create_connection`` to ``target`` (a target.core.Target)."""
+async def create_loop_connection(target: Any, protocol_factory: Callable[[], asyncio.BaseProtocol], *,
+                                 listener: Any = None) -> tuple[LoopTransport, asyncio.BaseProtocol]:
+    """The in-memory twin of ``loop.create_connection`` to ``target`` (a target.core.Target); ``listener``:
+    the target.model.Listener the connection counts as accepted by (its in-capsule size, its ANA states)."""
     loop = asyncio.get_running_loop()
     host_end, target_end = transport_pair(loop)
-    target_protocol = LoopConnection(target, None)
+    target_protocol = LoopConnection(target, listener)
     target_end.set_protocol(target_protocol)
     target_protocol.connection_made(target_end)
     protocol = protocol_factory()

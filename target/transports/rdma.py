@@ -80,7 +80,7 @@ class RdmaTargetConnection:
         self.params = params
         self.read_depth = read_depth
         # The admin queue's receives hold an SQE only (the Linux host never sends admin data inline).
-        incapsule = 0 if params.is_admin else self.ops.io_incapsule
+        incapsule = 0 if params.is_admin else listener.listener.inline_data_size
         self.rq = core.RdmaControllerQueue(params, incapsule_size=incapsule)
         local, peer = rv.cmid_addresses(cmid)
         self.queue = TargetQueue(ops=self.ops, peer=peer, listener=listener.listener,

@@ -376,8 +376,11 @@ class TargetConnection(asyncio.BufferedProtocol):
         self.target = target
         self.listener = listener
         ops = self.ops
+        io_incapsule = ops.io_incapsule if listener is None else listener.inline_data_size
+        # The PDU layer's bound (a larger CapsuleCmd is a fatal error, a TermReq); check_sgl then holds
+        # each queue to its own size (admin or I/O)
         self.conn = TcpConnection(Role.CONTROLLER, maxh2cdata=defaults.MAXH2CDATA,
-                                  max_incapsule=max(ops.admin_incapsule, ops.io_incapsule))
+                                  max_incapsule=max(ops.admin_incapsule, io_incapsule))
         # Large H2CData payloads go straight into the write's buffer (see _place).
         self.conn.place = self._place
         self.queue = TargetQueue(ops=ops, listener=listener, close=self.close)

@@ -598,17 +598,21 @@ class BatchMixin:
         receive buffer (where the next read appends); False hands the rest to the sans-IO connection."""
         if not self._fast_ready():
             return False
+        recv = self._recv
         if rest >= 8:
             ptype, flags, hlen, pdo, plen = _unpack_common(mv, pos)
             if ptype != _CMD or flags or hlen != _CMD_HLEN or rest >= plen:
                 return False
             if not ((pdo == 0 and plen == _CMD_HLEN) or (pdo == _CMD_HLEN and plen <= self.queue.max_incapsule + pdo)):
                 return False
-            if plen >= len(self._recv):
-                return False
+            if plen >= len(recv):
+                # A capsule larger than the buffer (a listener's inline_data_size above it): a buffer that
+                # holds it whole, and what follows it, so the write still runs inline; bounded by the
+                # listener's size, and given back by _received once reads are small again.
+                recv = self._recv = memoryview(bytearray(plen + RECV_BUFFER_MIN))
         elif mv[pos] != _CMD:
             return False
-        self._recv[:rest] = mv[pos:pos + rest]
+        recv[:rest] = mv[pos:pos + rest]
         self._carry = rest
         return True
 

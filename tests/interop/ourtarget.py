@@ -228,6 +228,8 @@ class IcSniffer:
         self.target_port = target_port
         self.icreq_digests: list[int] = []
         self.icresp_digests: list[int] = []
+        # {PDU type: count} of the target's PDUs when a test asks for them (None: not counted)
+        self.pdu_counts: dict[int, int] | None = None
         self._lock = threading.Lock()
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
@@ -257,11 +259,28 @@ class IcSniffer:
 
     def _pump(self, src: socket.socket, dst: socket.socket, digests: list[int]) -> None:
         head = b""
+        counts = self.pdu_counts if digests is self.icresp_digests else None
+        pdu_head, skip = b"", 0   # the PDU walk: a common header being gathered, payload bytes still to pass
         try:
             while True:
                 data = src.recv(1 << 16)
                 if not data:
                     break
+                i = 0
+                while counts is not None and i < len(data):
+                    if skip:
+                        n = min(skip, len(data) - i)
+                        skip -= n
+                        i += n
+                        continue
+                    take = data[i:i + 8 - len(pdu_head)]
+                    pdu_head += take
+                    i += len(take)
+                    if len(pdu_head) == 8:
+                        with self._lock:
+                            counts[pdu_head[0]] = counts.get(pdu_head[0], 0) + 1
+                        skip = int.from_bytes(pdu_head[4:8], "little") - 8
+                        pdu_head = b""
                 if len(head) <= self.IC_DIGEST_OFFSET:
                     head += data[: self.IC_DIGEST_OFFSET + 1 - len(head)]
                     if len(head) > self.IC_DIGEST_OFFSET:
@@ -273,6 +292,12 @@ class IcSniffer:
         finally:
             with contextlib.suppress(OSError):
                 dst.shutdown(socket.SHUT_WR)
+
+    def count_pdus(self) -> dict[int, int]:
+        """The PDUs the target sent on every connection so far, by PDU type (pdu_counts must be set before the
+        first connection; connections without digests only: the walk follows PLEN)."""
+        with self._lock:
+            return dict(self.pdu_counts or {})
 
     def upstream_ports(self) -> set[int]:
         """The local ports of the connections this forwarder opened to the target, so far."""

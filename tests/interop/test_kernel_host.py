@@ -21,14 +21,17 @@ from pathlib import Path
 
 import pytest
 
+from nvmeof.spec.tcp import PduType
 from tests.interop import vm
 from tests.interop.ourtarget import IcSniffer, OurTarget, serve_target
+from tests.ports import free_port
 
 # The module's one guest run (~1.5-2 min under TCG) is set up inside the first test.
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(600)]
 
 TARGET_SIZE = 128 << 20
 BLOCK = 512
+INLINE_DATA_SIZE = 131072   # the second I/O listener's in-capsule size: a 128 KiB write in one capsule
 NS2_SIZE = 16 << 20
 NS2_RESIZED = 32 << 20
 STEP_TIMEOUT = 180.0  # the longest stretch between two host steps (dd + fio under TCG: ~60 s)
@@ -167,7 +170,7 @@ def guest_script_text(script: str, subnqn: str, values: dict[str, str]) -> str:
 
 
 GUEST_SCRIPT = GUEST_PREAMBLE + r"""
-T=@HOST_ADDR@; IOP=@IOP@; DP=@DP@; DIGP=@DIGP@; NQN=@NQN@; GO=http://@HOST_ADDR@:@GOP@/
+T=@HOST_ADDR@; IOP=@IOP@; DP=@DP@; DIGP=@DIGP@; INP=@INP@; NQN=@NQN@; GO=http://@HOST_ADDR@:@GOP@/
 SIZE=@SIZE@; NS2_SIZE=@NS2_SIZE@; NS2_RESIZED=@NS2_RESIZED@
 
 check_discover() {  # $1: port
@@ -238,6 +241,24 @@ check_error_log() {
     grep -q "Error Log Entries" /tmp/elog || { echo "error-log output has no entries header"; return 1; }
 }
 
+check_ioccsz() {  # $1: the IOCCSZ the listener's inline_data_size gives ((64 + size) / 16)
+    need_dev || return 1
+    ioccsz=$(( $(nvme id-ctrl /dev/$CTRL | sed -n 's/^ioccsz *: *//p') ))
+    echo "ioccsz $ioccsz"
+    [ "$ioccsz" = $1 ] || { echo "id-ctrl ioccsz is $ioccsz, expected $1"; return 1; }
+}
+
+check_dd_128k() {  # $1: MiB, in 128 KiB direct writes and reads (each within an in-capsule size of 128 KiB)
+    need_dev || return 1
+    dd if=/dev/urandom of=/tmp/data bs=1M count=$1 2>/dev/null || { echo "cannot make random data"; return 1; }
+    dd if=/tmp/data of=$DEV bs=128k oflag=direct conv=fsync || { echo "dd write to $DEV failed"; return 1; }
+    written=$(sha256sum < /tmp/data | cut -d' ' -f1)
+    read_back=$(dd if=$DEV bs=128k count=$(( $1 * 8 )) iflag=direct 2>/dev/null | sha256sum | cut -d' ' -f1)
+    rm -f /tmp/data
+    echo "written $written read $read_back"
+    [ "$written" = "$read_back" ] || { echo "sha256 of the $1 MiB read back differs from what was written"; return 1; }
+}
+
 # Each namespace step prints its @@HOST@@ line first, so the test's sequence goes on even when the
 # step cannot work.
 check_ns_add() {
@@ -303,6 +324,13 @@ run digests_dd_16mib_sha256 check_dd 16
 run digests_fio_randrw run_fio --rw=randrw --bs=4k --iodepth=16 --size=4M
 run disconnect_digests check_disconnect
 
+# ---- a listener with inline_data_size 131072 (through the test's PDU counter on port INP): 128 KiB writes
+# go in their command capsule, with no R2T
+run connect_inline connect $INP
+run inline_ioccsz check_ioccsz @INLINE_IOCCSZ@
+run inline_dd_16mib_128k_sha256 check_dd_128k 16
+run disconnect_inline check_disconnect
+
 # ---- two I/O queues
 run connect_2_io_queues connect $IOP --nr-io-queues 2
 run dmesg_2_io_queues check_mapped_queues 2
@@ -319,18 +347,21 @@ GUEST_CHECKS = (
     "rest_step_qos_iops", "qos_iops_fio", "rest_step_qos_bw", "qos_bw_fio", "rest_step_qos_off",
     "ns_add", "ns_resize", "ns_remove", "disconnect_plain",
     "connect_digests", "digests_dd_16mib_sha256", "digests_fio_randrw", "disconnect_digests",
+    "connect_inline", "inline_ioccsz", "inline_dd_16mib_128k_sha256", "disconnect_inline",
     "connect_2_io_queues", "dmesg_2_io_queues", "rest_step_queues", "two_queue_fio", "disconnect_2_io_queues",
 )  # fmt: skip
 HOST_CHECKS = (
-    "rest_cntlid_matches", "rest_two_io_queues", "digests_negotiated",
+    "rest_cntlid_matches", "rest_two_io_queues", "digests_negotiated", "inline_writes_without_r2t",
     "qos_iops_within_limit", "qos_bw_within_limit", "qos_throttled_in_metrics",
     "no_leaked_controller", "target_log_clean", "target_clean_exit",
 )  # fmt: skip
 
 
-def guest_script(*, io_port: int, disc_port: int, digest_port: int, go_port: int, subnqn: str) -> str:
+def guest_script(*, io_port: int, disc_port: int, digest_port: int, go_port: int, subnqn: str,
+                 inline_port: int = 0) -> str:
     return guest_script_text(GUEST_SCRIPT, subnqn, {
         "@IOP@": str(io_port), "@DP@": str(disc_port), "@DIGP@": str(digest_port), "@GOP@": str(go_port),
+        "@INP@": str(inline_port), "@INLINE_IOCCSZ@": str((64 + INLINE_DATA_SIZE) // 16),
         "@SIZE@": str(TARGET_SIZE), "@BLOCK@": str(BLOCK), "@NS2_SIZE@": str(NS2_SIZE),
         "@NS2_RESIZED@": str(NS2_RESIZED), "@QOS_RUNTIME@": str(QOS_RUNTIME),
     })  # fmt: skip
@@ -573,14 +604,28 @@ def kernel_host_report(vm_assets: vm.Assets, tmp_path_factory: pytest.TempPathFa
     try:
         with serve_target(log_dir, size=f"{TARGET_SIZE >> 20}M", block_size=BLOCK, check_clean_exit=False) as target:
             sniffer = IcSniffer(target.io_port)
+            # a second I/O listener taking 128 KiB capsules, reached through a counter of the target's PDUs
+            inline_port = free_port()
+            target.api("POST", "/listeners", json={"traddr": "127.0.0.1", "trsvcid": inline_port,
+                                                   "inline_data_size": INLINE_DATA_SIZE})
+            counter = IcSniffer(inline_port)
+            counter.pdu_counts = {}
             guest = vm.Guest(vm_assets, fio=True)
             try:
                 script = guest_script(io_port=target.io_port, disc_port=target.discovery_port,
-                                      digest_port=sniffer.port, go_port=barrier.port, subnqn=target.subnqn)
+                                      digest_port=sniffer.port, go_port=barrier.port, subnqn=target.subnqn,
+                                      inline_port=counter.port)
                 run_guest(guest, script, report, lambda step: _host_step(step, target, barrier, sniffer, report),
                           step_timeout=STEP_TIMEOUT)
             finally:
                 sniffer.close()
+                counter.close()
+            counts = counter.count_pdus()
+            # the dd wrote 16 MiB in 128 KiB writes: with IOCCSZ covering them, the target asks for no data
+            report.record("inline_writes_without_r2t",
+                          counts.get(PduType.R2T, 0) == 0 and counts.get(PduType.CAPSULE_RESP, 0) >= 128,
+                          f"PDUs the target sent on the inline_data_size {INLINE_DATA_SIZE} listener, by type: "
+                          f"{counts}; expected no R2T (0x9) and at least 128 responses (0x5)")
             target_proc = target.proc
     finally:
         barrier.close()
@@ -624,6 +669,11 @@ def test_namespace_add_resize_remove_reach_the_host(kernel_host_report: Report) 
 def test_header_and_data_digests(kernel_host_report: Report) -> None:
     kernel_host_report.assert_passed("connect_digests", "digests_negotiated", "digests_dd_16mib_sha256",
                                      "digests_fio_randrw", "disconnect_digests")
+
+
+def test_large_inline_data_size_listener(kernel_host_report: Report) -> None:
+    kernel_host_report.assert_passed("connect_inline", "inline_ioccsz", "inline_dd_16mib_128k_sha256",
+                                     "disconnect_inline", "inline_writes_without_r2t")
 
 
 def test_two_io_queues(kernel_host_report: Report) -> None:

@@ -828,10 +828,15 @@ def listener() -> None:
 @click.option("--tls", "tls", type=click.Choice(list(defaults.TLS_MODES)), default="none", show_default=True,
               help="NVMe/TCP over TLS 1.3 with PSKs (hosts' keys: host add --tls-key): required, optional "
                    "(TLS or clear) or none.")
-def listener_add(api: Api, as_json: bool, address, discovery: bool, portid: int | None, tls: str) -> None:
+@click.option("--inline-data-size", "inline_data_size", type=_range(schema.INLINE_DATA_SIZE),
+              default=defaults.IO_INCAPSULE_SIZE, show_default=True,
+              help="In-capsule data bytes per command on its I/O queues (nvmetcli's param_inline_data_size; "
+                   "Identify IOCCSZ): a multiple of 16; larger writes go by R2T.")
+def listener_add(api: Api, as_json: bool, address, discovery: bool, portid: int | None, tls: str,
+                 inline_data_size: int) -> None:
     """Start listening on ADDRESS (default port 4420)."""
     body = {"trtype": address.trtype, "traddr": address.traddr, "trsvcid": address.trsvcid,
-            "discovery": discovery, "portid": portid, "tls": tls}
+            "discovery": discovery, "portid": portid, "tls": tls, "inline_data_size": inline_data_size}
     created = api.call("POST", "/api/v1/listeners", json_body=body)
     if as_json:
         echo_json(created)
@@ -858,7 +863,7 @@ def listener_list(api: Api, as_json: bool) -> None:
     if as_json:
         echo_json(items)
     else:
-        click.echo(_endpoint_table(items, ("discovery", "tls")))
+        click.echo(_endpoint_table(items, ("discovery", "tls", "inline_data_size")))
 
 
 @api_command(listener, "set-ana")

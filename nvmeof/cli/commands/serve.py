@@ -65,6 +65,10 @@ def _api(value: str):
 @click.option("--tls", "tls", type=click.Choice(list(defaults.TLS_MODES)), default="none", show_default=True,
               help="NVMe/TCP TLS 1.3 (PSK) of the -l/-d listeners given here: required, optional (TLS or clear) "
                    "or none; hosts' keys: `nvmeof host add ... --tls-key`.")
+@click.option("--inline-data-size", "inline_data_size", type=click.IntRange(0, defaults.INLINE_DATA_SIZE_MAX),
+              default=defaults.IO_INCAPSULE_SIZE, show_default=True, metavar="BYTES",
+              help="In-capsule data per command on the I/O queues of the -l listeners given here (nvmetcli's "
+                   "param_inline_data_size, Identify IOCCSZ): a multiple of 16; larger writes go by R2T.")
 @click.option("--api", "api", default=f"{defaults.LISTEN_ADDRESS}:{defaults.API_PORT}", show_default=True,
               metavar="ADDR:PORT|unix:PATH|none",
               help="REST API address, a Unix socket (created with mode 0600), or 'none' to disable it.")
@@ -204,6 +208,7 @@ def serve(**kw) -> None:
     fields["ana_standby"] = kw["ana_standby"]
     fields["cntlid_range"] = _cntlid_range(kw["cntlid_range"])
     fields["tls"] = kw["tls"]
+    fields["inline_data_size"] = kw["inline_data_size"]
     options = DaemonOptions(**fields)
 
     def ready(daemon) -> None:
