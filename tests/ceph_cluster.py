@@ -40,6 +40,7 @@ STATE = "cluster.json"
 CREATED = ("ceph.conf", "monmap", "keyring", "run", "log", "crash", "mon", "osd", STATE)
 CLI_TIMEOUT = 60.0        # seconds one ceph/rbd command may take before it is called hung
 STOP_GRACE = 15.0         # seconds a daemon gets after SIGTERM before SIGKILL
+SUSPEND_WAIT = 10.0       # seconds suspend_osd waits for every thread of the OSD to stop
 
 
 class CephClusterError(RuntimeError):
@@ -140,6 +141,18 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def thread_states(pid: int) -> list[str]:
+    """The state letter (R, S, D, T...) of every thread of ``pid`` (/proc/PID/task/*/stat)."""
+    states = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        except (OSError, IndexError):
+            continue   # the thread ended meanwhile
+    return states
 
 
 def _is_ours(pid: int, conf: Path) -> bool:
@@ -261,8 +274,20 @@ class CephCluster:
         return pid
 
     def suspend_osd(self) -> None:
-        """Make the cluster unreachable for data I/O (SIGSTOP; never restart a memstore OSD)."""
-        os.kill(self.osd_pid(), signal.SIGSTOP)
+        """Make the cluster unreachable for data I/O (SIGSTOP; never restart a memstore OSD), and return only
+        once every thread of the OSD has stopped. kill() returns when the signal is queued: the group stop
+        starts when one OSD thread next runs and dequeues it (kernel do_signal_stop), and until each thread
+        has stopped the OSD can still answer requests; a caller issuing I/O "to a stopped OSD" right after
+        kill() then sometimes saw it answered (test_32_reads_in_flight_at_once: 32 reads answered 4096 with
+        the right data, none seen in flight)."""
+        pid = self.osd_pid()
+        os.kill(pid, signal.SIGSTOP)
+        end = time.monotonic() + SUSPEND_WAIT
+        while any(state not in "tT" for state in thread_states(pid)):
+            if time.monotonic() >= end:
+                raise CephClusterError(f"the OSD (pid {pid}) did not stop within {SUSPEND_WAIT:.0f} s of SIGSTOP "
+                                       f"(thread states {sorted(thread_states(pid))})")
+            time.sleep(0.001)
 
     def resume_osd(self) -> None:
         os.kill(self.osd_pid(), signal.SIGCONT)

@@ -292,7 +292,8 @@ class _Outstanding:
             self.slowest = max(self.slowest, time.monotonic() - began)
 
     def explain(self) -> str:
-        """What librbd did with the reads: for a failure's message (CI once saw 0 of 32 in flight)."""
+        """What librbd did with the reads: for a failure's message (CI once saw 0 of 32 in flight; answers of
+        4096 mean the OSD served them, i.e. it was not stopped yet: suspend_osd now waits for that)."""
         return (f"{self.now} in librbd now, {self.given} given, at most {self.most} at once, answers "
                 f"{sorted(set(self.answers))} x{len(self.answers)}, slowest aio_read call {self.slowest:.2f} s")
 

@@ -57,3 +57,32 @@ def test_script_runs_a_second_cluster_beside_the_first(ceph_cluster: CephCluster
 def test_unusable_reason_is_none_here_or_names_packages() -> None:
     reason = unusable_reason()
     assert reason is None or "apt-get install" in reason
+
+
+def test_suspend_osd_returns_once_every_thread_is_stopped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kill(SIGSTOP) returns before the threads have stopped; suspend_osd waits until /proc shows all stopped
+    (a stand-in OSD with threads; the first looks of the state see one still running)."""
+    import sys
+
+    from tests import ceph_cluster
+
+    code = "import threading, time\nfor _ in range(8): threading.Thread(target=time.sleep, args=(60,)).start()\n" \
+           "print('up', flush=True)\ntime.sleep(60)\n"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
+        cluster = CephCluster(tmp_path)
+        cluster._procs["osd.0"], cluster._pids["osd.0"] = proc, proc.pid
+        real, looks = ceph_cluster.thread_states, []
+
+        def states(pid: int) -> list[str]:
+            looks.append(pid)
+            return ["R", *real(pid)] if len(looks) < 3 else real(pid)
+
+        monkeypatch.setattr(ceph_cluster, "thread_states", states)
+        cluster.suspend_osd()
+        assert len(looks) >= 3 and set(real(proc.pid)) <= {"T", "t"} and len(real(proc.pid)) == 9
+        cluster.resume_osd()
+    finally:
+        proc.kill()
+        proc.wait()
