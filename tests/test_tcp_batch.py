@@ -557,6 +557,27 @@ async def test_protocol_exception_closes_the_connection(caplog: pytest.LogCaptur
             sock.close()
 
 
+async def test_a_full_receive_buffer_is_an_error_not_end_of_stream(caplog: pytest.LogCaptureFixture) -> None:
+    """A protocol whose get_buffer has no room left closes the connection with that error logged; before,
+    recv_into of the empty view returned 0 and the transport took it for the host's FIN (eof_received)."""
+    loop = asyncio.get_running_loop()
+    sock, peer = socket.socketpair()
+    try:
+        full = _Recorder(False)
+        full.buf = bytearray(0)
+        eofs: list[bool] = []
+        full.eof_received = lambda: eofs.append(True) or False   # type: ignore[method-assign]
+        transport = tcp_batch.SocketTransport(loop, sock, full)
+        peer.sendall(b"capsule")
+        exc = await asyncio.wait_for(full.lost, 2)
+        assert isinstance(exc, RuntimeError) and "no room" in str(exc) and transport.is_closing()
+        assert not eofs
+        assert any("get_buffer raised RuntimeError" in r.getMessage() for r in caplog.records)
+    finally:
+        sock.close()
+        peer.close()
+
+
 def test_polling_holds_the_loop_one_slice_at_most(monkeypatch: pytest.MonkeyPatch) -> None:
     """A connection whose every poll finds data polls on only TCP_POLL_SLICE_US per wake-up, however
     long --poll-us is (a clock that moves 10 µs per look, a socket that always has data)."""

@@ -1534,6 +1534,10 @@ class SocketTransport(asyncio.Transport):
         protocol = self._protocol
         try:
             buf = protocol.get_buffer(-1)
+            if not len(buf):
+                # recv_into an empty view returns 0, which would read as the host's FIN (the host engine's
+                # 512 KiB bug, 58bf46e): a buffer with no room is the protocol's error, said as one
+                raise RuntimeError("the receive buffer has no room left (a PDU would be read as end of stream)")
         except Exception as exc:
             self._fatal_error(exc, "get_buffer")
             return False
