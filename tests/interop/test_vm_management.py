@@ -271,8 +271,12 @@ async def test_kernel_nvmetcli_dump_imports_into_ours(vm_assets: vm.Assets, tmp_
         ns3,
     ]
     assert subs[OPEN]["allow_any_host"] is True and subs[OPEN]["hosts"] == [] and subs[OPEN]["namespaces"] == []
+    # Port 1's param_inline_data_size is the kernel's own: nvmet_tcp_add_port sets NVMET_TCP_DEF_INLINE_DATA_SIZE
+    # (4 x PAGE_SIZE) when a subsystem link enables the port, and the listener keeps what the kernel served. Port 2
+    # was never enabled (no subsystem linked), so it still says -1: the transport's default, ours.
     assert sorted(out["listeners"], key=lambda x: x["portid"]) == [
-        {"trtype": "tcp", "adrfam": "ipv4", "traddr": "10.0.2.15", "trsvcid": 4420, "portid": 1, "discovery": False},
+        {"trtype": "tcp", "adrfam": "ipv4", "traddr": "10.0.2.15", "trsvcid": 4420, "portid": 1, "discovery": False,
+         "inline_data_size": 16384},
         {"trtype": "tcp", "adrfam": "ipv4", "traddr": "10.0.2.15", "trsvcid": 8009, "portid": 2, "discovery": True},
     ]
     assert out["referrals"] == [{"trtype": "tcp", "adrfam": "ipv4", "traddr": "10.0.2.99", "trsvcid": 8009,
