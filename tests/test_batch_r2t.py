@@ -306,16 +306,8 @@ async def test_a_cut_write_lands_in_the_ram_disk_a_whole_block_at_a_time(served)
     """A RAM disk's 128 KiB write in one H2CData, cut at any byte: the payload is received into the disk
     itself (no copy out of a write buffer), and between two callbacks of the loop, where any read runs,
     every block of its range is all old or all new (single-block atomicity, AWUN 0)."""
-    admin, peer, conn = await _io_peer(served)
-    disk = served.target.subsystems[SUBNQN].namespaces[1].backend.memory_view()
-    size, slba = 128 * 1024, 256
-    start = slba * BLOCK
-    old = os.urandom(size)
-    disk[start:start + size] = old
-    new = os.urandom(size)
-    await peer.send(rw_capsule(IoOpcode.WRITE, 3, slba, size))
-    r2t = await _r2t(peer, 3)
-    wire = h2c_data(3, r2t["ttag"], 0, new, last=True)
+    slba = 256
+    admin, peer, conn, _ns, disk, start, size, old, new, wire = await _write_after_r2t(served, 3, slba)
     seen_new: list[int] = []
 
     def check(sent: int) -> None:
@@ -501,21 +493,13 @@ async def test_a_short_receive_into_the_disk_leaves_no_torn_block(served):
     """A receive into the disk that returns less than FIONREAD said, ending inside a block: that block is
     finished (its rest received) before the callback ends, so the next callback, where a read may run, sees
     every block all old or all new; the write lands whole."""
-    admin, peer, conn = await _io_peer(served)
-    disk = served.target.subsystems[SUBNQN].namespaces[1].backend.memory_view()
-    size, slba = 128 * 1024, 2048
-    start = slba * BLOCK
-    old = os.urandom(size)
-    disk[start:start + size] = old
-    new = os.urandom(size)
+    slba = 2048
+    admin, peer, conn, _ns, disk, start, size, old, new, wire = await _write_after_r2t(served, 3, slba)
     torn: list[tuple[int, list[int]]] = []
     transport = conn.transport
     short = _ShortSocket(transport._sock, disk, 300, lambda cut: torn.append((cut, _torn(disk, start, old, new))))
-    await peer.send(rw_capsule(IoOpcode.WRITE, 3, slba, size))
-    r2t = await _r2t(peer, 3)
     transport._sock = short
     try:
-        wire = h2c_data(3, r2t["ttag"], 0, new, last=True)
         await _send_cut(peer, conn, wire, [24 + 700, 24 + 40000, 24 + 100000], lambda sent: None)
         assert await peer.wait_for(lambda o: o.done(3), 5)
     finally:
